@@ -1,0 +1,5 @@
+import sys
+
+from rlflow.cli import main
+
+sys.exit(main())

@@ -1,0 +1,73 @@
+"""Experience: one judged completion ready to train on, and the collation of many into tensors.
+
+Sequences are laid out as TRL lays them out: the prompt left-padded to the longest prompt, then the
+completion right-padded to the longest completion, so that the logits of one slice line up with every
+completion token. Position ids are counted over real tokens only, as ``generate`` counts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Experience:
+    """One completion with everything the loss needs; ``policy_version`` stamps the weights that sampled it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    rollout_logprobs: list[float]
+    reward: float
+    advantage: float
+    group: int
+    finish_reason: str
+    policy_version: int
+    data_source: str | None = None
+    old_logprobs: list[float] | None = None
+    ref_logprobs: list[float] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+def collate(experiences: list[Experience], pad_id: int) -> dict[str, torch.Tensor]:
+    """Stack experiences into ``input_ids``, ``attention_mask``, ``position_ids``, ``completion_mask`` and
+    per-token/per-sample tensors; ``logits_to_keep`` is the completion width."""
+    p_width = max(len(e.prompt_ids) for e in experiences)
+    c_width = max(max(len(e.completion_ids) for e in experiences), 1)
+    b = len(experiences)
+    input_ids = torch.full((b, p_width + c_width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, p_width + c_width), dtype=torch.long)
+    completion_mask = torch.zeros((b, c_width), dtype=torch.bool)
+    rollout_lp = torch.zeros((b, c_width))
+    old_lp = torch.zeros((b, c_width))
+    ref_lp = torch.zeros((b, c_width))
+    for i, e in enumerate(experiences):
+        p, c = len(e.prompt_ids), len(e.completion_ids)
+        input_ids[i, p_width - p: p_width] = torch.tensor(e.prompt_ids, dtype=torch.long)
+        input_ids[i, p_width: p_width + c] = torch.tensor(e.completion_ids, dtype=torch.long)
+        attention_mask[i, p_width - p: p_width + c] = 1
+        completion_mask[i, :c] = True
+        rollout_lp[i, :c] = torch.tensor(e.rollout_logprobs[:c])
+        if e.old_logprobs is not None:
+            old_lp[i, :c] = torch.tensor(e.old_logprobs[:c])
+        if e.ref_logprobs is not None:
+            ref_lp[i, :c] = torch.tensor(e.ref_logprobs[:c])
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "completion_ids": input_ids[:, p_width:],
+        "completion_mask": completion_mask,
+        "rollout_logprobs": rollout_lp,
+        "old_logprobs": old_lp,
+        "ref_logprobs": ref_lp,
+        "advantages": torch.tensor([e.advantage for e in experiences], dtype=torch.float32),
+        "truncated": torch.tensor([e.truncated for e in experiences]),
+    }

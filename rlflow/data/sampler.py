@@ -1,0 +1,59 @@
+"""A seeded, epoch-aware sampler of prompt batches.
+
+Each epoch is a fresh permutation of the prompts drawn from ``seed + epoch``, cut into batches of
+``batch_size`` (the incomplete last batch is dropped, so every rollout step has the same group count). The
+same seed gives the same order on every rank. Its position is checkpointed so a resumed run continues with
+the batch it would have drawn next.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+from torch.utils.data import Sampler
+
+
+class PromptBatchSampler(Sampler[list[int]]):
+    """Yields lists of prompt indices, one list per rollout step."""
+
+    def __init__(self, num_prompts: int, batch_size: int, seed: int = 0, shuffle: bool = True) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if num_prompts < batch_size:
+            raise ValueError(
+                f"the dataset has {num_prompts} usable prompts, fewer than data.global_batch_size={batch_size}"
+            )
+        self.num_prompts = num_prompts
+        self.batch_size = batch_size
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.start_batch = 0  # batches of the current epoch already consumed (set on resume)
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.start_batch = 0
+        self.epoch = epoch
+
+    def order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(self.num_prompts))
+        g = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(self.num_prompts, generator=g).tolist()
+
+    def __len__(self) -> int:
+        return self.num_prompts // self.batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        order = self.order(self.epoch)
+        start, self.start_batch = self.start_batch, 0
+        for b in range(start, len(self)):
+            yield order[b * self.batch_size: (b + 1) * self.batch_size]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch = int(state["epoch"])
+        self.seed = int(state["seed"])

@@ -1,0 +1,54 @@
+"""The judger contract: TRL's reward-function signature.
+
+A judger is any callable ``fn(prompts, completions, completion_ids, **columns) -> list[float | None]``:
+``prompts`` and ``completions`` are chat message lists when the dataset is conversational (TRL's layout:
+``completions[i] == [{"role": "assistant", "content": text}]``) and plain strings otherwise; ``columns`` holds
+every dataset column (``ground_truth``, ``data_source``, ``extra_info``, ...) as one list entry per sample. A
+``None`` reward means "not applicable" and is skipped when several judgers are summed. So a reward function
+written for ``trl.GRPOTrainer`` is a judger as it is; :class:`Judger` is only a convenience base class.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+
+def completion_text(completion: Any) -> str:
+    """The text of one completion, whether it is a plain string or TRL's ``[{"role", "content"}]`` list."""
+    if isinstance(completion, str):
+        return completion
+    if isinstance(completion, (list, tuple)) and completion and isinstance(completion[-1], dict):
+        return str(completion[-1].get("content", ""))
+    if isinstance(completion, dict):
+        return str(completion.get("content", ""))
+    raise TypeError(f"a completion must be a string or a list of chat messages, got {type(completion).__name__}")
+
+
+class Judger:
+    """Base class for judgers that score one sample at a time.
+
+    Subclasses implement :meth:`score`; ``__call__`` maps it over the batch with TRL's keyword contract.
+    ``name`` is the key of the per-judger metrics (``rewards/<name>/mean``).
+    """
+
+    name: str = "judger"
+    #: Dataset columns this judger cannot work without (checked before training by the data tools).
+    required_columns: tuple[str, ...] = ()
+
+    def score(self, completion: str, **sample: Any) -> float | None:
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        prompts: Sequence[Any],
+        completions: Sequence[Any],
+        completion_ids: Sequence[Sequence[int]] | None = None,
+        **columns: Sequence[Any],
+    ) -> list[float | None]:
+        out: list[float | None] = []
+        for i, completion in enumerate(completions):
+            sample = {key: values[i] for key, values in columns.items() if isinstance(values, (list, tuple))}
+            if completion_ids is not None:
+                sample["completion_ids"] = completion_ids[i]
+            out.append(self.score(completion_text(completion), **sample))
+        return out

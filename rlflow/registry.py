@@ -1,0 +1,168 @@
+"""The plugin registry: judgers, losses, advantage estimators and rollout backends found through entry points.
+
+Built-ins register through rlflow's own ``pyproject.toml``, the same path a third-party package uses, so a
+``pip install`` of a plugin package plus one YAML line is all it takes to use it. Each group is read once per
+process (every distributed rank reads it; reading is idempotent) and cached.
+
+A plugin is named in a config by its short name (``gsm8k``), by a ``{"class_path": ..., "init_args": {...}}``
+mapping, or, from Python, passed as a ready object. Errors are loud and specific: an unknown name lists what is
+available, a plugin whose import fails names its distribution and chains the exception, and two distributions
+claiming one name is an error naming both.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
+from typing import Any
+
+GROUPS = ("rlflow.judgers", "rlflow.losses", "rlflow.advantages", "rlflow.rollout")
+
+
+class PluginError(RuntimeError):
+    """A plugin could not be found, loaded or built."""
+
+
+@dataclass(frozen=True)
+class PluginInfo:
+    """One registered plugin: its short name, where it lives and which distribution ships it."""
+
+    group: str
+    name: str
+    value: str
+    distribution: str
+    version: str
+    entry_point: EntryPoint
+
+
+_lock = threading.Lock()
+_cache: dict[str, dict[str, PluginInfo]] = {}
+_loaded: dict[tuple[str, str], Any] = {}
+
+
+def _check_group(group: str) -> str:
+    if group not in GROUPS:
+        raise PluginError(f"unknown plugin group {group!r}; the groups are: {', '.join(GROUPS)}")
+    return group
+
+
+def discover(group: str) -> dict[str, PluginInfo]:
+    """Return every plugin of ``group`` by short name, reading the entry points once per process."""
+    _check_group(group)
+    with _lock:
+        if group in _cache:
+            return _cache[group]
+        found: dict[str, PluginInfo] = {}
+        for ep in entry_points(group=group):
+            dist = getattr(ep, "dist", None)
+            dist_name = dist.metadata["Name"] if dist is not None else "<unknown>"
+            version = dist.version if dist is not None else "?"
+            info = PluginInfo(group, ep.name, ep.value, dist_name, version, ep)
+            if ep.name in found and (found[ep.name].distribution, found[ep.name].value) != (dist_name, ep.value):
+                other = found[ep.name]
+                raise PluginError(
+                    f"two distributions claim the {group} plugin {ep.name!r}: "
+                    f"{other.distribution} {other.version} ({other.value}) and {dist_name} {version} ({ep.value}); "
+                    "uninstall one of them"
+                )
+            found[ep.name] = info
+        _cache[group] = found
+        return found
+
+
+def available(group: str) -> list[str]:
+    """Sorted short names registered in ``group``."""
+    return sorted(discover(group))
+
+
+def load(group: str, name: str) -> Any:
+    """Import and return the object (usually a class or function) registered as ``name`` in ``group``."""
+    plugins = discover(group)
+    if name not in plugins:
+        names = ", ".join(sorted(plugins)) or "(none)"
+        raise PluginError(f"unknown {group} plugin {name!r}; available: {names}")
+    key = (group, name)
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+    info = plugins[name]
+    try:
+        obj = info.entry_point.load()
+    except Exception as exc:  # a broken plugin must fail loudly, naming where it came from
+        raise PluginError(
+            f"the {group} plugin {name!r} ({info.value}) from distribution {info.distribution} {info.version} "
+            f"failed to import: {type(exc).__name__}: {exc}"
+        ) from exc
+    with _lock:
+        _loaded[key] = obj
+    return obj
+
+
+def import_path(path: str) -> Any:
+    """Import ``pkg.mod:attr`` or ``pkg.mod.attr``."""
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise PluginError(f"{path!r} is not an import path of the form 'package.module:attribute'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        raise PluginError(f"could not import module {module_name!r} for {path!r}: {type(exc).__name__}: {exc}") from exc
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError as exc:
+            raise PluginError(f"module {module_name!r} has no attribute {attr!r} (from {path!r})") from exc
+    return obj
+
+
+def build(group: str, spec: Any, **defaults: Any) -> Any:
+    """Turn a config value into a plugin object.
+
+    ``spec`` is a short name, a ``{"class_path", "init_args"}`` mapping (``class_path`` is an import path or a
+    short name), or an object that is already built (returned as is). A loaded class is called with
+    ``init_args``; ``defaults`` fill arguments the config did not set and that the class accepts. A loaded
+    function (a TRL-style reward function, say) is returned as is.
+    """
+    if spec is None:
+        raise PluginError(f"no {group} plugin given; available: {', '.join(available(group)) or '(none)'}")
+    init_args: dict[str, Any] = {}
+    if isinstance(spec, str):
+        target = load(group, spec)
+    elif isinstance(spec, dict):
+        unknown = set(spec) - {"class_path", "init_args"}
+        if "class_path" not in spec or unknown:
+            raise PluginError(
+                f"a {group} plugin mapping needs 'class_path' (and optionally 'init_args'); got keys {sorted(spec)}"
+            )
+        cp = spec["class_path"]
+        target = load(group, cp) if cp in discover(group) else import_path(cp)
+        init_args = dict(spec.get("init_args") or {})
+    else:
+        return spec
+    if isinstance(target, type):
+        import inspect
+
+        params = inspect.signature(target).parameters
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        for key, value in defaults.items():
+            if key not in init_args and (takes_kwargs or key in params):
+                init_args[key] = value
+        try:
+            return target(**init_args)
+        except TypeError as exc:
+            raise PluginError(f"could not build {group} plugin {spec!r}: {exc}") from exc
+    if init_args:
+        raise PluginError(f"{group} plugin {spec!r} is not a class, so it takes no init_args")
+    return target
+
+
+def clear_cache() -> None:
+    """Forget what was discovered (tests that install plugins at run time use this)."""
+    with _lock:
+        _cache.clear()
+        _loaded.clear()
