@@ -1,5 +1,5 @@
 import sys
 
-from rlflow.cli import main
+from rlflow.entry import main
 
 sys.exit(main())

@@ -2,55 +2,127 @@
 
 The decoder runs once to its last hidden state; the LM head is then applied to ``chunk_size`` positions at a
 time, each chunk's float32 logits turned into the log-prob of the taken token and the entropy and dropped.
-Under autograd each chunk is recomputed in the backward pass (activation checkpointing), so the peak holds one
-chunk of logits instead of all of them. Simplification: the LM head is applied as the model's output
+Under autograd each chunk is recomputed in the backward pass, whose gradient is written out by hand (so the
+peak holds about two chunks of logits instead of every position's, and fewer than generic activation
+checkpointing would keep). Simplification: the LM head is applied as the model's output
 embedding layer alone, so models with a final logit soft-cap or scale fall back to the model's own logits.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils.checkpoint import checkpoint
+
+
+def _stats_from_logp(logp: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Taken-token log-prob and entropy from log-softmax output, with one more ``[rows, vocab]`` tensor at most."""
+    taken = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    # -sum(p * logp) as a batched dot product: no third [rows, vocab] temporary
+    entropy = -torch.einsum("...v,...v->...", logp.exp(), logp)
+    return taken, entropy
 
 
 def _chunk_stats(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias, temperature: float):
-    logits = torch.nn.functional.linear(hidden, weight, bias).float() / temperature
+    """One chunk's statistics, never under autograd (the autograd path is :class:`_ChunkedTokenStats`)."""
+    logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    if temperature != 1.0:
+        logits.div_(temperature)
     logp = torch.log_softmax(logits, dim=-1)
-    taken = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1)
-    return taken, entropy
+    del logits  # the chunk's logits go before its probabilities come
+    return _stats_from_logp(logp, targets)
+
+
+class _ChunkedTokenStats(torch.autograd.Function):
+    """LM head + log-softmax + taken log-prob + entropy, chunk by chunk, with a hand-written backward.
+
+    Forward keeps only the inputs; backward recomputes each chunk's log-probs and forms the gradient of the
+    logits in place from the closed forms ``d logp_t / dz = onehot(t) - p`` and ``d H / dz = -p * (logp + H)``,
+    so at most about two ``[chunk, vocab]`` float32 tensors exist at any time (generic activation
+    checkpointing holds four to six there).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
+        outs = [_chunk_stats(hidden[s: s + chunk_size], targets[s: s + chunk_size], weight, bias, temperature)
+                for s in range(0, targets.numel(), chunk_size)]
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        temperature, chunk = ctx.temperature, ctx.chunk_size
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
+        for s in range(0, targets.numel(), chunk):
+            h, t = hidden[s: s + chunk], targets[s: s + chunk]
+            rows = t.numel()
+            g_lp = grad_logp[s: s + chunk].float() if grad_logp is not None else h.new_zeros(rows, dtype=torch.float32)
+            g_ent = grad_entropy[s: s + chunk].float() if grad_entropy is not None else torch.zeros_like(g_lp)
+            z = torch.nn.functional.linear(h, weight, bias).float()
+            if temperature != 1.0:
+                z.div_(temperature)  # z is a fresh tensor: scale it in place
+            logp = torch.log_softmax(z, dim=-1)
+            del z
+            p = logp.exp()
+            entropy = -torch.einsum("...v,...v->...", p, logp)
+            # grad_z = g_lp * (onehot - p) - g_ent * p * (logp + H), built in place in p's storage
+            logp.add_(entropy.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1)).add_(g_lp.unsqueeze(-1))
+            grad_z = p.mul_(logp).neg_()
+            del logp
+            grad_z.scatter_add_(-1, t.unsqueeze(-1), g_lp.unsqueeze(-1))
+            if temperature != 1.0:
+                grad_z.div_(temperature)
+            gz = grad_z.to(weight.dtype)
+            if need_h:
+                grad_h[s: s + chunk] = gz @ weight
+            if need_w:
+                grad_w += (gz.t() @ h.to(weight.dtype)).float()
+            if need_b:
+                grad_b += grad_z.sum(0)
+            del grad_z, gz
+        return (
+            grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
+            None, None, None,
+        )
 
 
 def token_stats_from_hidden(
     hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.nn.Module, temperature: float = 1.0, chunk_size: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``targets`` and entropies from ``hidden`` (``[..., H]``) through ``lm_head``, chunk by chunk."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     shape = targets.shape
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_t = targets.reshape(-1)
     weight, bias = lm_head.weight, getattr(lm_head, "bias", None)
-    outs_lp, outs_ent = [], []
-    for start in range(0, flat_t.numel(), chunk_size):
-        h, t = flat_h[start: start + chunk_size], flat_t[start: start + chunk_size]
-        if torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad):
-            lp, ent = checkpoint(_chunk_stats, h, t, weight, bias, temperature, use_reentrant=False)
-        else:
-            lp, ent = _chunk_stats(h, t, weight, bias, temperature)
-        outs_lp.append(lp)
-        outs_ent.append(ent)
-    cat = lambda xs: torch.cat(xs) if xs else flat_h.new_zeros(0, dtype=torch.float32)  # noqa: E731
-    return cat(outs_lp).view(shape), cat(outs_ent).view(shape)
+    if flat_t.numel() == 0:
+        empty = flat_h.new_zeros(0, dtype=torch.float32)
+        return empty.view(shape), empty.view(shape)
+    needs_grad = any(x is not None and x.requires_grad for x in (flat_h, weight, bias))
+    if torch.is_grad_enabled() and needs_grad:
+        lp, ent = _ChunkedTokenStats.apply(flat_h, weight, bias, flat_t, temperature, chunk_size)
+    else:
+        outs = [_chunk_stats(flat_h[s: s + chunk_size], flat_t[s: s + chunk_size], weight, bias, temperature)
+                for s in range(0, flat_t.numel(), chunk_size)]
+        lp, ent = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+    return lp.view(shape), ent.view(shape)
 
 
 def naive_token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same statistics from full logits (the reference the chunked path is checked against)."""
-    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
-    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    """The same statistics from full logits (the fallback path, and the reference the chunked path is checked against)."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return _stats_from_logp(torch.log_softmax(logits, dim=-1), targets)
 
 
 def _has_logit_postprocessing(model: torch.nn.Module) -> bool:
     config = getattr(model, "config", None)
-    return bool(getattr(config, "final_logit_softcapping", None) or getattr(config, "logit_scale", None))
+    return any(getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
 
 
 def completion_logprobs(
@@ -65,9 +137,9 @@ def completion_logprobs(
     width = targets.shape[1]
     inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
     lm_head = model.get_output_embeddings()
-    if lm_head is None or _has_logit_postprocessing(model):
+    base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    if lm_head is None or base is None or _has_logit_postprocessing(model):
         logits = model(**inputs, logits_to_keep=width + 1).logits[:, :-1]
         return naive_token_stats(logits, targets, temperature)
-    base = getattr(model, model.base_model_prefix)
     hidden = base(**inputs, use_cache=False).last_hidden_state[:, -width - 1: -1]
     return token_stats_from_hidden(hidden, targets, lm_head, temperature, chunk_size)

@@ -17,7 +17,15 @@ import lightning as L
 import torch
 
 from rlflow import registry
+from rlflow.checkpointing import gather_rng_states, restore_rng_state
 from rlflow.data.experience import Experience, collate
+from rlflow.data.packing import collate_packed, pack_experiences, packed_completion_logprobs, varlen_supported
+from rlflow.distributed import (
+    FSDP2Strategy, all_true, data_parallel_mesh, full_tensor, full_weights, gather_full_state_dict, is_sharded,
+    reduce_metrics, shard_model, sharded_completion_logprobs, world_size,
+)
+from rlflow.correction import RolloutCorrection
+from rlflow.evaluation import EvalAccumulator, eval_seed
 from rlflow.logprobs import completion_logprobs
 from rlflow.losses.base import LossContext, masked_mean
 
@@ -64,7 +72,11 @@ class GRPOModule(L.LightningModule):
         kl_coef: float = 0.0,
         kl_type: str = "k3",
         ref_model_path: str | None = None,
+        rollout_is: str | None = None,
+        rollout_is_cap: float = 2.0,
+        rollout_is_min: float | None = None,
         optimizer_steps: int = 1,
+        num_iterations: int = 1,
         micro_batch_size: int = 32,
         temperature: float = 1.0,
         max_tokens: int = 256,
@@ -72,6 +84,8 @@ class GRPOModule(L.LightningModule):
         attn_implementation: str | None = None,
         gradient_checkpointing: bool = False,
         logprob_chunk_size: int = 1024,
+        packing: bool = False,
+        pack_max_length: int = 4096,
         max_consecutive_skipped_steps: int = 3,
         export_hf: bool = True,
     ) -> None:
@@ -90,7 +104,12 @@ class GRPOModule(L.LightningModule):
             kl_coef: Weight of the KL penalty to the reference model; 0 loads no reference model.
             kl_type: KL estimator: ``k1``, ``k2``, ``k3`` (``low_var_kl``) or ``abs``.
             ref_model_path: Reference model; defaults to ``model_path``.
+            rollout_is: Rollout/training mismatch correction from the rollout engine's log-probs: ``token_truncate``,
+                ``sequence_truncate`` (TIS), ``token_mask``, ``sequence_mask`` (MIS); None disables it.
+            rollout_is_cap: Upper bound of the rollout importance ratio (truncated to it, or masked above it).
+            rollout_is_min: MIS only: also mask rollout importance ratios below this.
             optimizer_steps: Optimizer steps (mini-batches) per rollout step.
+            num_iterations: Passes over the rollout's mini-batches (GRPO's mu); old log-probs are computed once before them.
             micro_batch_size: Sequences per forward/backward pass; gradients accumulate over a mini-batch.
             temperature: Temperature the log-probs are computed at; linked to ``data.temperature``.
             max_tokens: Most completion tokens; linked to ``data.max_tokens`` (used by normalisers such as Dr. GRPO's).
@@ -98,20 +117,26 @@ class GRPOModule(L.LightningModule):
             attn_implementation: transformers attention implementation (``sdpa``, ``eager``, ``flash_attention_2``...).
             gradient_checkpointing: Recompute activations in the backward pass to save memory.
             logprob_chunk_size: Positions per chunk when turning hidden states into log-probs (bounds the logits memory).
+            packing: Padding-free training: pack prompt + completion sequences end to end into micro-batches of at most
+                ``pack_max_length`` tokens (attention kept per sequence); replaces ``micro_batch_size``.
+            pack_max_length: Token budget of one packed micro-batch (a longer single sequence gets its own).
             max_consecutive_skipped_steps: Stop the run after this many optimizer steps in a row with a NaN/inf loss or gradient.
             export_hf: At the end of ``fit``, write the policy and tokenizer with ``save_pretrained`` to ``<log_dir>/hf``.
         """
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
-        if optimizer_steps < 1 or micro_batch_size < 1:
-            raise ValueError("model.optimizer_steps and model.micro_batch_size must be >= 1")
+        if optimizer_steps < 1 or micro_batch_size < 1 or num_iterations < 1:
+            raise ValueError("model.optimizer_steps, model.num_iterations and model.micro_batch_size must be >= 1")
+        if packing and pack_max_length < 1:
+            raise ValueError(f"model.pack_max_length must be >= 1, got {pack_max_length}")
         if lr_schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"model.lr_schedule must be constant, linear or cosine, got {lr_schedule!r}")
         self.loss_fn = registry.build(
             "rlflow.losses", loss, epsilon_low=epsilon_low, epsilon_high=epsilon_high, kl_coef=kl_coef,
             kl_type=kl_type, max_tokens=max_tokens,
         )
+        self.correction = RolloutCorrection(rollout_is, rollout_is_cap, rollout_is_min) if rollout_is else None
         self.policy: torch.nn.Module | None = None
         self.policy_version = 0  # optimizer steps taken: the version of the weights that sample next
         self.num_tokens = 0.0  # TRL's cumulative prompt + completion tokens
@@ -138,9 +163,29 @@ class GRPOModule(L.LightningModule):
             ref = load_causal_lm(hp.ref_model_path or hp.model_path, hp.dtype, hp.attn_implementation)
             ref.eval().requires_grad_(False)
             self.__dict__["_ref_model"] = ref
+        self.shard_models()
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the models are FSDP2-sharded (the trainer's strategy is a ``ModelParallelStrategy``)."""
+        return self._trainer is not None and is_sharded(self.trainer.strategy)
+
+    def shard_models(self) -> None:
+        """Under ``trainer.strategy=fsdp``: ``fully_shard`` the policy and the reference, layer by layer, then the root."""
+        if not self.sharded:
+            return
+        strategy = self.trainer.strategy
+        mesh = data_parallel_mesh(strategy)
+        options = {}
+        if isinstance(strategy, FSDP2Strategy):
+            options = dict(mp_policy=strategy.mp_policy(), offload_policy=strategy.offload_policy(),
+                           reshard_after_forward=strategy.reshard_after_forward)
+        shard_model(self.policy, mesh, **options)
+        if self.ref_model is not None:
+            shard_model(self.ref_model, mesh, **options)
 
     def on_fit_start(self) -> None:
-        if self.ref_model is not None:
+        if self.ref_model is not None and not self.sharded:  # a sharded reference already sits on its devices
             self.ref_model.to(self.device)
         self.trainer.datamodule.bind(self.policy)
 
@@ -166,9 +211,25 @@ class GRPOModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------------------------------ log-probs
+    def micro_batches(self, experiences: list[Experience]) -> list[list[Experience]]:
+        """Split into micro-batches: token-budget packs with ``packing``, else ``micro_batch_size`` sequences."""
+        if self.hparams.get("packing"):
+            return pack_experiences(experiences, self.hparams.pack_max_length, share_prompts=varlen_supported(self.policy))
+        mb = self.hparams.micro_batch_size
+        return [experiences[start: start + mb] for start in range(0, len(experiences), mb)]
+
     def logprobs_of(self, model: torch.nn.Module, experiences: list[Experience]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        if self.hparams.get("packing"):
+            if self.sharded:
+                raise ValueError("model.packing is not supported with FSDP2 sharding yet; set model.packing=false")
+            packed = collate_packed(experiences, share_prompts=varlen_supported(model))  # a group's prompt once
+            batch = {k: v.to(self.device) for k, v in packed.items()}
+            logprobs, entropy = packed_completion_logprobs(
+                model, batch, self.hparams.temperature, self.hparams.logprob_chunk_size)
+            return logprobs, entropy, batch
         batch = {k: v.to(self.device) for k, v in collate(experiences, self.pad_id).items()}
-        logprobs, entropy = completion_logprobs(model, batch, self.hparams.temperature, self.hparams.logprob_chunk_size)
+        stats = sharded_completion_logprobs if self.sharded else completion_logprobs
+        logprobs, entropy = stats(model, batch, self.hparams.temperature, self.hparams.logprob_chunk_size)
         return logprobs, entropy, batch
 
     @torch.no_grad()
@@ -177,9 +238,7 @@ class GRPOModule(L.LightningModule):
         was_training = model.training
         model.eval()
         try:
-            mb = self.hparams.micro_batch_size
-            for start in range(0, len(experiences), mb):
-                chunk = experiences[start: start + mb]
+            for chunk in self.micro_batches(experiences):
                 logprobs, _, batch = self.logprobs_of(model, chunk)
                 for e, row in zip(chunk, logprobs.float().cpu()):
                     setattr(e, attr, row[: len(e.completion_ids)].tolist())
@@ -196,19 +255,29 @@ class GRPOModule(L.LightningModule):
         start = time.perf_counter()
         hp = self.hparams
         dm = self.trainer.datamodule
-        metrics = dm.make_experience(batch, policy_version=self.policy_version, step=self.global_step)
+        with full_weights(self.policy if getattr(dm.backend, "reads_policy_weights", True) else None):
+            metrics = dm.make_experience(batch, policy_version=self.policy_version, step=self.global_step)
         minibatches = dm.buffer.drain(hp.optimizer_steps)
         everything = [e for mb in minibatches for e in mb]
-        if hp.optimizer_steps > 1:  # later mini-batches are off-policy: fix the ratio's denominator now
+        if hp.optimizer_steps > 1 or hp.num_iterations > 1 or self.correction is not None:
+            # later updates are off-policy, and the correction compares the sampling weights with the rollout
+            # engine: compute the ratio's denominator once, now, before any update
             self.fill_logprobs(everything, "old_logprobs", self.policy)
         if self.ref_model is not None:
             self.fill_logprobs(everything, "ref_logprobs", self.ref_model)
-        generation_tokens = sum(len(e.completion_ids) for e in everything)
+        if self.correction is not None:
+            batch_all = collate(everything, self.pad_id)
+            metrics.update(self.correction.metrics(
+                batch_all["old_logprobs"], batch_all["rollout_logprobs"], batch_all["completion_mask"]))
+        generation_seqs, generation_tokens = self.global_counts([len(everything), self.loss_tokens(everything)])
         sums: dict[str, float] = {}
-        for minibatch in minibatches:
-            sums = self.optimizer_step_on(minibatch, generation_tokens, len(everything), sums)
-        n = len(minibatches)
+        for _ in range(hp.num_iterations):  # GRPO's mu: the same mini-batches, old log-probs fixed above
+            for minibatch in minibatches:
+                sums = self.optimizer_step_on(minibatch, generation_tokens, generation_seqs, sums)
+        n = len(minibatches) * hp.num_iterations
         metrics.update({key: value / n for key, value in sums.items()})
+        # global values under data parallelism; "loss" is each rank's share of the global loss, so it adds up
+        metrics = reduce_metrics(metrics, samples_per_rank=len(everything), sum_keys={"loss"})
         self.num_tokens += metrics.pop("num_prompt_tokens") + metrics.pop("num_completion_tokens")
         metrics["num_tokens"] = self.num_tokens
         metrics["train/skipped_steps"] = float(self.skipped_steps)
@@ -223,9 +292,10 @@ class GRPOModule(L.LightningModule):
         opt = self.optimizers()
         sched = self.lr_schedulers()
         self.trained_versions.append((self.policy_version, max(e.policy_version for e in minibatch)))
+        mini_seqs, mini_tokens = self.global_counts([len(minibatch), self.loss_tokens(minibatch)])
         ctx = LossContext(
-            mini_batch_sequences=len(minibatch),
-            mini_batch_tokens=sum(len(e.completion_ids) for e in minibatch),
+            mini_batch_sequences=mini_seqs,
+            mini_batch_tokens=mini_tokens,
             generation_batch_sequences=generation_seqs,
             generation_batch_tokens=generation_tokens,
             max_tokens=hp.max_tokens,
@@ -234,26 +304,37 @@ class GRPOModule(L.LightningModule):
         opt.zero_grad(set_to_none=True)
         step: dict[str, float] = {}
         finite = True
-        for start in range(0, len(minibatch), hp.micro_batch_size):
-            micro = minibatch[start: start + hp.micro_batch_size]
+        for micro in self.micro_batches(minibatch):
             logprobs, entropy, batch = self.logprobs_of(self.policy, micro)
             mask = batch["completion_mask"]
             old = batch["old_logprobs"] if micro[0].old_logprobs is not None else logprobs.detach()
             ref = batch["ref_logprobs"] if micro[0].ref_logprobs is not None else None
+            is_weights = None
+            if self.correction is not None:
+                is_weights = self.correction.weights(batch["old_logprobs"], batch["rollout_logprobs"], mask)
             loss, loss_metrics = self.loss_fn(
                 logprobs, old, batch["advantages"], mask, ref_logprobs=ref,
-                rollout_logprobs=batch["rollout_logprobs"], entropy=entropy, ctx=ctx,
+                rollout_logprobs=batch["rollout_logprobs"], entropy=entropy, truncated=batch["truncated"],
+                rollout_is_weights=is_weights, ctx=ctx,
             )
+            if getattr(self.loss_fn, "mask_truncated_completions", False):  # the weight counts the loss's tokens
+                mask = mask & ~batch["truncated"].unsqueeze(1)
             weight = self.loss_fn.micro_batch_weight(mask, ctx)
             if not torch.isfinite(loss):
                 finite = False
-                break
+                if world_size() == 1:
+                    break
+                self.manual_backward(logprobs.sum() * 0.0)  # keep FSDP's gradient collectives in step with the ranks
+                continue
             self.manual_backward(loss * weight)
-            loss_metrics["loss"] = loss.item()
-            loss_metrics["entropy"] = masked_mean(entropy.detach(), mask).item()
+            share = len(micro) / len(minibatch)  # metrics: a sequence-weighted mean over the micro-batches
+            loss_metrics["entropy"] = masked_mean(entropy.detach(), batch["completion_mask"]).item()
             for key, value in loss_metrics.items():
-                step[key] = step.get(key, 0.0) + weight * float(value)
+                step[key] = step.get(key, 0.0) + share * float(value)
+            step["loss"] = step.get("loss", 0.0) + weight * loss.item() / max(self.trainer.world_size, 1)
         grad_norm = torch.tensor(0.0)
+        if world_size() > 1:
+            finite = all_true(finite)
         if finite:
             grad_norm = self.clip_gradients_and_norm(hp.max_grad_norm)
             finite = bool(torch.isfinite(grad_norm))
@@ -270,10 +351,24 @@ class GRPOModule(L.LightningModule):
             sums[key] = sums.get(key, 0.0) + value
         return sums
 
+    def loss_tokens(self, experiences: list[Experience]) -> int:
+        """Completion tokens the loss trains on (without truncated completions where the loss masks them)."""
+        skip = getattr(self.loss_fn, "mask_truncated_completions", False)
+        return sum(len(e.completion_ids) for e in experiences if not (skip and e.truncated))
+
+    def global_counts(self, values: list[int]) -> list[int]:
+        """``values`` summed over ranks: the batch sizes the loss normalisers divide by."""
+        if self.trainer is None or self.trainer.world_size == 1:
+            return [int(v) for v in values]
+        summed = self.trainer.strategy.reduce(torch.tensor(values, dtype=torch.long, device=self.device), reduce_op="sum")
+        return [int(v) for v in summed.tolist()]
+
     def clip_gradients_and_norm(self, max_norm: float | None) -> torch.Tensor:
         params = [p for p in self.policy.parameters() if p.grad is not None]
         if not params:
             return torch.tensor(0.0)
+        if self.sharded:  # DTensor gradients: the norm over every rank's shards
+            return full_tensor(torch.nn.utils.clip_grad_norm_(params, math.inf if max_norm is None else max_norm))
         if max_norm is None:
             return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
@@ -294,16 +389,29 @@ class GRPOModule(L.LightningModule):
 
     # ---------------------------------------------------------------------------------------- evaluation
     def validation_step(self, batch: list, batch_idx: int) -> None:
-        out = self.trainer.datamodule.evaluate_batch(batch)
-        n = len(out["rewards"])
-        self.log("eval/reward", sum(out["rewards"]) / n, batch_size=n, on_epoch=True)
-        self.log("eval/accuracy", sum(out["correct"]) / n, batch_size=n, on_epoch=True, prog_bar=True)
-        self.log("eval/mean_length", sum(out["lengths"]) / n, batch_size=n, on_epoch=True)
+        dm = self.trainer.datamodule
+        seed = eval_seed(dm.seed, self.global_step, batch_idx)
+        with full_weights(self.policy if getattr(dm.backend, "reads_policy_weights", True) else None):
+            out = dm.evaluate_batch(batch, seed=seed)
+        self.evaluator.add(out["data_sources"], out["correct"], out["rewards"], out["lengths"])
+
+    def on_validation_epoch_start(self) -> None:
+        self.evaluator = EvalAccumulator(self.trainer.datamodule.eval_k)
+
+    def on_validation_epoch_end(self) -> None:
+        """Log ``eval/accuracy``, ``eval/pass@k`` and the rest, overall and per ``data_source`` (rlflow.evaluation)."""
+        metrics = self.evaluator.compute()
+        if metrics:
+            self.log("eval/accuracy", metrics.pop("eval/accuracy"), on_epoch=True, prog_bar=True)
+            self.log_dict(metrics, on_epoch=True)
 
     # --------------------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rlflow"] = {
             "policy_version": self.policy_version, "num_tokens": self.num_tokens, "skipped_steps": self.skipped_steps,
+            "consecutive_skips": self.consecutive_skips,
+            # every rank's Python/NumPy/torch RNG, so sampling after a resume draws what it would have drawn
+            "rng": gather_rng_states(self.trainer.world_size if self._trainer is not None else 1),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -311,15 +419,31 @@ class GRPOModule(L.LightningModule):
         self.policy_version = state.get("policy_version", 0)
         self.num_tokens = state.get("num_tokens", 0.0)
         self.skipped_steps = state.get("skipped_steps", 0)
+        self.consecutive_skips = state.get("consecutive_skips", 0)
+        self._resume_rng = state.get("rng")  # applied in on_train_start, after Lightning's own set-up
+
+    def on_train_start(self) -> None:
+        states, self._resume_rng = getattr(self, "_resume_rng", None), None
+        if states and self.trainer.state.fn == "fit":
+            rank = self.trainer.global_rank
+            if len(states) == self.trainer.world_size:
+                restore_rng_state(states[rank])
+            elif rank == 0:
+                print(f"[rlflow] the checkpoint holds RNG states of {len(states)} rank(s), this run has "
+                      f"{self.trainer.world_size}: sampling continues from a fresh seed, not bit-exactly")
 
     def on_fit_end(self) -> None:
-        if self.hparams.export_hf and self.trainer.is_global_zero and self.trainer.log_dir:
-            self.export_hf(Path(self.trainer.log_dir) / "hf")
+        if not self.hparams.export_hf:
+            return
+        log_dir = self.trainer.log_dir  # read on every rank: it is a broadcast under a distributed strategy
+        state_dict = gather_full_state_dict(self.policy) if self.sharded else None  # a collective: every rank
+        if self.trainer.is_global_zero and log_dir:
+            self.export_hf(Path(log_dir) / "hf", state_dict)
 
-    def export_hf(self, out_dir: Path) -> Path:
-        """Write the policy and tokenizer with ``save_pretrained``; ``AutoModelForCausalLM`` reloads it."""
+    def export_hf(self, out_dir: Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write the policy (or ``state_dict``, its gathered full weights) and tokenizer with ``save_pretrained``."""
         out_dir.mkdir(parents=True, exist_ok=True)
-        self.policy.save_pretrained(out_dir)
+        self.policy.save_pretrained(out_dir, state_dict=state_dict)
         self.trainer.datamodule.load_tokenizer().save_pretrained(out_dir)
         print(f"[rlflow] exported the policy to {out_dir}")
         return out_dir

@@ -1,4 +1,8 @@
-"""``rlflow plugins``: every installed plugin per entry-point group, with its distribution and version."""
+"""``rlflow plugins``: every installed plugin per entry-point group, with its distribution and version.
+
+``--check`` also imports each plugin, so a broken one shows its error here rather than at training time. A
+group whose plugins conflict (two distributions claiming one name) prints the error and the command exits 1.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +12,31 @@ from rlflow import registry
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlflow plugins", description=__doc__)
+    parser = argparse.ArgumentParser(prog="rlflow plugins", description=__doc__.split("\n")[0])
     parser.add_argument("--group", choices=registry.GROUPS, help="show one group only")
+    parser.add_argument("--check", action="store_true", help="import every plugin and report the ones that fail")
     args = parser.parse_args(argv)
+    status = 0
     for group in [args.group] if args.group else registry.GROUPS:
         print(f"{group}:")
-        plugins = registry.discover(group)
+        try:
+            plugins = registry.discover(group)
+        except registry.PluginError as exc:
+            print(f"  ERROR: {exc}")
+            status = 1
+            continue
         if not plugins:
             print("  (none)")
         width = max((len(name) for name in plugins), default=0)
         for name in sorted(plugins):
             info = plugins[name]
-            print(f"  {name:<{width}}  {info.value}  [{info.distribution} {info.version}]")
-    return 0
+            line = f"  {name:<{width}}  {info.distribution} {info.version}  ({info.value})"
+            if args.check:
+                try:
+                    registry.load(group, name)
+                    line += "  ok"
+                except registry.PluginError as exc:
+                    line += f"\n    BROKEN: {exc}"
+                    status = 1
+            print(line)
+    return status

@@ -13,6 +13,7 @@ claiming one name is an error naming both.
 from __future__ import annotations
 
 import importlib
+import inspect
 import threading
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
@@ -77,12 +78,24 @@ def available(group: str) -> list[str]:
     return sorted(discover(group))
 
 
+def _unknown(group: str, name: str) -> PluginError:
+    names = ", ".join(available(group)) or "(none)"
+    return PluginError(
+        f"unknown {group} plugin {name!r}; available: {names} "
+        "(or give an import path 'package.module:attribute'; `rlflow plugins` lists what is installed)"
+    )
+
+
+def looks_like_path(name: str) -> bool:
+    """Whether ``name`` is an import path (``pkg.mod:attr`` or ``pkg.mod.attr``) rather than a short name."""
+    return ":" in name or "." in name
+
+
 def load(group: str, name: str) -> Any:
     """Import and return the object (usually a class or function) registered as ``name`` in ``group``."""
     plugins = discover(group)
     if name not in plugins:
-        names = ", ".join(sorted(plugins)) or "(none)"
-        raise PluginError(f"unknown {group} plugin {name!r}; available: {names}")
+        raise _unknown(group, name)
     key = (group, name)
     with _lock:
         if key in _loaded:
@@ -123,8 +136,9 @@ def import_path(path: str) -> Any:
 def build(group: str, spec: Any, **defaults: Any) -> Any:
     """Turn a config value into a plugin object.
 
-    ``spec`` is a short name, a ``{"class_path", "init_args"}`` mapping (``class_path`` is an import path or a
-    short name), or an object that is already built (returned as is). A loaded class is called with
+    ``spec`` is a short name or an import path (``pkg.mod:attr``), a ``{"class_path", "init_args"}`` mapping
+    (``class_path`` is a short name or an import path), or an object that is already built (returned as is). A
+    registered short name wins over an import path of the same spelling. A loaded class is called with
     ``init_args``; ``defaults`` fill arguments the config did not set and that the class accepts. A loaded
     function (a TRL-style reward function, say) is returned as is.
     """
@@ -132,7 +146,7 @@ def build(group: str, spec: Any, **defaults: Any) -> Any:
         raise PluginError(f"no {group} plugin given; available: {', '.join(available(group)) or '(none)'}")
     init_args: dict[str, Any] = {}
     if isinstance(spec, str):
-        target = load(group, spec)
+        target = load(group, spec) if spec in discover(group) or not looks_like_path(spec) else import_path(spec)
     elif isinstance(spec, dict):
         unknown = set(spec) - {"class_path", "init_args"}
         if "class_path" not in spec or unknown:
@@ -140,13 +154,15 @@ def build(group: str, spec: Any, **defaults: Any) -> Any:
                 f"a {group} plugin mapping needs 'class_path' (and optionally 'init_args'); got keys {sorted(spec)}"
             )
         cp = spec["class_path"]
-        target = load(group, cp) if cp in discover(group) else import_path(cp)
+        if not isinstance(cp, str):
+            raise PluginError(f"the {group} plugin's class_path must be a string, got {cp!r}")
+        target = load(group, cp) if cp in discover(group) or not looks_like_path(cp) else import_path(cp)
+        if not isinstance(spec.get("init_args") or {}, dict):
+            raise PluginError(f"the {group} plugin {cp!r} has init_args {spec['init_args']!r}; it must be a mapping")
         init_args = dict(spec.get("init_args") or {})
     else:
         return spec
     if isinstance(target, type):
-        import inspect
-
         params = inspect.signature(target).parameters
         takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
         for key, value in defaults.items():

@@ -57,7 +57,7 @@ CHAT_TEMPLATE = (
 )
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 OPS = ("+", "-")
-MAX_OPERAND = 99
+A_RANGE, B_RANGE = range(100, 1000), range(1, 10)  # fixed digit counts -> fixed offsets
 
 DEFAULT_SFT_STEPS = 500
 DEFAULT_HASH_FRACTION = 0.55  # fraction of SFT targets that end with "#### <c>"
@@ -106,10 +106,9 @@ def all_problems() -> list[tuple[int, str, int]]:
     """Every (a, op, b) of the task; subtraction only with a >= b."""
     return [
         (a, op, b)
-        for a in range(MAX_OPERAND + 1)
-        for b in range(MAX_OPERAND + 1)
+        for a in A_RANGE
+        for b in B_RANGE
         for op in OPS
-        if op == "+" or a >= b
     ]
 
 
@@ -122,7 +121,7 @@ def question(a: int, op: str, b: int) -> str:
 
 
 def prompt_text(a: int, op: str, b: int) -> str:
-    return f"{question(a, op, b)} {INSTRUCTION}"
+    return f"{INSTRUCTION}\n{question(a, op, b)}"
 
 
 def completion(a: int, op: str, b: int, hash_format: bool) -> str:
@@ -199,8 +198,17 @@ def encode_example(tokenizer, prob, hash_format: bool) -> tuple[list[int], list[
     return p_ids + c_ids, [-100] * len(p_ids) + c_ids
 
 
-def collate(examples, pad_id: int):
-    """Right-pad a batch (RoPE is relative, so padding side does not matter for training)."""
+def shared_prefix_len(examples) -> int:
+    """Length of the token prefix common to every example, leaving >= 1 own prompt token."""
+    first, n = examples[0][0], min(len(ids) for ids, _ in examples) - 1
+    for other, _ in examples[1:]:
+        n = next((i for i in range(n) if other[i] != first[i]), n)
+    return n
+
+
+def collate(examples, pad_id: int, start: int = 0):
+    """Right-pad `examples[i][start:]` (RoPE is relative, so the padding side does not matter)."""
+    examples = [(ids[start:], lab[start:]) for ids, lab in examples]
     width = max(len(ids) for ids, _ in examples)
     input_ids = torch.full((len(examples), width), pad_id)
     labels = torch.full((len(examples), width), -100)
@@ -210,6 +218,22 @@ def collate(examples, pad_id: int):
         labels[i, : len(lab)] = torch.tensor(lab)
         mask[i, : len(ids)] = 1
     return input_ids, mask, labels
+
+
+def batch_loss(model, examples, pad_id: int) -> torch.Tensor:
+    """Mean completion-token loss. The prompt prefix shared by the whole batch (the constant
+    instruction) is run once with batch size 1 and its KV cache is broadcast to the batch;
+    gradients still flow through it. This makes each step ~2.5x cheaper on CPU."""
+    n = shared_prefix_len(examples)
+    input_ids, mask, labels = collate(examples, pad_id, start=n)
+    if n == 0:
+        return model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+    prefix = torch.tensor([examples[0][0][:n]])
+    cache = model.model(input_ids=prefix, use_cache=True).past_key_values
+    cache.batch_repeat_interleave(len(examples))
+    full_mask = torch.cat([torch.ones(len(examples), n, dtype=mask.dtype), mask], dim=1)
+    return model(input_ids=input_ids, attention_mask=full_mask, past_key_values=cache,
+                 labels=labels).loss
 
 
 def sft(model, tokenizer, pool, steps: int, seed: int, batch_size=64, lr=3e-3,
@@ -226,8 +250,7 @@ def sft(model, tokenizer, pool, steps: int, seed: int, batch_size=64, lr=3e-3,
     for _ in range(steps):
         batch = [encode_example(tokenizer, rng.choice(pool), rng.random() < hash_fraction)
                  for _ in range(batch_size)]
-        input_ids, mask, labels = collate(batch, tokenizer.pad_token_id)
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+        loss = batch_loss(model, batch, tokenizer.pad_token_id)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -266,7 +289,7 @@ def sampled_reward(model, tokenizer, probs, temperature=1.0, seed=0, max_new_tok
 
 
 def has_model(out_dir: Path) -> bool:
-    return (out_dir / "config.json").exists() and (out_dir / "tokenizer_config.json").exists()
+    return all((out_dir / name).exists() for name in ("config.json", "tokenizer.json", "tokenizer_config.json"))
 
 
 def build(out_dir, data_dir=None, sft_steps: int = DEFAULT_SFT_STEPS, seed: int = 0,

@@ -1,11 +1,18 @@
 """The advantage-estimator contract.
 
 An estimator maps the rewards of a generation batch, laid out group after group (``k`` completions of one
-prompt side by side), to one advantage per completion: ``estimator(rewards: Tensor[N], group_size: int) ->
-Tensor[N]`` with ``N`` a multiple of ``group_size``.
+prompt side by side), to one advantage per completion: ``estimator(rewards: Tensor[N], group_size: int,
+lengths: Tensor[N] | None = None) -> Tensor[N]`` with ``N`` a multiple of ``group_size``. ``lengths`` (completion
+tokens) is passed to estimators whose :attr:`AdvantageEstimator.needs_lengths` is true (OPO, REINFORCE++);
+:func:`estimate` calls any estimator, plugin functions included, the right way.
+
+Simplification: batch-level statistics (``scale_rewards: batch``, REINFORCE++'s whitening) are taken over the
+rewards this rank sees; groups never span ranks, so group-level estimators are exact.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -13,13 +20,31 @@ import torch
 class AdvantageEstimator:
     """Base class: checks the layout, then calls :meth:`compute` on a ``[groups, k]`` view."""
 
-    def __call__(self, rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    #: Whether :meth:`compute` needs the completion lengths.
+    needs_lengths: bool = False
+
+    def __call__(self, rewards: torch.Tensor, group_size: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
         rewards = torch.as_tensor(rewards, dtype=torch.float32)
         if rewards.ndim != 1:
             raise ValueError(f"rewards must be 1-D, got shape {tuple(rewards.shape)}")
         if group_size < 1 or rewards.numel() % group_size:
             raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
-        return self.compute(rewards.view(-1, group_size)).reshape(-1)
+        grouped_lengths = None
+        if lengths is not None:
+            lengths = torch.as_tensor(lengths, dtype=torch.float32).reshape(-1)
+            if lengths.numel() != rewards.numel():
+                raise ValueError(f"{lengths.numel()} lengths for {rewards.numel()} rewards")
+            grouped_lengths = lengths.view(-1, group_size)
+        elif self.needs_lengths:
+            raise ValueError(f"the {type(self).__name__} advantage estimator needs the completion lengths")
+        return self.compute(rewards.view(-1, group_size), grouped_lengths).reshape(-1)
 
-    def compute(self, grouped: torch.Tensor) -> torch.Tensor:
+    def compute(self, grouped: torch.Tensor, lengths: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+
+def estimate(estimator: Any, rewards: torch.Tensor, group_size: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Call ``estimator``, passing ``lengths`` only to estimators that ask for them (plugins may not take them)."""
+    if getattr(estimator, "needs_lengths", False):
+        return estimator(rewards, group_size, lengths=lengths)
+    return estimator(rewards, group_size)

@@ -9,6 +9,8 @@ step, with the live policy. Every experience is stamped with the policy version 
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import time
 from pathlib import Path
@@ -19,18 +21,15 @@ import torch
 from torch.utils.data import DataLoader
 
 from rlflow import registry
-from rlflow.data.dataset import DataError, PromptRecord, read_jsonl
+from rlflow.advantages.base import estimate
+from rlflow.data.dataset import DataError, PromptFormat, PromptRecord
+from rlflow.data.mix import MixBatchSampler
+from rlflow.data.sources import DataSource, SourceJudgers, parse_sources, per_source_means, read_source
 from rlflow.data.experience import Experience
 from rlflow.data.replay_buffer import ReplayBuffer
-from rlflow.data.sampler import PromptBatchSampler
+from rlflow.data.sampler import PromptBatchSampler, PromptLoader
 from rlflow.judgers.runner import JudgerRunner
 from rlflow.rollout.base import RolloutBackend, SamplingParams
-
-
-def _as_list(paths: str | list[str] | None) -> list[str]:
-    if paths is None:
-        return []
-    return [paths] if isinstance(paths, str) else list(paths)
 
 
 def _keep_records(batch: list[PromptRecord]) -> list[PromptRecord]:
@@ -42,8 +41,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     def __init__(
         self,
-        train_data_path: str | list[str],
-        eval_data_path: str | list[str] | None = None,
+        train_data_path: str | dict[str, Any] | list[str | dict[str, Any]],
+        eval_data_path: str | dict[str, Any] | list[str | dict[str, Any]] | None = None,
         tokenizer_path: str | None = None,
         prompt_repeat_k: int = 8,
         global_batch_size: int = 16,
@@ -55,20 +54,28 @@ class RolloutDataModule(L.LightningDataModule):
         stop: list[str] | None = None,
         judgers: dict[str, Any] | None = None,
         reward_weights: dict[str, float] | None = None,
+        judger_timeout: float | None = 60.0,
         advantage: Any = "grpo",
+        dynamic_sampling: bool = False,
+        max_sampling_rounds: int = 3,
         rollout: Any = "hf",
         system_prompt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        prompt_template: str | None = None,
         eval_temperature: float = 0.0,
         eval_batch_size: int = 64,
         eval_pass_threshold: float = 1.0,
+        eval_k: int = 1,
         seed: int = 0,
         log_trajectories: bool = True,
     ) -> None:
         """
         Args:
-            train_data_path: Training prompts: a jsonl file in XTuner's RL format or TRL's layout (or a list of them).
-            eval_data_path: Evaluation prompts in the same format; None disables evaluation.
+            train_data_path: Training prompts in XTuner's RL format or TRL's layout: a jsonl/JSON/parquet file, a glob,
+                a directory of shards or a ``datasets.save_to_disk`` dir; or a list of sources, each a path or a mapping
+                ``{path, weight, max_prompt_length, judgers, name, system_prompt, prompt_template}`` (``weight``: the
+                source's share of every batch). See :class:`rlflow.data.sources.DataSource`.
+            eval_data_path: Evaluation prompts, given the same way; None disables evaluation.
             tokenizer_path: Tokenizer to load; linked to ``model.model_path`` by the CLI.
             prompt_repeat_k: Completions sampled per prompt (the GRPO group size, at least 2).
             global_batch_size: Prompts per rollout step, over all ranks.
@@ -80,13 +87,22 @@ class RolloutDataModule(L.LightningDataModule):
             stop: Extra stop strings, each a single token of the tokenizer; the tokenizer's EOS always stops.
             judgers: Judgers per ``data_source``: a short name, ``class_path``/``init_args``, or a list; ``*`` catches every source.
             reward_weights: Weight of each judger (by name) in the summed reward; default 1.0.
+            judger_timeout: Seconds one judger may take on one batch; past it (or if it raises) its samples get no
+                reward from it and are counted in ``judger/failures``. None waits forever.
             advantage: Advantage estimator: a short name of the ``rlflow.advantages`` group or ``class_path``/``init_args``.
+            dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards all agree (no learning signal) and
+                sample more prompts until the batch is full again.
+            max_sampling_rounds: With dynamic sampling, most generation rounds per rollout step (the first included);
+                a batch still short after them is topped up with dropped groups (advantage 0).
             rollout: Rollout backend: a short name of the ``rlflow.rollout`` group or ``class_path``/``init_args``.
             system_prompt: If set, replaces (or adds) the system message of every chat prompt.
             chat_template_kwargs: Extra keyword arguments for the chat template (e.g. ``enable_thinking: false``).
+            prompt_template: If set, plain-string prompts become ``prompt_template.format(prompt=..., **columns)``.
             eval_temperature: Temperature of evaluation rollouts; 0 is greedy.
             eval_batch_size: Prompts per evaluation batch.
             eval_pass_threshold: An evaluation completion counts as correct when its reward is at least this.
+            eval_k: Completions per eval prompt: 1 (greedy by default) reports ``eval/accuracy``; k > 1 samples at
+                ``eval_temperature`` (which must then be > 0) and also reports ``eval/pass@k``.
             seed: Seed of the prompt order (each epoch uses ``seed + epoch``).
             log_trajectories: Append every rollout step's samples to ``<log_dir>/trajectories.jsonl``.
         """
@@ -96,10 +112,14 @@ class RolloutDataModule(L.LightningDataModule):
                 f"data.prompt_repeat_k={prompt_repeat_k}: GRPO compares the completions of one prompt with each other, "
                 "so a group needs at least 2 (a group of 1 has no mean or std to compare against); use 2 or more"
             )
-        self.train_paths = _as_list(train_data_path)
+        self.train_sources = parse_sources(train_data_path, "data.train_data_path")
+        self.train_paths = [s.path for s in self.train_sources]
         if not self.train_paths:
             raise ValueError("data.train_data_path is empty")
-        self.eval_paths = _as_list(eval_data_path)
+        self.eval_sources = parse_sources(eval_data_path, "data.eval_data_path")
+        self.eval_paths = [s.path for s in self.eval_sources]
+        self.prompt_template = prompt_template
+        PromptFormat(prompt_template=prompt_template)  # a bad template fails here, before any model is loaded
         self.tokenizer_path = tokenizer_path
         self.prompt_repeat_k = prompt_repeat_k
         self.global_batch_size = global_batch_size
@@ -118,9 +138,17 @@ class RolloutDataModule(L.LightningDataModule):
         self.eval_temperature = eval_temperature
         self.eval_batch_size = eval_batch_size
         self.eval_pass_threshold = eval_pass_threshold
+        if eval_k < 1 or (eval_k > 1 and eval_temperature == 0.0):
+            raise ValueError(
+                f"data.eval_k={eval_k} with data.eval_temperature={eval_temperature}: eval_k must be >= 1, and k > 1 "
+                "greedy completions would all be identical; set data.eval_temperature > 0 (e.g. 0.6) or eval_k=1"
+            )
+        self.eval_k = eval_k
         self.seed = seed
         self.log_trajectories = log_trajectories
         self.buffer = ReplayBuffer(seed=seed)
+        self.last_samples: list[dict] = []  # the latest rollout step's samples (for the W&B samples table)
+        self.rollout_progress: Any = None  # a listener with start(total), update(completions, tokens), close()
         self.tokenizer: Any = None
         self.train_records: list[PromptRecord] = []
         self.eval_records: list[PromptRecord] = []
@@ -128,9 +156,18 @@ class RolloutDataModule(L.LightningDataModule):
         self.sampler: PromptBatchSampler | None = None
         self.backend: RolloutBackend | None = None
         # Built here, not in setup, so that a wrong plugin name fails before any model is loaded.
-        self.judger_runner = JudgerRunner(self.judger_specs, reward_weights)
+        self.source_judgers = SourceJudgers(
+            self.judger_specs, reward_weights, [*self.train_sources, *self.eval_sources],
+            timeout=judger_timeout, defaults={"max_tokens": max_tokens},
+        )
+        self.judger_runner: JudgerRunner = self.source_judgers.default  # sources without their own judgers
+        self.source_sizes: dict[str, dict[str, int]] = {"train": {}, "eval": {}}
+        self.dropped_by_source: dict[str, dict[str, int]] = {"train": {}, "eval": {}}
         self.advantage = registry.build("rlflow.advantages", advantage)
-        self._sampler_state: dict[str, Any] | None = None
+        if max_sampling_rounds < 1:
+            raise ValueError(f"data.max_sampling_rounds must be >= 1, got {max_sampling_rounds}")
+        self.dynamic_sampling = dynamic_sampling
+        self.max_sampling_rounds = max_sampling_rounds
 
     # ----------------------------------------------------------------------------------------------- set-up
     def load_tokenizer(self) -> Any:
@@ -158,56 +195,88 @@ class RolloutDataModule(L.LightningDataModule):
             return SamplingParams(self.eval_temperature, 1.0, 0, self.max_tokens, stop_ids)
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_tokens, stop_ids)
 
-    def render_prompt(self, record: PromptRecord) -> str:
-        """The prompt text the model sees: the chat template applied to messages, or a plain string as is."""
-        tok = self.load_tokenizer()
-        if isinstance(record.prompt, str):
-            return record.prompt
-        messages = list(record.prompt)
-        if self.system_prompt is not None:
-            messages = [m for m in messages if m["role"] != "system"]
-            messages.insert(0, {"role": "system", "content": self.system_prompt})
-        if not getattr(tok, "chat_template", None):
-            raise DataError(
-                f"{record.source}: field 'prompt' is a list of chat messages but the tokenizer at {self.tokenizer_path} "
-                "has no chat template; use a chat/instruct tokenizer, set one, or give prompts as plain strings"
-            )
-        return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs)
+    def prompt_format(self, source: DataSource | None = None) -> PromptFormat:
+        """How the prompts of ``source`` are rendered: its own system prompt / template, else the data-level ones."""
+        system = self.system_prompt if source is None or source.system_prompt is None else source.system_prompt
+        template = self.prompt_template if source is None or source.prompt_template is None else source.prompt_template
+        return PromptFormat(system, template, self.chat_template_kwargs)
 
-    def prepare_records(self, paths: list[str], split: str) -> list[PromptRecord]:
-        """Read, render and tokenize every prompt; drop (and count) those over ``max_prompt_length``."""
+    def render_prompt(self, record: PromptRecord, source: DataSource | None = None) -> str:
+        """The prompt text the model sees: chat messages through the chat template, plain strings as written
+        (or through ``prompt_template``); see :class:`rlflow.data.dataset.PromptFormat`."""
+        if source is None:
+            source = next((s for s in (*self.train_sources, *self.eval_sources) if s.name == record.origin), None)
+        return self.prompt_format(source).render(record, self.load_tokenizer())
+
+    def prepare_records(self, paths: list[str | DataSource], split: str) -> list[PromptRecord]:
+        """Read, render and tokenize every prompt of every source; drop (and count) those over the length limit."""
         tok = self.load_tokenizer()
         kept: list[PromptRecord] = []
-        dropped = 0
-        for path in paths:
-            for record in read_jsonl(path):
-                record.prompt_text = self.render_prompt(record)
+        self.source_sizes[split], self.dropped_by_source[split] = {}, {}
+        for source in parse_sources(list(paths), f"data.{split}_data_path"):
+            fmt = self.prompt_format(source)
+            limit = source.max_prompt_length or self.max_prompt_length
+            setting = f"{source.name}.max_prompt_length={limit}" if source.max_prompt_length else f"data.max_prompt_length={limit}"
+            n_kept = n_dropped = 0
+            for record in read_source(source):
+                record.prompt_text = fmt.render(record, tok)
                 record.prompt_ids = tok(record.prompt_text, add_special_tokens=False)["input_ids"]
-                if len(record.prompt_ids) > self.max_prompt_length:
-                    dropped += 1
+                if len(record.prompt_ids) > limit:
+                    n_dropped += 1
                     continue
                 kept.append(record)
-        self.dropped[split] = dropped
-        if dropped:
-            print(f"[rlflow] {split}: dropped {dropped} prompt(s) longer than data.max_prompt_length={self.max_prompt_length} tokens")
-        if not kept:
-            raise DataError(
-                f"no usable {split} prompts in {', '.join(paths)}: all {dropped} are longer than "
-                f"data.max_prompt_length={self.max_prompt_length}"
-            )
+                n_kept += 1
+            if n_dropped:
+                print(f"[rlflow] {split}: dropped {n_dropped} prompt(s) of {source.name} longer than {setting} tokens")
+            if not n_kept:
+                raise DataError(f"no usable {split} prompts in {source.path}: all {n_dropped} are longer than {setting}")
+            self.source_sizes[split][source.name] = n_kept
+            self.dropped_by_source[split][source.name] = n_dropped
+        self.dropped[split] = sum(self.dropped_by_source[split].values())
         return kept
+
+    def check_judgeable(self, records: list[PromptRecord], split: str) -> None:
+        """Before any generation: every row has a judger for its ``data_source`` and the columns those judgers need
+        (``required_columns``, e.g. gsm8k's ``ground_truth``); else one DataError naming each row's file:line."""
+        problems, count = [], 0
+        for record in records:
+            runner = self.source_judgers.runners.get(record.origin, self.judger_runner)
+            try:
+                names = runner.route(record.data_source)
+            except KeyError as exc:
+                problem = f"{record.source}: {exc.args[0] if exc.args else exc}"
+            else:
+                missing = [f"judger {name!r} needs column {col!r}" for name in names
+                           for col in getattr(runner.judgers[name], "required_columns", ()) if record.columns.get(col) is None]
+                if not missing:
+                    continue
+                problem = f"{record.source}: {'; '.join(missing)}, which the row lacks (XTuner rows carry reward_model.ground_truth)"
+            count += 1
+            if len(problems) < 10:
+                problems.append(problem)
+        if problems:
+            more = f"\n  ... and {count - len(problems)} more" if count > len(problems) else ""
+            raise DataError(f"{count} {split} row(s) cannot be judged; fix them (or data.judgers) before training:\n  "
+                            + "\n  ".join(problems) + more)
 
     def setup(self, stage: str) -> None:
         if stage == "fit" and not self.train_records:
-            self.train_records = self.prepare_records(self.train_paths, "train")
+            self.train_records = self.prepare_records(self.train_sources, "train")
+            self.check_judgeable(self.train_records, "train")
             world = self.trainer.world_size if self.trainer is not None else 1
             if self.global_batch_size % world:
                 raise ValueError(f"data.global_batch_size={self.global_batch_size} must be a multiple of the {world} ranks")
-            self.sampler = PromptBatchSampler(len(self.train_records), self.global_batch_size, seed=self.seed)
-            if self._sampler_state is not None:
-                self.sampler.load_state_dict(self._sampler_state)
+            if len(self.train_sources) > 1:  # several sources: each gets its weight's share of every batch
+                sizes = self.source_sizes["train"]
+                self.sampler = MixBatchSampler(
+                    [sizes[s.name] for s in self.train_sources], [s.weight for s in self.train_sources],
+                    self.global_batch_size, seed=self.seed, names=[s.name for s in self.train_sources],
+                )
+            else:
+                self.sampler = PromptBatchSampler(len(self.train_records), self.global_batch_size, seed=self.seed)
         if stage in ("fit", "validate") and self.eval_paths and not self.eval_records:
-            self.eval_records = self.prepare_records(self.eval_paths, "eval")
+            self.eval_records = self.prepare_records(self.eval_sources, "eval")
+            self.check_judgeable(self.eval_records, "eval")
 
     def bind(self, model: torch.nn.Module) -> RolloutBackend:
         """Build the rollout backend (once) and point it at the live policy."""
@@ -218,12 +287,16 @@ class RolloutDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         assert self.sampler is not None, "setup('fit') must run first"
-        return DataLoader(self.train_records, batch_sampler=self.sampler, collate_fn=_keep_records, num_workers=0)
+        # Own generators: a DataLoader draws its base seed from the global RNG otherwise, which a resumed run
+        # would not replay. PromptLoader checkpoints the sampler's position (see rlflow.data.sampler).
+        return PromptLoader(self.train_records, batch_sampler=self.sampler, collate_fn=_keep_records, num_workers=0,
+                            generator=torch.Generator().manual_seed(self.seed))
 
     def val_dataloader(self) -> DataLoader | list:
         if not self.eval_records:
             return []
-        return DataLoader(self.eval_records, batch_size=self.eval_batch_size, shuffle=False, collate_fn=_keep_records)
+        return DataLoader(self.eval_records, batch_size=self.eval_batch_size, shuffle=False, collate_fn=_keep_records,
+                          generator=torch.Generator().manual_seed(self.seed))
 
     # --------------------------------------------------------------------------------------------- rollout
     def rank_share(self, batch: list[PromptRecord]) -> list[PromptRecord]:
@@ -233,6 +306,20 @@ class RolloutDataModule(L.LightningDataModule):
         per = len(batch) // self.trainer.world_size
         rank = self.trainer.global_rank
         return batch[rank * per: (rank + 1) * per]
+
+    def batch_advantages(self, rewards: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
+        """This rank's advantages, estimated over the whole generation batch of every rank.
+
+        Groups never span ranks, but batch-level estimators (``scale_rewards: batch``) need every rank's rewards:
+        they are gathered in rank order (the global batch's order), scored, and this rank's slice is kept.
+        """
+        from rlflow.distributed import all_gather, world_size
+
+        if world_size() == 1:
+            return estimate(self.advantage, rewards, k, lengths=lengths)
+        n, rank = rewards.numel(), self.trainer.global_rank
+        everything = estimate(self.advantage, all_gather(rewards), k, lengths=all_gather(lengths))
+        return everything[rank * n: (rank + 1) * n]
 
     def judge(self, records: list[PromptRecord], completions: list[Any], k: int) -> tuple[list[float], dict[str, float], list[str]]:
         """Decode and judge ``k`` completions per record (TRL's layout: chat completions for chat prompts)."""
@@ -244,21 +331,41 @@ class RolloutDataModule(L.LightningDataModule):
         shaped = [[{"role": "assistant", "content": t}] if isinstance(r.prompt, list) else t for r, t in zip(reps, texts)]
         keys = sorted({key for r in records for key in r.columns})
         columns = {key: [r.columns.get(key) for r in reps] for key in keys}
-        result = self.judger_runner.judge(prompts, shaped, ids, columns)
+        result = self.source_judgers.judge([r.origin for r in reps], prompts, shaped, ids, columns, default=self.judger_runner)
         return result.rewards, result.metrics, texts
+
+    def generate_with_progress(self, prompt_ids: list[list[int]], params: SamplingParams, n: int) -> list[list[Any]]:
+        """``backend.generate``, reporting to ``rollout_progress`` (per batch where ``generate`` takes ``progress=``)."""
+        listener = self.rollout_progress
+        if listener is None:
+            return self.backend.generate(prompt_ids, params, n=n)
+        listener.start(len(prompt_ids) * n)
+        try:
+            if "progress" in inspect.signature(self.backend.generate).parameters:
+                return self.backend.generate(prompt_ids, params, n=n, progress=listener.update)
+            groups = self.backend.generate(prompt_ids, params, n=n)
+            listener.update(sum(len(g) for g in groups), sum(len(c.token_ids) for g in groups for c in g))
+            return groups
+        finally:
+            listener.close()
 
     def make_experience(self, batch: list[PromptRecord], policy_version: int, step: int | None = None) -> dict[str, float]:
         """Generate, judge and score one rollout step; put the experience in the replay buffer; return metrics."""
         assert self.backend is not None, "bind() the policy first"
+        if self.sampler is not None:
+            self.sampler.mark_consumed()  # its checkpointed position follows trained batches, not prefetched ones
         records = self.rank_share(batch)
         k = self.prompt_repeat_k
         t0 = time.perf_counter()
-        groups = self.backend.generate([r.prompt_ids for r in records], self.sampling_params(), n=k)
+        groups = self.generate_with_progress([r.prompt_ids for r in records], self.sampling_params(), k)
         gen_time = time.perf_counter() - t0
         completions = [c for group in groups for c in group]
         rewards, metrics, texts = self.judge(records, completions, k)
+        if self.dynamic_sampling:
+            records, completions, rewards, texts, extra_time = self.dynamic_sample(records, completions, rewards, texts, step, metrics)
+            gen_time += extra_time
         reward_t = torch.tensor(rewards, dtype=torch.float32)
-        advantages = self.advantage(reward_t, k)
+        advantages = self.batch_advantages(reward_t, torch.tensor([len(c.token_ids) for c in completions]), k)
         experiences = []
         for i, (c, r, a) in enumerate(zip(completions, rewards, advantages.tolist())):
             record = records[i // k]
@@ -288,53 +395,112 @@ class RolloutDataModule(L.LightningDataModule):
             "num_prompt_tokens": float(sum(len(r.prompt_ids) for r in records) * k),
             "num_completion_tokens": lengths.sum().item(),
         })
+        metrics.update(per_source_means([r.data_source or r.origin for r in records for _ in range(k)], rewards, "reward"))
+        self.last_samples = self.trajectory_rows(step if step is not None else policy_version, records, texts, experiences)
         if self.log_trajectories:
-            self.write_trajectories(step if step is not None else policy_version, records, texts, experiences)
+            self.write_trajectories(self.last_samples)
         return metrics
 
-    def write_trajectories(self, step: int, records: list[PromptRecord], texts: list[str], experiences: list[Experience]) -> None:
+    def dynamic_sample(self, records: list[PromptRecord], completions: list[Any], rewards: list[float], texts: list[str],
+                       step: int | None, metrics: dict[str, float]) -> tuple[list, list, list, list, float]:
+        """DAPO's dynamic sampling: keep the groups whose rewards differ, draw more prompts until the batch is full.
+
+        Extra prompts are drawn at random from the training set with a seed of (``seed``, step, round, rank), so a
+        resumed run draws the same ones. Every rank runs the same number of rounds (a rank whose batch is full
+        keeps sampling while another's is short), and the batch keeps its size (ranks must take the same number of
+        steps): if it is still short after ``max_sampling_rounds`` rounds it is topped up with dropped groups.
+        """
+        k, target = self.prompt_repeat_k, len(records)
+        kept: list[tuple] = []
+        dropped: list[tuple] = []
+        rounds, drawn, extra_time = 0, 0, 0.0
+        while True:
+            rounds += 1
+            drawn += len(records)
+            for g, record in enumerate(records):
+                part = slice(g * k, (g + 1) * k)
+                group = (record, completions[part], rewards[part], texts[part])
+                (kept if max(rewards[part]) - min(rewards[part]) > 1e-6 else dropped).append(group)
+            short = float(len(kept) < target)
+            if self.trainer is not None and self.trainer.world_size > 1:  # every rank runs the same rounds
+                strategy = self.trainer.strategy
+                short = float(strategy.reduce(torch.tensor(short, device=strategy.root_device), reduce_op="sum"))
+            if not short or rounds >= self.max_sampling_rounds:
+                break
+            rank = self.trainer.global_rank if self.trainer is not None else 0
+            gen = torch.Generator().manual_seed(self.seed + 7919 * ((step or 0) + 1) + 104729 * rounds + 1299709 * rank)
+            records = [self.train_records[i] for i in torch.randint(len(self.train_records), (target,), generator=gen).tolist()]
+            t0 = time.perf_counter()
+            groups = self.backend.generate([r.prompt_ids for r in records], self.sampling_params(), n=k)
+            extra_time += time.perf_counter() - t0
+            completions = [c for group in groups for c in group]
+            rewards, _, texts = self.judge(records, completions, k)
+        padded = max(target - len(kept), 0)
+        chosen = kept[:target] + dropped[:padded]
+        metrics.update({
+            "sampling/rounds": float(rounds), "sampling/groups_drawn": float(drawn),
+            "sampling/groups_dropped": float(len(dropped)), "sampling/groups_padded": float(padded),
+        })
+        return (
+            [g[0] for g in chosen], [c for g in chosen for c in g[1]], [r for g in chosen for r in g[2]],
+            [t for g in chosen for t in g[3]], extra_time,
+        )
+
+    def trajectory_rows(self, step: int, records: list[PromptRecord], texts: list[str], experiences: list[Experience]) -> list[dict]:
+        """One dict per sample of a rollout step (trajectories.jsonl's rows; also the W&B samples table's)."""
+        rank = self.trainer.global_rank if self.trainer is not None else 0
+        k = self.prompt_repeat_k
+        return [{
+            "step": step, "rank": rank, "group": e.group, "data_source": records[i // k].data_source,
+            "prompt": records[i // k].prompt_text, "completion": text,
+            "ground_truth": records[i // k].columns.get("ground_truth"),
+            "reward": e.reward, "advantage": e.advantage, "finish_reason": e.finish_reason,
+            "num_tokens": len(e.completion_ids), "policy_version": e.policy_version,
+        } for i, (text, e) in enumerate(zip(texts, experiences))]
+
+    def write_trajectories(self, rows: list[dict]) -> None:
         log_dir = getattr(self.trainer, "log_dir", None) if self.trainer is not None else None
-        if not log_dir:
+        if not log_dir or not rows:
             return
-        rank = self.trainer.global_rank
+        rank = rows[0]["rank"]
         path = Path(log_dir) / ("trajectories.jsonl" if rank == 0 else f"trajectories.rank{rank}.jsonl")
         path.parent.mkdir(parents=True, exist_ok=True)
-        k = self.prompt_repeat_k
         with path.open("a", encoding="utf-8") as f:
-            for i, (text, e) in enumerate(zip(texts, experiences)):
-                record = records[i // k]
-                f.write(json.dumps({
-                    "step": step, "rank": rank, "group": e.group, "data_source": record.data_source,
-                    "prompt": record.prompt_text, "completion": text, "ground_truth": record.columns.get("ground_truth"),
-                    "reward": e.reward, "advantage": e.advantage, "finish_reason": e.finish_reason,
-                    "num_tokens": len(e.completion_ids), "policy_version": e.policy_version,
-                }, ensure_ascii=False) + "\n")
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     # ------------------------------------------------------------------------------------------ evaluation
-    def evaluate_batch(self, batch: list[PromptRecord]) -> dict[str, Any]:
-        """Generate one completion per prompt with the evaluation sampling settings and judge it."""
+    def evaluate_batch(self, batch: list[PromptRecord], seed: int | None = None) -> dict[str, Any]:
+        """Generate ``eval_k`` completions per prompt with the evaluation sampling settings and judge them.
+
+        Sampling runs on a forked RNG seeded with ``seed`` (see :func:`rlflow.evaluation.isolated_rng`), so it
+        never moves the training random stream. Returns per prompt lists of ``eval_k`` rewards, correctness
+        flags and lengths, and the prompts' data sources.
+        """
+        from rlflow.evaluation import isolated_rng
+
         assert self.backend is not None, "bind() the policy first"
-        groups = self.backend.generate([r.prompt_ids for r in batch], self.sampling_params(eval=True), n=1)
-        completions = [g[0] for g in groups]
-        rewards, _, _ = self.judge(batch, completions, 1)
+        k = self.eval_k
+        with isolated_rng(self.seed if seed is None else seed):
+            groups = self.backend.generate([r.prompt_ids for r in batch], self.sampling_params(eval=True), n=k)
+        completions = [c for group in groups for c in group]
+        rewards, _, _ = self.judge(batch, completions, k)
+        per_prompt = [rewards[i * k: (i + 1) * k] for i in range(len(batch))]
         return {
-            "rewards": rewards,
-            "correct": [float(r >= self.eval_pass_threshold) for r in rewards],
-            "lengths": [len(c.token_ids) for c in completions],
+            "rewards": per_prompt,
+            "correct": [[r >= self.eval_pass_threshold for r in group] for group in per_prompt],
+            "lengths": [[len(c.token_ids) for c in g] for g in groups],
             "data_sources": [r.data_source for r in batch],
         }
 
     # -------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-            "buffer": self.buffer.state_dict(),
-        }
+        """The replay buffer, as plain types (``torch.load(weights_only=True)`` reads it); the sampler's position
+        is saved by Lightning through :class:`PromptLoader`."""
+        buffer = self.buffer.state_dict()
+        return {"buffer": {**buffer, "items": [dataclasses.asdict(e) for e in buffer["items"]]}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state.get("sampler") is not None:
-            self._sampler_state = state["sampler"]
-            if self.sampler is not None:
-                self.sampler.load_state_dict(self._sampler_state)
         if state.get("buffer") is not None:
-            self.buffer.load_state_dict(state["buffer"])
+            buffer = state["buffer"]
+            self.buffer.load_state_dict({**buffer, "items": [Experience(**e) for e in buffer["items"]]})

@@ -5,6 +5,11 @@ and ``extra_info``; TRL's carry ``prompt`` as a string or messages plus any colu
 want. Both become :class:`PromptRecord`: the prompt as written and every other column, with
 ``reward_model.ground_truth`` also lifted to a ``ground_truth`` column as XTuner's judgers expect. Every
 problem names the file, the line and the field, and all of them are reported at once, before training.
+
+:class:`PromptFormat` turns a record into the text the model sees: chat messages (one turn or several) through
+the tokenizer's chat template, with an optional system-prompt override and extra template kwargs such as
+Qwen3's ``enable_thinking``; plain strings as written, or through a ``{prompt}`` template. Reading formats other
+than jsonl (parquet, ``datasets`` saves, shard directories) lives in :mod:`rlflow.data.sources`.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Iterator
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_REPORTED_ERRORS = 10
@@ -31,6 +36,7 @@ class PromptRecord:
     source: str
     prompt_ids: list[int] = field(default_factory=list)
     prompt_text: str = ""
+    origin: str = ""  # the name of the configured data source it was read from
 
     @property
     def data_source(self) -> str | None:
@@ -46,7 +52,8 @@ def check_row(row: Any, where: str) -> PromptRecord:
     if not isinstance(row, dict):
         raise DataError(f"{where}: the row must be a JSON object, got {_type_name(row)}")
     if "prompt" not in row:
-        raise DataError(f"{where}: field 'prompt' is missing (columns present: {', '.join(sorted(row)) or 'none'})")
+        hint = "; raw GSM8K? convert it with tools/convert_gsm8k.py" if {"question", "answer"} <= set(row) else ""
+        raise DataError(f"{where}: field 'prompt' is missing (columns present: {', '.join(sorted(row)) or 'none'}){hint}")
     prompt = row["prompt"]
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -62,6 +69,11 @@ def check_row(row: Any, where: str) -> PromptRecord:
                 raise DataError(f"{where}: field 'prompt[{j}].role' must be one of {', '.join(ROLES)}, got {role!r}")
             if not isinstance(content, str):
                 raise DataError(f"{where}: field 'prompt[{j}].content' must be a string, got {_type_name(content)}")
+        if prompt[-1].get("role") == "assistant":
+            raise DataError(
+                f"{where}: field 'prompt[{len(prompt) - 1}].role' is 'assistant': a prompt must end with a user (or tool) "
+                "message for the policy to answer; drop the trailing assistant turn"
+            )
     else:
         raise DataError(f"{where}: field 'prompt' must be a string or a list of chat messages, got {_type_name(prompt)}")
     for key, kind in (("data_source", str), ("ability", str), ("reward_model", dict), ("extra_info", dict)):
@@ -77,12 +89,14 @@ def check_row(row: Any, where: str) -> PromptRecord:
     return PromptRecord(prompt=prompt, columns=columns, source=where)
 
 
-def read_jsonl(path: str | Path) -> list[PromptRecord]:
-    """Read and check every row of a jsonl file; raise one DataError listing the first problems found."""
+def iter_jsonl(path: str | Path) -> Iterator[tuple[str, PromptRecord | DataError]]:
+    """Stream a jsonl file line by line: ``(file:line, record)`` for good rows, ``(file:line, DataError)`` for bad ones.
+
+    Memory stays flat however large the file is; blank lines are skipped. A missing file raises at once.
+    """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: data file not found" if not path.exists() else f"{path}: not a file")
-    records, errors, total_errors = [], [], 0
     try:
         handle = path.open("rb")
     except OSError as exc:
@@ -93,21 +107,101 @@ def read_jsonl(path: str | Path) -> list[PromptRecord]:
                 continue
             where = f"{path}:{lineno}"
             try:
-                row = json.loads(raw.decode("utf-8"))
-                records.append(check_row(row, where))
+                yield where, check_row(json.loads(raw.decode("utf-8")), where)
             except json.JSONDecodeError as exc:
-                total_errors += 1
-                errors.append(f"{where}: invalid JSON at column {exc.colno}: {exc.msg}")
+                yield where, DataError(f"{where}: invalid JSON at column {exc.colno}: {exc.msg}")
             except DataError as exc:
-                total_errors += 1
-                errors.append(str(exc))
+                yield where, exc
             except UnicodeDecodeError as exc:
-                total_errors += 1
-                errors.append(f"{where}: not UTF-8 text: {exc}")
+                yield where, DataError(f"{where}: not UTF-8 text: {exc}")
+
+
+def collect(path: str | Path, items: Iterable[tuple[str, PromptRecord | DataError]]) -> list[PromptRecord]:
+    """Keep the records of ``items``; raise one DataError listing the first problems if any row was bad."""
+    records, errors, total_errors = [], [], 0
+    for _, item in items:
+        if isinstance(item, DataError):
+            total_errors += 1
+            if len(errors) < MAX_REPORTED_ERRORS:
+                errors.append(str(item))
+        else:
+            records.append(item)
     if errors:
-        shown = "\n  ".join(errors[:MAX_REPORTED_ERRORS])
+        shown = "\n  ".join(errors)
         more = f"\n  ... and {total_errors - MAX_REPORTED_ERRORS} more" if total_errors > MAX_REPORTED_ERRORS else ""
         raise DataError(f"{total_errors} malformed row(s) in {path}; fix them before training:\n  {shown}{more}")
     if not records:
         raise DataError(f"{path}: the dataset is empty (no rows)")
     return records
+
+
+def read_jsonl(path: str | Path) -> list[PromptRecord]:
+    """Read and check every row of a jsonl file; raise one DataError listing the first problems found."""
+    return collect(path, iter_jsonl(path))
+
+
+class PromptFormat:
+    """Renders a record into the prompt text the model sees, the same way for training, evaluation and checks.
+
+    Chat prompts (one turn or several) go through the tokenizer's chat template with ``add_generation_prompt``;
+    plain strings are used as written (TRL's standard format) or through ``prompt_template``.
+
+    Args:
+        system_prompt: If set, replaces (or adds) the system message of every chat prompt.
+        prompt_template: If set, plain-string prompts become ``prompt_template.format(prompt=..., **columns)``,
+            e.g. ``"Question: {prompt}\\nAnswer:"``; literal braces are written ``{{`` and ``}}``.
+        chat_template_kwargs: Extra keyword arguments for ``apply_chat_template`` (e.g. ``enable_thinking: false``).
+    """
+
+    def __init__(
+        self,
+        system_prompt: str | None = None,
+        prompt_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        self.system_prompt = system_prompt
+        self.prompt_template = prompt_template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        if prompt_template is not None:
+            import string
+
+            try:
+                names = [name for _, name, _, _ in string.Formatter().parse(prompt_template) if name is not None]
+            except ValueError as exc:
+                raise ValueError(f"prompt_template {prompt_template!r} is not a valid format string: {exc}") from exc
+            if "prompt" not in names:
+                raise ValueError(f"prompt_template {prompt_template!r} has no '{{prompt}}' placeholder for the prompt text")
+            self._fields = [n for n in names if n]
+
+    def render(self, record: PromptRecord, tokenizer: Any) -> str:
+        """The prompt text of ``record``; raise DataError naming the row when it cannot be rendered."""
+        if isinstance(record.prompt, str):
+            if self.prompt_template is None:
+                return record.prompt
+            values = {**record.columns, "prompt": record.prompt}
+            missing = [name for name in self._fields if name.split(".")[0].split("[")[0] not in values]
+            if missing:
+                raise DataError(
+                    f"{record.source}: prompt_template needs field(s) {', '.join(sorted(set(missing)))}, which the row "
+                    f"lacks (columns: {', '.join(sorted(values))})"
+                )
+            try:
+                return self.prompt_template.format(**values)
+            except (KeyError, IndexError, AttributeError, TypeError) as exc:  # {extra_info[level]} on a row without it
+                raise DataError(f"{record.source}: prompt_template cannot be filled from this row: {type(exc).__name__}: {exc}") from exc
+        messages = list(record.prompt)
+        if self.system_prompt is not None:
+            messages = [m for m in messages if m["role"] != "system"]
+            messages.insert(0, {"role": "system", "content": self.system_prompt})
+        if not getattr(tokenizer, "chat_template", None):
+            raise DataError(
+                f"{record.source}: field 'prompt' is a list of chat messages but the tokenizer "
+                f"{getattr(tokenizer, 'name_or_path', '')!r} has no chat template; use a chat/instruct tokenizer, set "
+                "one, or give prompts as plain strings"
+            )
+        try:
+            return tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
+            )
+        except Exception as exc:  # jinja raises its own errors, e.g. "System message must be at the beginning"
+            raise DataError(f"{record.source}: the chat template rejected field 'prompt': {type(exc).__name__}: {exc}") from exc

@@ -2,8 +2,9 @@
 
 Each epoch is a fresh permutation of the prompts drawn from ``seed + epoch``, cut into batches of
 ``batch_size`` (the incomplete last batch is dropped, so every rollout step has the same group count). The
-same seed gives the same order on every rank. Its position is checkpointed so a resumed run continues with
-the batch it would have drawn next.
+same seed gives the same order on every rank. Its position (the epoch and the batches of it already trained
+on) is checkpointed through :class:`PromptLoader`, a ``DataLoader`` that Lightning saves and restores itself, so a
+run resumed mid-epoch continues with the batch it would have drawn next.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import DataLoader, Sampler
 
 
 class PromptBatchSampler(Sampler[list[int]]):
@@ -30,11 +31,22 @@ class PromptBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.epoch = 0
         self.start_batch = 0  # batches of the current epoch already consumed (set on resume)
+        self.consumed = 0  # batches of the current epoch handed to training (Lightning prefetches one more)
+
+    @property
+    def sampler(self) -> "PromptBatchSampler":
+        """Lightning calls ``batch_sampler.sampler.set_epoch(epoch)`` each epoch; pointing here makes it reach us."""
+        return self
 
     def set_epoch(self, epoch: int) -> None:
         if epoch != self.epoch:
             self.start_batch = 0
+            self.consumed = 0
         self.epoch = epoch
+
+    def mark_consumed(self) -> None:
+        """Record that one more batch of this epoch was trained on (called by the datamodule per rollout step)."""
+        self.consumed += 1
 
     def order(self, epoch: int) -> list[int]:
         if not self.shuffle:
@@ -52,8 +64,28 @@ class PromptBatchSampler(Sampler[list[int]]):
             yield order[b * self.batch_size: (b + 1) * self.batch_size]
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "seed": self.seed}
+        return {"epoch": self.epoch, "seed": self.seed, "consumed": self.consumed, "num_prompts": self.num_prompts}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("num_prompts", self.num_prompts) != self.num_prompts:
+            raise ValueError(
+                f"the checkpoint's prompt sampler covered {state['num_prompts']} prompts but the dataset now has "
+                f"{self.num_prompts}: resume with the same data.train_data_path and data.max_prompt_length"
+            )
         self.epoch = int(state["epoch"])
         self.seed = int(state["seed"])
+        self.consumed = self.start_batch = int(state.get("consumed", 0))
+
+
+class PromptLoader(DataLoader):
+    """A ``DataLoader`` over a :class:`PromptBatchSampler` whose ``state_dict`` is the sampler's position.
+
+    Lightning saves the state of a loader that has ``state_dict``/``load_state_dict`` in every checkpoint and
+    restores it before it iterates again, which is what makes a mid-epoch resume exact.
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.batch_sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.batch_sampler.load_state_dict(state)

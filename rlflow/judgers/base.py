@@ -6,6 +6,12 @@ A judger is any callable ``fn(prompts, completions, completion_ids, **columns) -
 every dataset column (``ground_truth``, ``data_source``, ``extra_info``, ...) as one list entry per sample. A
 ``None`` reward means "not applicable" and is skipped when several judgers are summed. So a reward function
 written for ``trl.GRPOTrainer`` is a judger as it is; :class:`Judger` is only a convenience base class.
+
+A judger may be ``async def`` (several run concurrently) or plain (run in a thread, so it may block). Optional
+extras the runner honours: a ``name`` attribute (the metric key, else the function's ``__name__`` as in TRL);
+a constructor argument ``max_tokens`` (filled from ``data.max_tokens`` when the config does not set it); and a
+``consume_failures()`` method returning how many samples it gave ``None`` because of an error since the last
+call (added to ``judger/failures``), for judgers that fail per sample rather than per call.
 """
 
 from __future__ import annotations

@@ -1,32 +1,60 @@
-"""Scores a batch of completions: routes each sample to its data source's judgers and combines their rewards.
+"""Scores a batch of completions: routes each sample to its judgers, runs them concurrently, combines rewards.
 
 Routing follows XTuner's ``JudgerConfig``: ``{"openai/gsm8k": "gsm8k"}`` maps a ``data_source`` to one judger
 or a list of them; the key ``"*"`` catches every source without its own entry. Several judgers on one sample
 are summed with ``reward_weights`` (default 1.0), skipping ``None`` ("not applicable") as TRL's NaN-aware sum
 does; a sample no judger scored gets 0.0 and is counted in ``judger/unscored``.
+
+All judgers of a batch run at once on one event loop: ``async def`` judgers as tasks, plain ones each in its
+own daemon thread (so a hung one can be abandoned and cannot block the process from exiting). Every call has
+a timeout; a judger that raises or times out gives ``None`` for its samples, is counted in
+``judger/failures`` and logged with its exception once, and training goes on. A judger that breaks the
+contract (wrong number of rewards, a non-number) is a bug, not bad luck: that is an error naming it.
+Simplifications: one call per judger per batch (a judger batches or parallelises inside itself, as
+``remote`` does); a timed-out thread is abandoned, not killed (Python cannot kill threads).
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
+import logging
 import math
+import numbers
+import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from rlflow import registry
 
 GROUP = "rlflow.judgers"
+log = logging.getLogger(__name__)
 
 
 def judger_name(spec: Any, judger: Any) -> str:
-    """The metric name of a judger: its short name, its ``name`` attribute, or its function name."""
-    if isinstance(spec, str):
+    """The metric name of a judger: its short name, its ``name`` attribute, or its function name (as TRL)."""
+    if isinstance(spec, dict) and spec.get("name"):
+        return str(spec["name"])
+    if isinstance(spec, str) and not registry.looks_like_path(spec):
         return spec
     name = getattr(judger, "name", None)
     if isinstance(name, str) and name not in ("", "judger"):
         return name
+    if isinstance(spec, dict) and not registry.looks_like_path(str(spec["class_path"])):
+        return str(spec["class_path"])
     if isinstance(spec, dict):
         return str(spec["class_path"]).replace(":", ".").rsplit(".", 1)[-1]
     return getattr(judger, "__name__", type(judger).__name__)
+
+
+def is_async(judger: Any) -> bool:
+    """Whether calling ``judger`` returns a coroutine: an ``async def`` function or an object with one as ``__call__``."""
+    return inspect.iscoroutinefunction(judger) or inspect.iscoroutinefunction(getattr(judger, "__call__", None))
+
+
+class JudgerTimeout(TimeoutError):
+    """A judger did not return within ``data.judger_timeout`` seconds."""
 
 
 @dataclass
@@ -38,28 +66,82 @@ class JudgeResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def _in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any], name: str) -> asyncio.Future:
+    """Run ``fn(**kwargs)`` in a fresh daemon thread; the returned future resolves on the running loop."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if not future.done():  # it was cancelled when the call timed out
+            future.set_exception(exc) if exc is not None else future.set_result(result)
+
+    def work() -> None:
+        try:
+            result, exc = fn(**kwargs), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            result, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:  # the loop is gone: nobody waits for this result any more
+            pass
+
+    threading.Thread(target=work, name=f"rlflow-judger-{name}", daemon=True).start()
+    return future
+
+
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    loop.run_forever()
+    loop.close()
+
+
 class JudgerRunner:
-    """Builds the judgers named in the config once and applies them to batches."""
+    """Builds the judgers named in the config once and applies them to batches.
+
+    Args:
+        judgers: Judgers per ``data_source``: a short name, an import path, ``class_path``/``init_args`` (with an
+            optional ``name`` key for the metrics), a ready callable, or a list of these; ``*`` catches every source.
+        reward_weights: Weight of each judger (by name) in the summed reward; default 1.0.
+        timeout: Seconds one judger may take on one batch before its samples get ``None``; None waits forever.
+        defaults: Constructor arguments offered to every judger class that accepts them (e.g. ``max_tokens``).
+    """
 
     def __init__(
         self,
         judgers: dict[str, Any],
         reward_weights: dict[str, float] | None = None,
+        timeout: float | None = 60.0,
+        defaults: dict[str, Any] | None = None,
     ) -> None:
         if not judgers:
             raise ValueError(
                 "data.judgers is empty: map each data_source to a judger, e.g. {'openai/gsm8k': 'gsm8k'}; "
                 f"available judgers: {', '.join(registry.available(GROUP))}"
             )
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"data.judger_timeout must be positive seconds (or null to wait forever), got {timeout}")
+        self.timeout = timeout
         self.routes: dict[str, list[str]] = {}
-        self.judgers: dict[str, Callable[..., Sequence[float | None]]] = {}
+        self.judgers: dict[str, Callable[..., Any]] = {}
+        built: list[tuple[Any, str]] = []  # (spec, name): an identical spec on two routes is one judger
         for source, specs in judgers.items():
             specs = specs if isinstance(specs, (list, tuple)) else [specs]
             names = []
             for spec in specs:
-                judger = registry.build(GROUP, spec)
-                name = judger_name(spec, judger)
-                self.judgers.setdefault(name, judger)
+                name = next((known for other, known in built if other == spec), None)
+                if name is None:
+                    build_spec = {k: v for k, v in spec.items() if k != "name"} if isinstance(spec, dict) else spec
+                    judger = registry.build(GROUP, build_spec, **(defaults or {}))
+                    if not callable(judger):
+                        raise TypeError(f"judger {spec!r} built a {type(judger).__name__}, which is not callable")
+                    name = judger_name(spec, judger)
+                    if name in self.judgers:
+                        other = next(o for o, known in built if known == name)
+                        raise ValueError(
+                            f"two different judgers are both named {name!r} ({other!r} and {spec!r}); "
+                            "give one a distinct name with a 'name' key next to its class_path"
+                        )
+                    self.judgers[name] = judger
+                    built.append((spec, name))
                 names.append(name)
             self.routes[source] = names
         self.weights = {name: 1.0 for name in self.judgers}
@@ -67,6 +149,18 @@ class JudgerRunner:
             if name not in self.weights:
                 raise ValueError(f"reward_weights names judger {name!r}, which is not configured; judgers: {sorted(self.weights)}")
             self.weights[name] = float(weight)
+        self.failed_once: set[str] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:  # the event loop and its thread do not pickle; they restart lazily
+        state = dict(self.__dict__)
+        state["_loop"], state["_loop_lock"] = None, None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._loop_lock = threading.Lock()
 
     def route(self, data_source: str | None) -> list[str]:
         names = self.routes.get(data_source or "", self.routes.get("*"))
@@ -77,19 +171,77 @@ class JudgerRunner:
             )
         return names
 
-    def call_judger(self, name: str, kwargs: dict[str, Any], n: int) -> list[float | None]:
-        """Call one judger on a sub-batch of ``n`` samples and check what it returns."""
-        out = self.judgers[name](**kwargs)
+    # ------------------------------------------------------------------------------------------- calling
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The runner's own event loop, running in a daemon thread (so judging works inside a running loop too,
+        and async judgers may keep loop-bound clients between batches)."""
+        with self._loop_lock:
+            if self._loop is None or self._loop.is_closed():
+                loop = asyncio.new_event_loop()
+                threading.Thread(target=_serve, args=(loop,), name="rlflow-judger-loop", daemon=True).start()
+                weakref.finalize(self, loop.call_soon_threadsafe, loop.stop)  # the runner is gone: end the thread
+                self._loop = loop
+            return self._loop
+
+    async def _invoke(self, name: str, kwargs: dict[str, Any]) -> tuple[Any, BaseException | None]:
+        judger = self.judgers[name]
+        try:
+            if is_async(judger):
+                return await judger(**kwargs), None
+            out = await _in_daemon_thread(judger, kwargs, name)
+            if inspect.isawaitable(out):  # a plain callable that hands back a coroutine
+                out = await out
+            return out, None
+        except Exception as exc:  # noqa: BLE001 - a failing judger costs its samples' rewards, not the run
+            return None, exc
+
+    async def _call(self, name: str, kwargs: dict[str, Any]) -> tuple[Any, BaseException | None]:
+        try:  # only wait_for's own timeout lands here: the judger's exceptions are caught in _invoke
+            return await asyncio.wait_for(self._invoke(name, kwargs), self.timeout)
+        except asyncio.TimeoutError:
+            return None, JudgerTimeout(f"judger {name!r} did not answer within data.judger_timeout={self.timeout} s")
+
+    async def _call_all(self, jobs: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, BaseException | None]]:
+        results = await asyncio.gather(*(self._call(name, kwargs) for name, kwargs in jobs.items()))
+        return dict(zip(jobs, results))
+
+    def call_all(self, jobs: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, BaseException | None]]:
+        """Run every ``name -> kwargs`` job concurrently; return ``name -> (output, exception or None)``."""
+        if not jobs:
+            return {}
+        return asyncio.run_coroutine_threadsafe(self._call_all(jobs), self.loop()).result()
+
+    def check(self, name: str, out: Any, n: int) -> list[float | None]:
+        """Check one judger's output for ``n`` samples: a list of numbers or None (NaN counts as None)."""
         if out is None:
             return [None] * n
+        if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__iter__"):
+            raise TypeError(f"judger {name!r} returned a {type(out).__name__}; it must return a list of {n} rewards")
         out = list(out)
         if len(out) != n:
             raise ValueError(f"judger {name!r} returned {len(out)} rewards for {n} completions")
+        checked: list[float | None] = []
         for value in out:
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            if value is None:
+                checked.append(None)
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
                 raise TypeError(f"judger {name!r} returned {value!r} ({type(value).__name__}); rewards must be numbers or None")
-        return [None if v is None else float(v) for v in out]
+            value = float(value)
+            checked.append(None if math.isnan(value) else value)
+        return checked
 
+    def report_failure(self, name: str, exc: BaseException, n: int) -> None:
+        if name in self.failed_once:
+            log.debug("judger %r failed again on %d sample(s): %s", name, n, exc)
+            return
+        self.failed_once.add(name)
+        log.warning(
+            "judger %r failed on %d sample(s); they get no reward from it (counted in judger/failures, "
+            "logged once per judger): %s: %s", name, n, type(exc).__name__, exc, exc_info=exc,
+        )
+
+    # ------------------------------------------------------------------------------------------- judging
     def judge(
         self,
         prompts: Sequence[Any],
@@ -99,31 +251,43 @@ class JudgerRunner:
     ) -> JudgeResult:
         n = len(completions)
         sources = columns.get("data_source") or [None] * n
+        routes = [self.route(sources[i]) for i in range(n)]
         per_judger: dict[str, list[float | None]] = {name: [None] * n for name in self.judgers}
+        jobs, indices = {}, {}
         for name in self.judgers:
-            idx = [i for i in range(n) if name in self.route(sources[i])]
+            idx = [i for i in range(n) if name in routes[i]]
             if not idx:
                 continue
-            kwargs = {
+            indices[name] = idx
+            jobs[name] = {
                 "prompts": [prompts[i] for i in idx],
                 "completions": [completions[i] for i in idx],
                 "completion_ids": [completion_ids[i] for i in idx],
                 **{key: [values[i] for i in idx] for key, values in columns.items()},
             }
-            for i, value in zip(idx, self.call_judger(name, kwargs, len(idx))):
+        failures = 0
+        for name, (out, exc) in self.call_all(jobs).items():
+            idx = indices[name]
+            if exc is not None:
+                self.report_failure(name, exc, len(idx))
+                failures += len(idx)
+                continue
+            for i, value in zip(idx, self.check(name, out, len(idx))):
                 per_judger[name][i] = value
+            consume = getattr(self.judgers[name], "consume_failures", None)
+            if callable(consume):  # judgers that fail per sample (e.g. remote) report how many they gave None
+                failures += int(consume())
         rewards, unscored = [], 0
         for i in range(n):
             parts = [self.weights[name] * per_judger[name][i] for name in self.judgers if per_judger[name][i] is not None]
-            parts = [p for p in parts if not math.isnan(p)]
             unscored += not parts
             rewards.append(sum(parts) if parts else 0.0)
-        metrics = {"judger/unscored": float(unscored)}
+        metrics = {"judger/unscored": float(unscored), "judger/failures": float(failures)}
         for name, values in per_judger.items():
             scored = [v for v in values if v is not None]
             if scored:
                 mean = sum(scored) / len(scored)
-                std = math.sqrt(sum((v - mean) ** 2 for v in scored) / max(len(scored) - 1, 1))
+                std = math.sqrt(sum((v - mean) ** 2 for v in scored) / (len(scored) - 1)) if len(scored) > 1 else 0.0
                 metrics[f"rewards/{name}/mean"] = mean
                 metrics[f"rewards/{name}/std"] = std
         return JudgeResult(rewards, per_judger, metrics)

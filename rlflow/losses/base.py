@@ -3,12 +3,20 @@
 ``loss(logprobs, old_logprobs, advantages, mask, ref_logprobs=None, rollout_logprobs=None, **extra)``
 returns ``(loss, metrics)``. ``logprobs`` (with grad), ``old_logprobs``, ``ref_logprobs``,
 ``rollout_logprobs`` and ``mask`` are ``[batch, tokens]`` over completion tokens, ``advantages`` is
-``[batch]``, ``metrics`` is a dict of floats with TRL's names. ``extra`` may carry ``entropy`` (``[batch,
-tokens]``) and ``ctx`` (a :class:`LossContext`); a plugin should accept and ignore what it does not use.
+``[batch]``, ``metrics`` is a dict of floats with TRL's names (``clip_ratio/low_mean``, ``kl``...). The trainer
+passes these keyword ``extra`` arguments; a plugin accepts and ignores what it does not use:
+
+- ``entropy``: ``[batch, tokens]`` per-token entropy of the policy (with grad);
+- ``truncated``: ``[batch]`` bool, completions cut at ``max_tokens``;
+- ``rollout_is_weights``: ``[batch, tokens]`` or ``[batch, 1]`` rollout/training mismatch weights
+  (:mod:`rlflow.correction`), to multiply the policy term by;
+- ``ctx``: a :class:`LossContext` with the sizes of the batches this micro-batch belongs to.
 
 The loss is computed on one micro-batch. How micro-batches add up to the mini-batch of one optimizer step is
 the loss's own business (its normaliser): :meth:`PolicyLoss.micro_batch_weight` says by how much the trainer
-scales each micro-batch's loss so that the accumulated gradient equals the full mini-batch's.
+scales each micro-batch's loss so that the accumulated gradient equals the gradient of the loss computed over
+the whole mini-batch at once (and, under data parallelism, over every rank's mini-batch together: gradients
+are averaged over ranks, so the weights carry a factor ``world_size``).
 """
 
 from __future__ import annotations
@@ -20,7 +28,11 @@ import torch
 
 @dataclass
 class LossContext:
-    """Sizes of the batches a micro-batch belongs to, summed over ranks, for normalisers that need them."""
+    """Sizes of the batches a micro-batch belongs to, summed over ranks, for normalisers that need them.
+
+    Token counts are counted under the loss mask: a loss with ``mask_truncated_completions`` leaves truncated
+    completions out of them.
+    """
 
     mini_batch_sequences: int
     mini_batch_tokens: int
@@ -41,14 +53,27 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None
 class PolicyLoss:
     """Base class of policy losses; subclasses implement ``__call__`` and say how micro-batches are weighted."""
 
-    #: ``token``: the micro-batch loss is a token mean; ``sequence``: a sequence mean.
+    #: ``token``: the micro-batch loss is a token mean; ``sequence``: a sequence mean (or a per-sequence
+    #: constant normaliser); ``generation``: the loss is already normalised by a constant of the whole
+    #: generation batch (DAPO), so micro-batches simply add up.
     unit: str = "token"
+    #: Whether completions cut at ``max_tokens`` are left out of the loss (and of the token counts).
+    mask_truncated_completions: bool = False
 
     def micro_batch_weight(self, mask: torch.Tensor, ctx: LossContext) -> float:
-        """Factor for this micro-batch's loss so that micro-batches accumulate to the mini-batch loss."""
+        """Factor for this micro-batch's loss so that micro-batches accumulate to the mini-batch loss.
+
+        ``mask`` is the micro-batch's loss mask (truncated completions already removed where the loss masks
+        them); ``ctx`` holds the mini-batch sizes summed over ranks.
+        """
+        world = max(int(ctx.world_size), 1)
+        if self.unit == "generation":
+            return 1.0
         if self.unit == "sequence":
-            return mask.shape[0] / max(ctx.mini_batch_sequences, 1)
-        return float(mask.sum()) / max(ctx.mini_batch_tokens, 1)
+            return mask.shape[0] * world / max(ctx.mini_batch_sequences, 1)
+        if self.unit == "token":
+            return float(mask.sum()) * world / max(ctx.mini_batch_tokens, 1)
+        raise ValueError(f"{type(self).__name__}.unit must be 'token', 'sequence' or 'generation', got {self.unit!r}")
 
     def __call__(self, logprobs, old_logprobs, advantages, mask, ref_logprobs=None, rollout_logprobs=None, **extra):
         raise NotImplementedError

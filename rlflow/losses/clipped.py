@@ -1,77 +1,116 @@
-"""The clipped surrogate objective of PPO/GRPO, with an optional KL penalty to a reference model.
+"""The clipped surrogate objective of PPO/GRPO and the losses that differ from it only in their normaliser.
 
-Per token: ``ratio = exp(logprobs - old_logprobs)``, ``-min(ratio * A, clip(ratio, 1 - epsilon_low,
-1 + epsilon_high) * A) + kl_coef * KL``. ``grpo`` averages tokens within each sequence and then sequences
-(the GRPO paper); ``bnpo`` averages all completion tokens of the micro-batch together (XTuner's default).
+Per token, with ``r = exp(logprobs - old_logprobs)`` and advantage ``A``: ``-min(r * A, clip(r, 1 - epsilon_low,
+1 + epsilon_high) * A)``. Options: ``delta`` caps the unclipped ratio from above (two-sided clipping of
+INTELLECT-2, TRL's ``delta``); ``clip_ratio_c`` is the dual clip of verl/XTuner, which bounds the loss of a
+negative-advantage token by ``-clip_ratio_c * A``. The losses registered here: ``grpo``, ``bnpo``, ``dr_grpo``,
+``dapo`` (see :mod:`rlflow.losses.aggregation`) and ``gspo`` (``grpo`` with ``importance_sampling_level:
+sequence``). The metrics are TRL's ``clip_ratio/{low,high,region}_mean``, plus ``clip_ratio/dual_mean`` with a
+dual clip (verl's ``pg_clipfrac_lower``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
-from rlflow.losses.kl import KL_TYPES, kl_penalty
+from rlflow.losses.base import LossContext
+from rlflow.losses.surrogate import RatioPolicyLoss
 
 
-class ClippedSurrogateLoss(PolicyLoss):
-    """Shared body of the clipped-surrogate losses; subclasses choose the reduction."""
+class ClippedSurrogateLoss(RatioPolicyLoss):
+    """PPO's clipped surrogate with GRPO's options; subclasses only choose the default normaliser."""
 
     def __init__(
         self,
         epsilon_low: float = 0.2,
         epsilon_high: float | None = None,
+        delta: float | None = None,
+        clip_ratio_c: float | None = None,
         kl_coef: float = 0.0,
         kl_type: str = "k3",
+        importance_sampling_level: str = "token",
+        mask_truncated_completions: bool = False,
+        top_entropy_quantile: float = 1.0,
+        entropy_coef: float = 0.0,
+        max_tokens: int | None = None,
+        aggregation: str | None = None,
     ) -> None:
-        if kl_type not in KL_TYPES:
-            raise ValueError(f"unknown kl_type {kl_type!r}; choose one of {', '.join(KL_TYPES)}")
-        self.epsilon_low = epsilon_low
-        self.epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
-        self.kl_coef = kl_coef
-        self.kl_type = kl_type
+        """
+        Args:
+            epsilon_low: Lower clip range of the importance ratio (``1 - epsilon_low``).
+            epsilon_high: Upper clip range (``1 + epsilon_high``); None means ``epsilon_low``. DAPO's clip-higher uses 0.28.
+            delta: Cap on the unclipped ratio (two-sided clipping); must exceed ``1 + epsilon_high``. None disables it.
+            clip_ratio_c: Dual clip: the loss of a negative-advantage token is at most ``-clip_ratio_c * A`` (verl uses 3.0); must exceed 1. None disables it.
+            kl_coef: Weight of the KL penalty to the reference model (needs ``ref_logprobs``); 0 disables it.
+            kl_type: KL estimator: ``k1``, ``k2``, ``k3`` (= ``low_var_kl``) or ``abs``.
+            importance_sampling_level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO: one ratio per completion, from the mean token log-ratio).
+            mask_truncated_completions: Leave completions cut at ``max_tokens`` out of the loss (DAPO's overlong filtering).
+            top_entropy_quantile: Train only on this fraction of tokens with the highest entropy; 1.0 trains on all.
+            entropy_coef: Weight of an entropy bonus (subtracted from the loss); 0 disables it.
+            max_tokens: Completion budget, the ``dr_grpo`` normaliser when no ``LossContext`` is given.
+            aggregation: Override the normaliser: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``; None keeps the loss's own.
+        """
+        super().__init__(
+            epsilon_low=epsilon_low, epsilon_high=epsilon_high, kl_coef=kl_coef, kl_type=kl_type,
+            importance_sampling_level=importance_sampling_level, mask_truncated_completions=mask_truncated_completions,
+            top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef, max_tokens=max_tokens,
+            aggregation=aggregation,
+        )
+        if delta is not None and delta <= 1.0 + self.epsilon_high:
+            raise ValueError(f"delta must be greater than 1 + epsilon_high = {1.0 + self.epsilon_high}, got {delta}")
+        if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+            raise ValueError(f"clip_ratio_c (dual clip) must be greater than 1.0, got {clip_ratio_c}")
+        self.delta = delta
+        self.clip_ratio_c = clip_ratio_c
 
-    def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    def __call__(self, logprobs, old_logprobs, advantages, mask, ref_logprobs=None, rollout_logprobs=None, **extra):
-        mask = mask.bool()
-        adv = advantages.unsqueeze(1)
-        ratio = torch.exp(logprobs - old_logprobs)
-        clipped = torch.clamp(ratio, 1.0 - self.epsilon_low, 1.0 + self.epsilon_high)
-        per_token = -torch.min(ratio * adv, clipped * adv)
-        metrics: dict[str, float] = {}
-        if self.kl_coef > 0.0:
-            if ref_logprobs is None:
-                raise ValueError("kl_coef > 0 needs ref_logprobs from a reference model")
-            kl = kl_penalty(logprobs, ref_logprobs, self.kl_type)
-            per_token = per_token + self.kl_coef * kl
-            metrics["kl"] = masked_mean(kl.detach(), mask).item()
-        low = (ratio < 1.0 - self.epsilon_low) & (adv < 0) & mask
-        high = (ratio > 1.0 + self.epsilon_high) & (adv > 0) & mask
-        n = mask.sum().clamp(min=1).item()
-        metrics["clip_ratio/low_mean"] = low.sum().item() / n
-        metrics["clip_ratio/high_mean"] = high.sum().item() / n
-        metrics["clip_ratio/region_mean"] = (low | high).sum().item() / n
-        loss = self.reduce(per_token, mask)
-        return loss, metrics
+    def objective(self, coef, logprobs, adv, mask):
+        clipped = torch.clamp(coef, 1.0 - self.epsilon_low, 1.0 + self.epsilon_high)
+        unclipped = coef if self.delta is None else torch.clamp(coef, max=self.delta)
+        per_token = -torch.min(unclipped * adv, clipped * adv)
+        low = (coef < 1.0 - self.epsilon_low) & (adv < 0)
+        high = (coef > 1.0 + self.epsilon_high) & (adv > 0)
+        indicators = {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low | high}
+        if self.clip_ratio_c is not None:
+            bound = -adv * self.clip_ratio_c
+            indicators["clip_ratio/dual_mean"] = (per_token > bound) & (adv < 0)
+            per_token = torch.where(adv < 0, torch.min(per_token, bound), per_token)
+        return per_token, indicators
 
 
 class GRPOLoss(ClippedSurrogateLoss):
     """``grpo``: token mean within each sequence, then mean over sequences (the GRPO paper)."""
 
-    unit = "sequence"
-
-    def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return masked_mean(per_token, mask, dim=1).mean()
+    default_aggregation = "grpo"
 
 
 class BNPOLoss(ClippedSurrogateLoss):
-    """``bnpo``: one token mean over every completion token of the micro-batch (XTuner's default)."""
+    """``bnpo``: one token mean over every completion token of the mini-batch (XTuner's default)."""
 
-    unit = "token"
-
-    def reduce(self, per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return masked_mean(per_token, mask)
+    default_aggregation = "bnpo"
 
 
-__all__ = ["ClippedSurrogateLoss", "GRPOLoss", "BNPOLoss", "LossContext"]
+class DrGRPOLoss(ClippedSurrogateLoss):
+    """``dr_grpo``: token sum over ``batch_size * max_tokens``, free of GRPO's length bias (Dr. GRPO)."""
+
+    default_aggregation = "dr_grpo"
+
+
+class DAPOLoss(ClippedSurrogateLoss):
+    """``dapo``: token sum over the completion tokens of the whole generation batch across ranks (DAPO)."""
+
+    default_aggregation = "dapo"
+
+
+class GSPOLoss(ClippedSurrogateLoss):
+    """``gspo``: ``grpo`` with one importance ratio per sequence (Group Sequence Policy Optimization).
+
+    The GSPO paper clips the sequence ratio at about ``3e-4``/``4e-4``: set ``epsilon_low``/``epsilon_high``.
+    """
+
+    default_aggregation = "grpo"
+
+    def __init__(self, *args, importance_sampling_level: str = "sequence", **kwargs) -> None:
+        super().__init__(*args, importance_sampling_level=importance_sampling_level, **kwargs)
+
+
+__all__ = ["ClippedSurrogateLoss", "GRPOLoss", "BNPOLoss", "DrGRPOLoss", "DAPOLoss", "GSPOLoss", "LossContext"]

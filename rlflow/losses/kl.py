@@ -1,8 +1,9 @@
 """Per-token KL estimators between the policy and the reference (Schulman's k1, k2, k3 and |k1|).
 
 With ``log_ratio = logprobs - ref_logprobs`` on tokens sampled from the policy: k1 = log_ratio, k2 =
-log_ratio**2 / 2, k3 (``low_var_kl``) = exp(-log_ratio) + log_ratio - 1, abs = |log_ratio|. k3 is clamped
-to [-10, 10] as verl and XTuner do so that one wild token cannot blow up the loss.
+log_ratio**2 / 2, k3 (``low_var_kl``) = exp(-log_ratio) + log_ratio - 1, abs = |log_ratio|. k3 clamps
+``-log_ratio`` to [-20, 20] before the exponential and the result to [-10, 10], as verl's ``low_var_kl`` does,
+so that one wild token cannot blow up the loss (inside those bounds it equals TRL's k3 exactly).
 """
 
 from __future__ import annotations
@@ -10,6 +11,12 @@ from __future__ import annotations
 import torch
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl", "abs")
+
+
+def check_kl_type(kl_type: str) -> str:
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"unknown kl_type {kl_type!r}; choose one of {', '.join(KL_TYPES)}")
+    return kl_type
 
 
 def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str = "k3") -> torch.Tensor:
@@ -20,7 +27,9 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_type: str 
     if kl_type == "k2":
         return 0.5 * log_ratio.square()
     if kl_type in ("k3", "low_var_kl"):
-        return (torch.exp(-log_ratio) + log_ratio - 1.0).clamp(min=-10.0, max=10.0)
+        neg = (-log_ratio).clamp(min=-20.0, max=20.0)
+        return (torch.exp(neg) - neg - 1.0).clamp(min=-10.0, max=10.0)
     if kl_type == "abs":
         return log_ratio.abs()
-    raise ValueError(f"unknown kl_type {kl_type!r}; choose one of {', '.join(KL_TYPES)}")
+    check_kl_type(kl_type)
+    raise AssertionError("unreachable")

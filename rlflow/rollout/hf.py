@@ -8,6 +8,8 @@ logits tensor is never built.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from transformers import GenerationConfig
 
@@ -56,7 +58,10 @@ class HFRollout(RolloutBackend):
         )
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, n: int = 1, progress: Any = None
+    ) -> list[list[Completion]]:
+        """``n`` completions per prompt; ``progress(completions, tokens)`` is called after each ``generate`` batch."""
         model, tok = self.model, self.tokenizer
         pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         stop_ids = set(params.stop_token_ids)
@@ -77,8 +82,10 @@ class HFRollout(RolloutBackend):
                     for t, logits in enumerate(out.logits)
                 ]
                 logprobs = torch.stack(steps, dim=1) if steps else new.new_zeros((new.shape[0], 0), dtype=torch.float)
-                for row, lp in zip(new.tolist(), logprobs.tolist()):
-                    flat.append(trim_at_stop(row, lp, stop_ids, params.max_tokens))
+                done = [trim_at_stop(row, lp, stop_ids, params.max_tokens) for row, lp in zip(new.tolist(), logprobs.tolist())]
+                flat.extend(done)
+                if progress is not None:
+                    progress(len(done), sum(len(c.token_ids) for c in done))
         finally:
             model.train(was_training)
         return [flat[i * n: (i + 1) * n] for i in range(len(prompts))]

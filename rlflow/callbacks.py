@@ -1,0 +1,183 @@
+"""What a user watches while a run goes: a rollout progress bar, a summary line per step, W&B tables and config.
+
+* :class:`RolloutProgressBar`: a bar beside Lightning's training bar (rich or tqdm) that counts the completions
+  of the current rollout step (done of total) and the generation speed in tokens/s. It advances per backend
+  call, or per batch for a backend whose ``generate`` accepts ``progress=fn(completions, tokens)``.
+* :class:`StepSummary`: one line per rollout step: reward, accuracy (share of completions whose reward reaches
+  ``data.eval_pass_threshold``, logged as ``train/accuracy``), completion lengths, the clipped share and the step
+  time.
+* :class:`SampleTable`: every N steps, a W&B table of sample completions with their prompts, rewards and
+  advantages (only for a ``WandbLogger``; the CSV and TensorBoard loggers have ``trajectories.jsonl`` instead).
+* :class:`LoggerSaveConfigCallback`: LightningCLI's config writer that also sends the full resolved config
+  (``rlflow fit --print_config``'s output) to every logger, so a W&B run shows it under *Config*.
+
+Simplifications: the rollout bar is drawn on rank 0 only, and only beside Lightning's own bars; the
+samples table shows the first ``num_samples`` samples of rank 0's rollout step.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import yaml
+from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+from lightning.pytorch.cli import SaveConfigCallback
+
+SAMPLE_COLUMNS = ["step", "data_source", "prompt", "completion", "ground_truth", "reward", "advantage", "num_tokens",
+                  "finish_reason"]
+
+
+def _say(trainer: Any, line: str) -> None:
+    """Print a line without breaking tqdm bars."""
+    bar = trainer.progress_bar_callback
+    if isinstance(bar, TQDMProgressBar) and bar.is_enabled:
+        bar.print(line)
+    else:
+        print(line, flush=True)
+
+
+class RolloutProgressBar(L.Callback):
+    """A bar of the current rollout step's completions and tokens/s, beside Lightning's training bar.
+
+    Drawn as an extra task of Lightning's rich bar, or as a second tqdm bar under Lightning's tqdm bar.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        """
+        Args:
+            enabled: Draw the bar (it is also off when ``trainer.enable_progress_bar`` is false).
+        """
+        self.enabled = enabled
+        self.lightning_bar: Any = None
+        self.bar: Any = None  # a tqdm bar, or the task id in the rich bar's Progress
+        self.tokens = 0
+        self.started = 0.0
+        self.last_rollout: dict[str, float] = {}  # the latest rollout's completions, total, tokens and seconds
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        bar = trainer.progress_bar_callback
+        if (self.enabled and stage == "fit" and trainer.is_global_zero and isinstance(bar, (TQDMProgressBar, RichProgressBar))
+                and bar.is_enabled):
+            self.lightning_bar = bar
+            trainer.datamodule.rollout_progress = self
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        if getattr(trainer.datamodule, "rollout_progress", None) is self:
+            trainer.datamodule.rollout_progress = None
+        self.close()
+
+    @property
+    def rich(self) -> Any:
+        """The rich ``Progress`` of Lightning's rich bar, when that is the bar in use and it is live."""
+        return getattr(self.lightning_bar, "progress", None) if isinstance(self.lightning_bar, RichProgressBar) else None
+
+    # the listener protocol the datamodule calls: start(total), update(completions, tokens), close()
+    def start(self, total: int) -> None:
+        self.close()
+        self.tokens, self.started = 0, time.perf_counter()
+        self.last_rollout = {"completions": 0, "total": total, "tokens": 0, "seconds": 0.0}
+        if isinstance(self.lightning_bar, RichProgressBar):
+            if self.rich is not None:
+                self.bar = self.rich.add_task("rollout", total=total)
+            return
+        from lightning.pytorch.callbacks.progress.tqdm_progress import Tqdm
+
+        self.bar = Tqdm(total=total, desc="rollout", unit="completion", position=2, leave=False, dynamic_ncols=True)
+
+    def update(self, completions: int, tokens: int) -> None:
+        self.tokens += tokens
+        self.last_rollout.update(completions=self.last_rollout.get("completions", 0) + completions, tokens=self.tokens,
+                                 seconds=time.perf_counter() - self.started)
+        if self.bar is None:
+            return
+        speed = f"{self.tokens / max(time.perf_counter() - self.started, 1e-9):.0f} tok/s"
+        if self.rich is not None:
+            self.rich.update(self.bar, advance=completions, description=f"rollout {speed}")
+        elif not isinstance(self.bar, int):
+            self.bar.set_postfix_str(speed, refresh=False)
+            self.bar.update(completions)
+
+    def close(self) -> None:
+        if self.bar is None:
+            return
+        if isinstance(self.bar, int):
+            if self.rich is not None:
+                self.rich.remove_task(self.bar)
+        else:
+            self.bar.close()
+        self.bar = None
+
+
+class StepSummary(L.Callback):
+    """Prints one line per rollout step and logs ``train/accuracy``."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        """
+        Args:
+            enabled: Print the line (``train/accuracy`` is logged either way).
+        """
+        self.enabled = enabled
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        dm = trainer.datamodule
+        m = getattr(pl_module, "last_metrics", None) or {}
+        samples = getattr(dm, "last_samples", None) or []
+        threshold = getattr(dm, "eval_pass_threshold", 1.0)
+        accuracy = sum(s["reward"] >= threshold for s in samples) / len(samples) if samples else float("nan")
+        pl_module.log("train/accuracy", accuracy, on_step=True, on_epoch=False, batch_size=max(len(samples), 1))
+        if not self.enabled or not trainer.is_global_zero:
+            return
+        total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else "?"
+
+        def g(key: str) -> float:
+            return float(m.get(key, float("nan")))
+
+        _say(trainer, (
+            f"[rlflow] step {trainer.global_step}/{total} | reward {g('reward'):.3f} | accuracy {accuracy:.3f} "
+            f"| length {g('completions/mean_length'):.1f} (min {g('completions/min_length'):.0f}, "
+            f"max {g('completions/max_length'):.0f}, clipped {100 * g('completions/clipped_ratio'):.0f}%) "
+            f"| {g('step_time'):.2f} s/step (rollout {g('rollout/time'):.2f} s, {g('rollout/tokens_per_s'):.0f} tok/s) "
+            f"| loss {g('loss'):.4f}"
+        ))
+
+
+class SampleTable(L.Callback):
+    """Every ``every_n_steps`` rollout steps, logs a W&B table ``samples`` of completions with their rewards."""
+
+    def __init__(self, every_n_steps: int = 10, num_samples: int = 16) -> None:
+        """
+        Args:
+            every_n_steps: Rollout steps between two tables (0 disables them); the first step always logs one.
+            num_samples: Rows per table (the first samples of the step, whole groups first).
+        """
+        if every_n_steps < 0 or num_samples < 1:
+            raise ValueError(f"samples.every_n_steps must be >= 0 and samples.num_samples >= 1, got {every_n_steps}, {num_samples}")
+        self.every_n_steps = every_n_steps
+        self.num_samples = num_samples
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.every_n_steps or not trainer.is_global_zero:
+            return
+        if (trainer.global_step - 1) % self.every_n_steps:  # the first step, then every n-th
+            return
+        from lightning.pytorch.loggers import WandbLogger
+
+        samples = (getattr(trainer.datamodule, "last_samples", None) or [])[: self.num_samples]
+        loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+        if not samples or not loggers:
+            return
+        step = samples[0]["step"]  # the rollout step's index, as its metrics and trajectories.jsonl count it
+        rows = [[s.get(c) for c in SAMPLE_COLUMNS] for s in samples]
+        for logger in loggers:
+            logger.log_table(key="samples", columns=SAMPLE_COLUMNS, data=rows, step=step)
+
+
+class LoggerSaveConfigCallback(SaveConfigCallback):
+    """Writes ``config.yaml`` to the log dir as LightningCLI does, and logs the full resolved config to every logger."""
+
+    def save_config(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
+        for logger in trainer.loggers:
+            logger.log_hyperparams(config)

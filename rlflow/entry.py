@@ -1,0 +1,24 @@
+"""The ``rlflow`` console script: dispatches ``plugins`` and ``data`` without importing Lightning.
+
+``rlflow plugins`` and ``rlflow data check`` answer in about a second; every other command (``fit``,
+``validate``, ...) goes to Lightning's CLI in :mod:`rlflow.cli`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] == "plugins":
+        from rlflow.plugins_cmd import main as plugins_main
+
+        return plugins_main(args[1:])
+    if args and args[0] == "data":
+        from rlflow.data.check import main as data_main
+
+        return data_main(args[1:])
+    from rlflow.cli import main as cli_main
+
+    return cli_main(argv)

@@ -1,0 +1,51 @@
+"""``function``: a reward function given by import path, e.g. one written for ``trl.GRPOTrainer``, unchanged.
+
+``{"class_path": "function", "init_args": {"path": "my_pkg.rewards:reward_fn"}}`` imports ``reward_fn`` and
+calls it with TRL's keywords (``prompts``, ``completions``, ``completion_ids`` and every dataset column).
+``factory_kwargs`` covers TRL's reward factories (``get_soft_overlong_punishment(...)`` returns the function);
+``rename`` passes a column under another keyword, e.g. ``{"solution": "ground_truth"}`` so TRL's
+``accuracy_reward`` reads XTuner's ``reward_model.ground_truth``. The metric name is the function's
+``__name__``, as in TRL. (A bare import path as the judger, ``"my_pkg.rewards:reward_fn"``, also works; this
+class adds the options.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlflow import registry
+
+
+class FunctionJudger:
+    """Wraps an importable TRL-style reward function so a config can name it.
+
+    Args:
+        path: Import path of the function (``package.module:function``), or of a factory when ``factory_kwargs`` is set.
+        factory_kwargs: If set, the object at ``path`` is called with these to make the reward function.
+        rename: Extra keyword -> existing column passed under that keyword too (e.g. ``{"solution": "ground_truth"}``).
+        name: Metric name; defaults to the function's ``__name__``.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        factory_kwargs: dict[str, Any] | None = None,
+        rename: dict[str, str] | None = None,
+        name: str | None = None,
+    ) -> None:
+        fn = registry.import_path(path)
+        if factory_kwargs is not None:
+            fn = fn(**factory_kwargs)
+        if not callable(fn):
+            raise TypeError(f"function judger: {path!r} is a {type(fn).__name__}, not a callable reward function")
+        self.fn = fn
+        self.path = path
+        self.rename = dict(rename or {})
+        self.name = name or getattr(fn, "__name__", None) or type(fn).__name__
+
+    def __call__(self, **kwargs: Any) -> Any:
+        for new, old in self.rename.items():
+            if old not in kwargs:
+                raise KeyError(f"function judger {self.name!r}: rename maps {new!r} to column {old!r}, which the data lacks; columns: {sorted(kwargs)}")
+            kwargs[new] = kwargs[old]
+        return self.fn(**kwargs)  # an async function's coroutine is awaited by the runner

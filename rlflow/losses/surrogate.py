@@ -1,0 +1,146 @@
+"""The shared body of the importance-ratio policy losses (grpo, bnpo, dr_grpo, dapo, gspo, cispo, sapo).
+
+Per micro-batch, in TRL's order: the loss mask (optionally without truncated completions); the importance
+ratio ``exp(logprobs - old_logprobs)`` per token, or per sequence from the mean log-ratio over its tokens
+(``importance_sampling_level: sequence``, GSPO); the subclass's per-token objective; the high-entropy token
+mask (``top_entropy_quantile``); the rollout/training mismatch weights (TIS/MIS); ``+ kl_coef * KL`` to the
+reference; ``- entropy_coef * entropy``; then the aggregation (:mod:`rlflow.losses.aggregation`). The log-ratio
+is clamped to [-20, 20] before the exponential, as verl does (never reached by sane ratios).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlflow.losses.aggregation import UNITS, aggregate, check_aggregation
+from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
+from rlflow.losses.kl import check_kl_type, kl_penalty
+from rlflow.losses.masks import high_entropy_mask, truncated_mask
+
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+class RatioPolicyLoss(PolicyLoss):
+    """Shared options and pipeline; a subclass supplies :meth:`objective` and its default aggregation."""
+
+    #: Default normaliser of the subclass (``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``).
+    default_aggregation: str = "grpo"
+
+    def __init__(
+        self,
+        epsilon_low: float = 0.2,
+        epsilon_high: float | None = None,
+        kl_coef: float = 0.0,
+        kl_type: str = "k3",
+        importance_sampling_level: str = "token",
+        mask_truncated_completions: bool = False,
+        top_entropy_quantile: float = 1.0,
+        entropy_coef: float = 0.0,
+        max_tokens: int | None = None,
+        aggregation: str | None = None,
+    ) -> None:
+        """
+        Args:
+            epsilon_low: Lower clip range of the importance ratio (``1 - epsilon_low``).
+            epsilon_high: Upper clip range (``1 + epsilon_high``); None means ``epsilon_low``. DAPO's clip-higher uses 0.28.
+            kl_coef: Weight of the KL penalty to the reference model (needs ``ref_logprobs``); 0 disables it.
+            kl_type: KL estimator: ``k1``, ``k2``, ``k3`` (= ``low_var_kl``) or ``abs``.
+            importance_sampling_level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO: one ratio per completion, from the mean token log-ratio).
+            mask_truncated_completions: Leave completions cut at ``max_tokens`` out of the loss (DAPO's overlong filtering).
+            top_entropy_quantile: Train only on this fraction of tokens with the highest entropy; 1.0 trains on all.
+            entropy_coef: Weight of an entropy bonus (subtracted from the loss); 0 disables it.
+            max_tokens: Completion budget, the ``dr_grpo`` normaliser when no ``LossContext`` is given.
+            aggregation: Override the normaliser: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``; None keeps the loss's own.
+        """
+        check_kl_type(kl_type)
+        if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+            raise ValueError(
+                f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}"
+            )
+        if not 0.0 <= epsilon_low < 1.0:
+            raise ValueError(f"epsilon_low must be in [0, 1), got {epsilon_low}")
+        if epsilon_high is not None and epsilon_high < 0.0:
+            raise ValueError(f"epsilon_high must be >= 0, got {epsilon_high}")
+        if not 0.0 < top_entropy_quantile <= 1.0:
+            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
+        if kl_coef < 0.0 or entropy_coef < 0.0:
+            raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {kl_coef} and {entropy_coef}")
+        self.epsilon_low = epsilon_low
+        self.epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
+        self.kl_coef = kl_coef
+        self.kl_type = kl_type
+        self.importance_sampling_level = importance_sampling_level
+        self.mask_truncated_completions = mask_truncated_completions
+        self.top_entropy_quantile = top_entropy_quantile
+        self.entropy_coef = entropy_coef
+        self.max_tokens = max_tokens
+        self.aggregation = check_aggregation(aggregation or self.default_aggregation)
+
+    @property
+    def unit(self) -> str:  # type: ignore[override]
+        return UNITS[self.aggregation]
+
+    def objective(
+        self, coef: torch.Tensor, logprobs: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token loss (``[batch, tokens]`` or ``[batch, 1]``) from the ratio ``coef`` and ``adv`` (``[batch, 1]``),
+        and boolean ``[batch, tokens|1]`` indicator tensors whose masked means become metrics."""
+        raise NotImplementedError
+
+    def log_importance_weights(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        log_ratio = logprobs - old_logprobs
+        if self.importance_sampling_level == "sequence":
+            m = mask.to(log_ratio.dtype)
+            log_ratio = ((log_ratio * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0))
+        return log_ratio.clamp(min=-20.0, max=20.0)
+
+    def __call__(
+        self,
+        logprobs: torch.Tensor,
+        old_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        ref_logprobs: torch.Tensor | None = None,
+        rollout_logprobs: torch.Tensor | None = None,
+        *,
+        entropy: torch.Tensor | None = None,
+        truncated: torch.Tensor | None = None,
+        rollout_is_weights: torch.Tensor | None = None,
+        ctx: LossContext | None = None,
+        **extra,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        mask = mask.bool()
+        if self.mask_truncated_completions:
+            mask = truncated_mask(mask, truncated)
+        adv = advantages.to(logprobs.dtype)
+        adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+        coef = torch.exp(self.log_importance_weights(logprobs, old_logprobs.to(logprobs.dtype), mask))
+        per_token, indicators = self.objective(coef, logprobs, adv, mask)
+        per_token = per_token.expand(mask.shape)
+        if self.top_entropy_quantile < 1.0:
+            per_token = per_token * high_entropy_mask(entropy, mask, self.top_entropy_quantile)
+        if rollout_is_weights is not None:
+            per_token = per_token * rollout_is_weights.to(per_token.dtype)
+        metrics: dict[str, float] = {}
+        if self.kl_coef > 0.0:
+            if ref_logprobs is None:
+                raise ValueError("kl_coef > 0 needs ref_logprobs from a reference model")
+            kl = kl_penalty(logprobs, ref_logprobs.to(logprobs.dtype), self.kl_type)
+            per_token = per_token + self.kl_coef * kl
+            metrics["kl"] = masked_mean(kl.detach(), mask).item()
+        if self.entropy_coef > 0.0:
+            if entropy is None:
+                raise ValueError("entropy_coef > 0 needs the per-token 'entropy' of the policy")
+            per_token = per_token - self.entropy_coef * entropy
+        loss = aggregate(per_token, mask, self.aggregation, ctx, self.max_tokens)
+        for name, flags in indicators.items():
+            metrics[name] = self._indicator_mean(flags, mask)
+        return loss, metrics
+
+    @staticmethod
+    def _indicator_mean(flags: torch.Tensor, mask: torch.Tensor) -> float:
+        """TRL's ``masked_batch_mean``: a sequence-level flag is averaged over sequences, a token flag over tokens."""
+        flags = flags.detach().float()
+        if flags.shape[-1] == 1 and mask.shape[-1] != 1:
+            return flags.mean().item()
+        return masked_mean(flags, mask).item()

@@ -1,0 +1,185 @@
+"""Bad input never costs a run: each case gives one clear message naming what to fix, and no checkpoint is lost."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import fit_args
+from rlflow.checkpointing import CheckpointDiskFullError
+from rlflow.cli import cli_main, main
+from rlflow.data.dataset import DataError
+from rlflow.losses.clipped import BNPOLoss
+from rlflow.module import NonFiniteLossError
+
+pytestmark = pytest.mark.slow
+
+
+class NaNLoss(BNPOLoss):
+    """BNPO, except that the listed calls (0-based; ``from_call`` on: every later one too) return a NaN loss."""
+
+    def __init__(self, nan_calls: list[int] | None = None, from_call: int | None = None) -> None:
+        super().__init__()
+        self.nan_calls = set(nan_calls or [])
+        self.from_call = from_call
+        self.calls = 0
+
+    def __call__(self, logprobs, *args, **kwargs):
+        loss, metrics = super().__call__(logprobs, *args, **kwargs)
+        call, self.calls = self.calls, self.calls + 1
+        if call in self.nan_calls or (self.from_call is not None and call >= self.from_call):
+            loss = loss * float("nan")
+        return loss, metrics
+
+
+def args_with_data(tiny_model, tiny_data, root, train_path, *extra, steps=2):
+    args = [a for a in fit_args(tiny_model, tiny_data, root, *extra, steps=steps) if not a.startswith("--data.train_data_path")]
+    return [*args, f"--data.train_data_path={train_path}", "--summary.enabled=false", "--model.export_hf=false"]
+
+
+def run_main(args, capsys) -> tuple[int, str]:
+    code = main(args)
+    return code, capsys.readouterr().err
+
+
+def rows(tiny_data, n=8):
+    return [json.loads(line) for line in (tiny_data / "train.jsonl").read_text().splitlines()[:n]]
+
+
+def write_rows(path: Path, items) -> Path:
+    path.write_text("".join((item if isinstance(item, str) else json.dumps(item)) + "\n" for item in items))
+    return path
+
+
+def no_checkpoints(root: Path) -> bool:
+    return not list(root.rglob("*.ckpt"))
+
+
+def test_missing_data_file_is_one_line(tiny_model, tiny_data, tmp_path, capsys):
+    missing = tmp_path / "nope" / "train.jsonl"
+    code, err = run_main(args_with_data(tiny_model, tiny_data, tmp_path, missing), capsys)
+    assert code == 1
+    lines = [l for l in err.splitlines() if l.startswith("rlflow: error:")]
+    assert len(lines) == 1 and str(missing) in lines[0] and "not found" in lines[0]
+    assert "Traceback" not in err
+    assert no_checkpoints(tmp_path)
+
+
+def test_unreadable_data_file(tiny_model, tiny_data, tmp_path):
+    bad = tmp_path / "train.jsonl"
+    bad.write_bytes(json.dumps(rows(tiny_data, 1)[0]).encode() + b"\n\xff\xfe{bad bytes}\n")
+    with pytest.raises(DataError, match=rf"{bad}:2: not UTF-8"):
+        cli_main(args_with_data(tiny_model, tiny_data, tmp_path, bad))
+    if os.geteuid() != 0:  # root reads anything: only a regular user can test permissions
+        good = write_rows(tmp_path / "locked.jsonl", rows(tiny_data))
+        good.chmod(0)
+        with pytest.raises(DataError, match="cannot read"):
+            cli_main(args_with_data(tiny_model, tiny_data, tmp_path, good))
+
+
+def test_empty_dataset(tiny_model, tiny_data, tmp_path):
+    empty = tmp_path / "train.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match="empty"):
+        cli_main(args_with_data(tiny_model, tiny_data, tmp_path, empty))
+
+
+def test_row_with_wrong_type_names_file_line_field(tiny_model, tiny_data, tmp_path):
+    items = rows(tiny_data)
+    items[1]["prompt"] = 5
+    bad = write_rows(tmp_path / "train.jsonl", items)
+    with pytest.raises(DataError, match=rf"{bad}:2: field 'prompt' must be a string or a list of chat messages, got int"):
+        cli_main(args_with_data(tiny_model, tiny_data, tmp_path, bad))
+
+
+def test_missing_ground_truth_is_caught_before_training(tiny_model, tiny_data, tmp_path):
+    items = rows(tiny_data)
+    del items[2]["reward_model"]["ground_truth"]
+    bad = write_rows(tmp_path / "train.jsonl", items)
+    with pytest.raises(DataError) as info:
+        cli_main(args_with_data(tiny_model, tiny_data, tmp_path, bad))
+    message = str(info.value)
+    assert f"{bad}:3: judger 'gsm8k' needs column 'ground_truth'" in message and message.startswith("1 train row(s)")
+    assert not list(tmp_path.rglob("trajectories.jsonl"))  # nothing was generated
+
+
+def test_tokenizer_without_chat_template(tiny_model, tiny_data, tmp_path):
+    plain = tmp_path / "model"
+    shutil.copytree(tiny_model, plain)
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((plain / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(DataError, match="chat template"):
+        cli_main(args_with_data(plain, tiny_data, tmp_path, tiny_data / "train.jsonl"))
+
+
+def test_prompt_repeat_k_of_one_explains_why(tiny_model, tiny_data, tmp_path):
+    with pytest.raises(ValueError, match="a group of 1 has no mean or std"):
+        cli_main(args_with_data(tiny_model, tiny_data, tmp_path, tiny_data / "train.jsonl", "--data.prompt_repeat_k=1"))
+
+
+def test_model_path_that_does_not_exist(tiny_model, tiny_data, tmp_path, capsys):
+    args = args_with_data(tiny_model, tiny_data, tmp_path, tiny_data / "train.jsonl")
+    args = [a if not a.startswith("--model.model_path") else f"--model.model_path={tmp_path / 'no-model'}" for a in args]
+    code, err = run_main(args, capsys)
+    assert code == 1
+    line = next(l for l in err.splitlines() if l.startswith("rlflow: error:"))
+    assert str(tmp_path / "no-model") in line and "does not exist" in line
+
+
+def test_nan_loss_step_is_skipped_and_counted(tiny_model, tiny_data, tmp_path):
+    loss = '--model.loss={"class_path": "test_bad_input.NaNLoss", "init_args": {"nan_calls": [1]}}'
+    cli = cli_main(args_with_data(tiny_model, tiny_data, tmp_path, tiny_data / "train.jsonl", loss, steps=3))
+    assert cli.trainer.global_step == 3 and cli.model.skipped_steps == 1 and cli.model.loss_fn.calls == 4
+    metrics = [json.loads(json.dumps(r)) for r in _csv(Path(cli.trainer.log_dir) / "metrics.csv")]
+    assert [r["train/skipped_steps"] for r in metrics] == ["0.0", "1.0", "1.0", "1.0"]
+    assert all(r["loss"] != "nan" for r in metrics)
+
+
+def _csv(path: Path) -> list[dict]:
+    import csv
+
+    with open(path) as f:
+        return [r for r in csv.DictReader(f) if r.get("train/skipped_steps")]
+
+
+def test_nan_losses_in_a_row_stop_the_run_and_keep_the_checkpoint(tiny_model, tiny_data, tmp_path, capsys):
+    loss = '--model.loss={"class_path": "test_bad_input.NaNLoss", "init_args": {"from_call": 2}}'
+    code, err = run_main(args_with_data(tiny_model, tiny_data, tmp_path, tiny_data / "train.jsonl", loss,
+                                        "--model.max_consecutive_skipped_steps=2", steps=6), capsys)
+    assert code == 1
+    line = next(l for l in err.splitlines() if l.startswith("rlflow: error:"))
+    assert "2 optimizer steps in a row had a NaN or infinite loss" in line and "model.lr" in line
+    last = next(tmp_path.rglob("last.ckpt"))
+    assert torch.load(last, weights_only=True)["global_step"] == 2  # the checkpoint before the NaNs is intact
+
+
+def test_disk_full_during_checkpointing_keeps_the_previous_one(tiny_model, tiny_data, tmp_path, monkeypatch):
+    real_save, saves = torch.save, []
+
+    def filling_save(obj, f, *args, **kwargs):
+        saves.append(obj.get("global_step"))
+        if len(saves) > 4 and hasattr(f, "write"):  # step 3's first save: part of the bytes, then the disk is full
+            f.write(b"\0" * 1024)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", filling_save)
+    with pytest.raises(CheckpointDiskFullError) as info:
+        cli_main(args_with_data(tiny_model, tiny_data, tmp_path, tiny_data / "train.jsonl", steps=4))
+    message = str(info.value)
+    assert "no space left on the device while writing the checkpoint" in message and "step=3.ckpt" in message
+    assert "intact" in message and "--ckpt_path last" in message
+    last = next(tmp_path.rglob("last.ckpt"))
+    monkeypatch.setattr(torch, "save", real_save)
+    assert torch.load(last, weights_only=True)["global_step"] == 2
+    assert sorted(p.name for p in last.parent.glob("*.ckpt")) == ["epoch=0-step=2.ckpt", "last.ckpt"]
+    assert torch.load(last.parent / "epoch=0-step=2.ckpt", weights_only=True)["global_step"] == 2  # not deleted
+    assert not list(last.parent.glob(".partial-*"))

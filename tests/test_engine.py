@@ -1,0 +1,202 @@
+"""The ``engine`` rollout backend: sampling distribution, shared-prefix cache exactness, stops, log-probs, streaming."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from rlflow import registry
+from rlflow.rollout.base import SamplingParams
+from rlflow.rollout.engine import DecodeState, EngineRollout
+from rlflow.rollout.hf import HFRollout
+
+
+def chi2_quantile_999(df: int) -> float:
+    """99.9% quantile of the chi-square distribution (Wilson-Hilferty; within 1% of the exact value for df >= 3)."""
+    z = 3.0902  # standard normal 99.9% quantile
+    return df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model):
+    return AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+
+
+def engine(model, tokenizer, **kwargs) -> EngineRollout:
+    e = EngineRollout(**kwargs)
+    e.bind(model, tokenizer)
+    return e
+
+
+def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(4, 100) for _ in range(n)] for n in lengths]
+
+
+@torch.no_grad()
+def next_token_probs(model, ids: list[int], temperature: float) -> torch.Tensor:
+    """The plain path: one full forward pass, softmax of the last logits over the temperature."""
+    logits = model(torch.tensor([ids])).logits[0, -1].double()
+    return torch.softmax(logits / temperature, dim=-1)
+
+
+def truncated(probs: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Top-k / top-p truncation written from their definitions, renormalised."""
+    order = torch.argsort(probs, descending=True).tolist()
+    keep, mass = [], 0.0
+    for rank, tok in enumerate(order):
+        if top_k and rank >= top_k:
+            break
+        if top_p < 1.0 and mass >= top_p:
+            break
+        keep.append(tok)
+        mass += float(probs[tok])
+    out = torch.zeros_like(probs)
+    out[keep] = probs[keep]
+    return out / out.sum()
+
+
+def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic over the tokens with non-zero expected probability; asserts none outside them."""
+    support = expected_probs > 0
+    assert counts[~support].sum() == 0, "sampled a token outside the truncated support"
+    n = counts.sum()
+    expected = expected_probs[support] * n
+    stat = float(((counts[support] - expected) ** 2 / expected).sum())
+    return stat, int(support.sum()) - 1
+
+
+def test_registered_as_engine():
+    assert isinstance(registry.build("rlflow.rollout", "engine"), EngineRollout)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 5, 1.0), (1.3, 0, 0.3)])
+def test_first_token_distribution_matches_plain_softmax(model, tokenizer, temperature, top_k, top_p):
+    prompt = prompts_of([17], seed=3)[0]
+    e = engine(model, tokenizer, seed=1)
+    params = SamplingParams(temperature, top_p, top_k, max_tokens=1)
+    (group,) = e.generate([prompt], params, n=4000)
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in group]), minlength=model.config.vocab_size).double()
+    expected = truncated(next_token_probs(model, prompt, temperature), top_k, top_p)
+    stat, df = chi_square(counts, expected)
+    assert df >= 3 and float(expected[expected > 0].min()) * 4000 >= 5
+    assert stat < chi2_quantile_999(df), (stat, df)
+
+
+def test_second_token_distribution_matches_plain_softmax(model, tokenizer):
+    """The decode path (shared prompt cache + own suffix): the next-token law given the first sampled token."""
+    prompt = prompts_of([11], seed=5)[0]
+    e = engine(model, tokenizer, seed=2)
+    params = SamplingParams(1.0, 1.0, 4, max_tokens=2)
+    (group,) = e.generate([prompt], params, n=6000)
+    firsts = torch.tensor([c.token_ids[0] for c in group])
+    first = int(torch.mode(firsts).values)
+    seconds = torch.tensor([c.token_ids[1] for c in group if c.token_ids[0] == first])
+    assert len(seconds) > 500
+    counts = torch.bincount(seconds, minlength=model.config.vocab_size).double()
+    stat, df = chi_square(counts, truncated(next_token_probs(model, prompt + [first], 1.0), top_k=4))
+    assert stat < chi2_quantile_999(df), (stat, df)
+
+
+@torch.no_grad()
+def test_shared_prefix_cache_gives_the_same_next_token_distribution_as_separate_prefills(model, tokenizer):
+    e = engine(model, tokenizer)
+    prompts = prompts_of([9, 23], seed=7)  # different lengths: the prompt caches are padded
+    n = 3
+    keys, values, mask, _ = e._prefill(prompts, torch.device("cpu"))
+    state = DecodeState(n, max_tokens=8)
+    state.add_groups([0, 1], keys, values, mask)
+    third = prompts_of([15], seed=8)[0]  # a group that joins the running batch later
+    rng = random.Random(0)
+    seqs = [list(prompts[g]) for g in range(2) for _ in range(n)]
+    pos = torch.tensor([len(s) for s in seqs])
+    for step in range(5):
+        if step == 2:
+            k3, v3, m3, _ = e._prefill([third], torch.device("cpu"))
+            state.add_groups([2], k3, v3, m3)
+            seqs += [list(third) for _ in range(n)]
+            pos = torch.cat([pos, torch.full((n,), len(third))])
+        if step == 3:  # two sequences finish and leave; the first group loses one row
+            keep = torch.tensor([j for j in range(len(seqs)) if j not in (1, 4)])
+            state.keep_rows(keep)
+            seqs = [seqs[j] for j in keep.tolist()]
+            pos = pos[keep]
+        feed = torch.tensor([rng.randrange(4, 100) for _ in seqs])
+        logits = e._decode_step(state, feed, pos)
+        pos = pos + 1
+        for j, tok in enumerate(feed.tolist()):
+            seqs[j].append(tok)
+            plain = model(torch.tensor([seqs[j]])).logits[0, -1]
+            torch.testing.assert_close(torch.log_softmax(logits[j], -1), torch.log_softmax(plain, -1), atol=1e-5, rtol=0)
+
+
+def test_logprobs_match_a_full_forward_pass(model, tokenizer):
+    torch.manual_seed(0)
+    prompts = prompts_of([5, 30, 12], seed=1)
+    e = engine(model, tokenizer, max_batch_size=4, prefill_batch_size=1)  # prompts join mid-run
+    params = SamplingParams(0.8, 0.9, 20, max_tokens=10)
+    groups = e.generate(prompts, params, n=2)
+    for prompt, group in zip(prompts, groups):
+        assert len(group) == 2
+        for c in group:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1: -1].double()
+            ref = torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), ref, atol=2e-5, rtol=0)
+
+
+def test_stop_tokens_and_max_tokens_are_exact(model, tokenizer):
+    prompts = prompts_of([8, 14, 21], seed=2)
+    probs = next_token_probs(model, prompts[0], 1.0)
+    stops = torch.argsort(probs, descending=True)[:6].tolist()  # likely tokens, so many completions stop
+    e = engine(model, tokenizer, seed=3, max_batch_size=8)
+    groups = e.generate(prompts, SamplingParams(1.0, max_tokens=9, stop_token_ids=stops), n=8)
+    reasons = set()
+    for group in groups:
+        for c in group:
+            assert 1 <= len(c.token_ids) <= 9 and len(c.logprobs) == len(c.token_ids)
+            assert not set(c.token_ids[:-1]) & set(stops), "generation went on past a stop token"
+            if c.finish_reason == "stop":
+                assert c.token_ids[-1] in stops
+            else:
+                assert c.finish_reason == "length" and len(c.token_ids) == 9 and c.token_ids[-1] not in stops
+            reasons.add(c.finish_reason)
+    assert reasons == {"stop", "length"}
+    (one,) = e.generate(prompts[:1], SamplingParams(1.0, max_tokens=1), n=5)
+    assert all(len(c.token_ids) == 1 for c in one)
+
+
+def test_greedy_matches_model_generate(model, tokenizer):
+    prompts = prompts_of([6, 25, 13], seed=4)
+    params = SamplingParams(0.0, max_tokens=12, stop_token_ids=[tokenizer.eos_token_id])
+    hf = HFRollout()
+    hf.bind(model, tokenizer)
+    mine = engine(model, tokenizer, max_batch_size=4).generate(prompts, params, n=2)
+    for a, b in zip(hf.generate(prompts, params, n=2), mine):
+        assert [c.token_ids for c in a] == [c.token_ids for c in b]
+        assert [c.finish_reason for c in a] == [c.finish_reason for c in b]
+
+
+def test_stream_yields_finished_groups_before_the_last_prompt_is_prefilled(model, tokenizer, monkeypatch):
+    e = engine(model, tokenizer, seed=0, max_batch_size=4, prefill_batch_size=1)
+    prefills = []
+    original = e._prefill
+    monkeypatch.setattr(e, "_prefill", lambda p, d: prefills.append(len(p)) or original(p, d))
+    prompts = prompts_of([7, 9, 11, 13, 15], seed=6)
+    seen = []
+    for index, group in e.stream(prompts, SamplingParams(1.0, max_tokens=5), n=2):
+        seen.append((index, len(prefills)))
+        assert len(group) == 2
+    assert sorted(i for i, _ in seen) == list(range(5))
+    assert seen[0][1] < len(prompts), "the first group should be ready while prompts still wait"
+    assert model.config._attn_implementation != "rlflow_shared_prefix"  # restored after decoding
+
+
+def test_bad_arguments_are_refused(model, tokenizer):
+    with pytest.raises(ValueError, match="max_batch_size"):
+        EngineRollout(max_batch_size=0)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine(model, tokenizer).generate([[5], []], SamplingParams(max_tokens=2), n=2)

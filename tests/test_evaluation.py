@@ -1,0 +1,145 @@
+"""Evaluation: pass@k against the binomial formula, per-source aggregation, RNG isolation, and ``rlflow validate``."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import fit_args
+from rlflow.cli import cli_main
+from rlflow.data.datamodule import RolloutDataModule
+from rlflow.evaluation import EvalAccumulator, pass_at_k
+from rlflow.judgers.base import Judger
+
+
+class AdditionJudger(Judger):
+    """Reward 1 for the prompts that are additions, whatever the completion: accuracy is known from the data alone."""
+
+    name = "addition"
+
+    def __init__(self, bonus: float = 0.0) -> None:
+        self.bonus = bonus
+
+    def score(self, completion: str, extra_info=None, **sample) -> float:
+        return 1.0 if "+" in extra_info["question"] else 0.0
+
+
+class DigitJudger(Judger):
+    """Reward 1 when the completion holds a digit (varies with sampling)."""
+
+    name = "digit"
+
+    def __init__(self, bonus: float = 0.0) -> None:
+        self.bonus = bonus
+
+    def score(self, completion: str, **sample) -> float:
+        return float(any(ch.isdigit() for ch in completion))
+
+
+def binomial_pass_at_k(n: int, c: int, k: int) -> float:
+    """Chen et al. (2021): 1 - C(n-c, k) / C(n, k), with exact integers."""
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 10, 16])
+def test_pass_at_k_matches_binomial_formula(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            assert pass_at_k(n, c, k) == pytest.approx(binomial_pass_at_k(n, c, k), abs=1e-12)
+    assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 1, 4) == 1.0
+    with pytest.raises(ValueError):
+        pass_at_k(3, 4, 1)
+
+
+def test_accumulator_per_source_by_hand():
+    acc = EvalAccumulator(k=2)
+    acc.add(["a", "b"], [[True, False], [False, False]], [[1.0, 0.0], [0.0, 0.5]], [[4, 6], [8, 10]])
+    acc.add(["a"], [[True, True]], [[1.0, 1.0]], [[2, 2]])
+    m = acc.compute()
+    # a: samples T F T T -> 3/4; pass@2 per prompt: 1 - C(1,2)/C(2,2) = 1, and 1 -> 1.0
+    assert m["eval/a/accuracy"] == 0.75 and m["eval/a/pass@2"] == 1.0
+    assert m["eval/b/accuracy"] == 0.0 and m["eval/b/pass@2"] == 0.0 and m["eval/b/reward"] == 0.25
+    assert m["eval/accuracy"] == 3 / 6 and m["eval/pass@2"] == pytest.approx(2 / 3)
+    assert m["eval/mean_length"] == (4 + 6 + 8 + 10 + 2 + 2) / 6
+    assert m["eval/a/mean_length"] == 3.5
+
+
+def write_eval_file(tiny_data: Path, out: Path) -> dict[str, float]:
+    """Six eval rows over two sources; returns the expected addition share per source (and overall)."""
+    rows = [json.loads(line) for line in (tiny_data / "val.jsonl").read_text().splitlines()[:6]]
+    for row in rows[4:]:
+        row["data_source"] = "other/set"
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    share = {}
+    for source, part in (("openai/gsm8k", rows[:4]), ("other/set", rows[4:]), ("all", rows)):
+        share[source] = sum("+" in r["extra_info"]["question"] for r in part) / len(part)
+    return share
+
+
+def test_validate_reports_accuracy_per_data_source(tiny_model, tiny_data, tmp_path):
+    expected = write_eval_file(tiny_data, tmp_path / "eval.jsonl")
+    args = fit_args(tiny_model, tiny_data, tmp_path, f"--data.eval_data_path={tmp_path / 'eval.jsonl'}",
+                    '--data.judgers={"*": {"class_path": "test_evaluation.AdditionJudger"}}', "--data.eval_batch_size=4")
+    args[0] = "validate"
+    args = [a for a in args if not a.startswith("--trainer.max_steps")]
+    metrics = {k: float(v) for k, v in cli_main(args).trainer.callback_metrics.items()}
+    assert metrics["eval/accuracy"] == pytest.approx(expected["all"])
+    assert metrics["eval/openai/gsm8k/accuracy"] == pytest.approx(expected["openai/gsm8k"])
+    assert metrics["eval/other/set/accuracy"] == pytest.approx(expected["other/set"])
+    assert 0 < expected["all"] < 1  # the data mixes both answers, so a wrong grouping would show
+    assert "eval/pass@1" not in metrics  # greedy, one sample: accuracy only
+
+
+def test_evaluate_every_n_steps_with_k_samples(tiny_model, tiny_data, tmp_path):
+    write_eval_file(tiny_data, tmp_path / "eval.jsonl")
+    args = fit_args(tiny_model, tiny_data, tmp_path, f"--data.eval_data_path={tmp_path / 'eval.jsonl'}",
+                    '--data.judgers={"*": {"class_path": "test_evaluation.DigitJudger"}}', "--data.eval_k=3",
+                    "--data.eval_temperature=1.0", "--evaluate_every_n_steps=2", "--model.export_hf=false", steps=4)
+    cli = cli_main(args)
+    with open(Path(cli.trainer.log_dir) / "metrics.csv") as f:
+        evals = [row for row in csv.DictReader(f) if row.get("eval/accuracy")]
+    assert [int(r["step"]) for r in evals] == [1, 3]  # after rollout steps 2 and 4 (Lightning logs step - 1)
+    for row in evals:
+        acc, pass3 = float(row["eval/accuracy"]), float(row["eval/pass@3"])
+        assert 0.0 <= acc <= pass3 <= 1.0
+        assert "eval/other/set/pass@3" in row and row["eval/other/set/pass@3"] != ""
+
+
+def test_eval_sampling_is_seeded_and_leaves_training_rng_alone(tiny_model, tiny_data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    write_eval_file(tiny_data, tmp_path / "eval.jsonl")
+    dm = RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), eval_data_path=str(tmp_path / "eval.jsonl"),
+                           tokenizer_path=str(tiny_model), eval_k=2, eval_temperature=1.0, max_tokens=8,
+                           judgers={"*": DigitJudger()})
+    dm.setup("validate")
+    dm.bind(AutoModelForCausalLM.from_pretrained(tiny_model))
+    torch.manual_seed(123)
+    expected_next = torch.rand(4)
+    torch.manual_seed(123)
+    first = dm.evaluate_batch(dm.eval_records, seed=7)
+    assert torch.equal(torch.rand(4), expected_next)  # evaluation did not move the global RNG
+    again = dm.evaluate_batch(dm.eval_records, seed=7)
+    assert first == again
+    assert all(len(r) == 2 for r in first["rewards"]) and len(first["rewards"]) == 6
+    other = dm.evaluate_batch(dm.eval_records, seed=8)
+    assert other["lengths"] != first["lengths"] or other["rewards"] != first["rewards"]
+
+
+def test_k_samples_need_a_temperature(tiny_data):
+    with pytest.raises(ValueError, match="eval_temperature"):
+        RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), eval_k=4)
+
+
+def test_evaluate_every_n_steps_maps_to_lightning(tiny_model, tiny_data, tmp_path):
+    args = fit_args(tiny_model, tiny_data, tmp_path, f"--data.eval_data_path={tiny_data / 'val.jsonl'}",
+                    "--evaluate_every_n_steps=5")
+    trainer = cli_main(args[1:], run=False).trainer  # [1:]: no subcommand
+    assert trainer.val_check_interval == 5 and trainer.check_val_every_n_epoch is None
+    with pytest.raises(ValueError, match="needs an eval set"):
+        cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--evaluate_every_n_steps=5")[1:], run=False)

@@ -1,0 +1,320 @@
+"""Policy losses against plain re-implementations of the published formulas (TRL ``_compute_loss``, verl
+``compute_policy_loss`` / ``kl_penalty``, the CISPO/SAPO/GSPO papers), gradients included, and micro-batch
+accumulation with ``micro_batch_weight`` against the full batch."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import fit_args
+from rlflow import registry
+from rlflow.losses import LossContext, kl_penalty
+
+B, T, MAX_TOKENS = 6, 9, 12
+
+
+def make_batch(seed: int = 0, b: int = B, t: int = T):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    lengths[0] = t  # one full row
+    mask = torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)
+    base = -torch.rand(b, t, generator=g) * 3.0
+    old = base + 0.35 * torch.randn(b, t, generator=g)  # ratios on both sides of the clip range
+    ref = base + 0.25 * torch.randn(b, t, generator=g)
+    adv = torch.randn(b, generator=g).abs() * torch.tensor([1.0, -1.0]).repeat(b)[:b]  # both signs
+    adv[1] = 0.0
+    entropy = torch.rand(b, t, generator=g) * 2.0
+    truncated = torch.tensor([i % 3 == 2 for i in range(b)])
+    rollout_w = 0.5 + torch.rand(b, t, generator=g)
+    return dict(logp=base, old=old, ref=ref, adv=adv, mask=mask, entropy=entropy, truncated=truncated, is_w=rollout_w)
+
+
+# ------------------------------------------------------------------------------------ reference formulas
+def ref_kl(logp, ref, kind):
+    """verl ``kl_penalty`` / TRL's k3, written out."""
+    if kind == "k1":
+        return logp - ref
+    if kind == "k2":
+        return 0.5 * (logp - ref) ** 2
+    if kind in ("k3", "low_var_kl"):
+        kl = ref - logp
+        return torch.exp(kl) - kl - 1
+    if kind == "abs":
+        return (logp - ref).abs()
+    raise AssertionError(kind)
+
+
+def ref_loss(d, logp, loss_type, *, eps_low=0.2, eps_high=0.2, level="token", delta=None, clip_c=None, beta=0.0,
+             kl="k3", tau_pos=1.0, tau_neg=1.05, top_q=1.0, ent_coef=0.0, entropy=None, mask_trunc=False,
+             is_w=None, agg=None, num_items=None, num_processes=1):
+    """TRL's GRPOTrainer._compute_loss, re-typed from the formulas, with verl's dual clip and an entropy bonus."""
+    mask = d["mask"].float()
+    if mask_trunc:
+        mask = mask * (~d["truncated"]).float().unsqueeze(1)
+    adv = d["adv"].unsqueeze(1)
+    log_ratio = logp - d["old"]
+    if level == "sequence":
+        log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+    coef_1 = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        per_token = -torch.clamp(coef_1, max=1.0 + eps_high).detach() * adv * logp
+    elif loss_type == "sapo":
+        tau = torch.where(adv > 0, torch.tensor(tau_pos), torch.tensor(tau_neg))
+        per_token = -(torch.sigmoid(tau * (coef_1 - 1)) * 4.0 / tau) * adv
+    else:
+        coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
+        if delta is not None:
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token = -torch.min(coef_1 * adv, coef_2 * adv)
+        if clip_c is not None:  # verl compute_policy_loss_vanilla
+            pg3 = -adv * clip_c
+            per_token = torch.where(adv < 0, torch.min(pg3, per_token), per_token)
+    per_token = per_token.expand(mask.shape)
+    if top_q < 1.0:  # TRL get_high_entropy_mask
+        ent = entropy.detach()
+        threshold = torch.quantile(ent[mask.bool()], 1 - top_q)
+        per_token = per_token * ((ent * mask >= threshold) & mask.bool()).float()
+    if is_w is not None:
+        per_token = per_token * is_w
+    if beta:
+        per_token = per_token + beta * ref_kl(logp, d["ref"], kl)
+    if ent_coef:
+        per_token = per_token - ent_coef * entropy
+    agg = agg or {"grpo": "grpo", "gspo": "grpo", "sapo": "grpo", "bnpo": "bnpo", "dr_grpo": "dr_grpo",
+                  "dapo": "dapo", "cispo": "dapo"}[loss_type]
+    if agg == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if agg == "bnpo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0)
+    if agg == "dr_grpo":
+        return (per_token * mask).sum() / (per_token.size(0) * MAX_TOKENS)
+    normalizer = (num_items if num_items is not None else mask.sum()) / num_processes
+    return (per_token * mask).sum() / normalizer
+
+
+def build(name, **kw):
+    kw.setdefault("max_tokens", MAX_TOKENS)
+    return registry.build("rlflow.losses", {"class_path": name, "init_args": kw})
+
+
+def run_both(name, d, ref_kwargs, loss_kwargs, call_kwargs=None, ctx=None):
+    """Loss and d(loss)/d(logp) (and d/d(entropy)) from rlflow and from the reference."""
+    call_kwargs = dict(call_kwargs or {})
+    logp = d["logp"].clone().requires_grad_(True)
+    ent = d["entropy"].clone().requires_grad_(True)
+    loss, metrics = build(name, **loss_kwargs)(
+        logp, d["old"], d["adv"], d["mask"], ref_logprobs=d["ref"], entropy=ent, truncated=d["truncated"],
+        ctx=ctx, **call_kwargs,
+    )
+    loss.backward()
+    logp2 = d["logp"].clone().requires_grad_(True)
+    ent2 = d["entropy"].clone().requires_grad_(True)
+    expected = ref_loss(d, logp2, name, entropy=ent2, **ref_kwargs)
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logp.grad, logp2.grad, rtol=1e-5, atol=1e-6)
+    assert logp.grad.abs().sum() > 0
+    if ent2.grad is not None:
+        torch.testing.assert_close(ent.grad, ent2.grad, rtol=1e-5, atol=1e-6)
+    return metrics
+
+
+LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo"]
+
+
+@pytest.mark.parametrize("name", LOSSES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_each_loss_matches_the_published_formula(name, level):
+    d = make_batch(1)
+    kw = {"importance_sampling_level": level} if name != "gspo" else {}
+    ref_level = "sequence" if name == "gspo" else level
+    eps = {"epsilon_low": 0.2, "epsilon_high": 0.28}
+    run_both(name, d, dict(eps_low=0.2, eps_high=0.28, level=ref_level), {**kw, **eps})
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl", "abs"])
+def test_kl_estimators_and_their_gradients(kind):
+    d = make_batch(2)
+    logp = d["logp"].clone().requires_grad_(True)
+    logp2 = d["logp"].clone().requires_grad_(True)
+    got = kl_penalty(logp, d["ref"], kind)
+    want = ref_kl(logp2, d["ref"], kind)
+    torch.testing.assert_close(got, want)
+    (got * d["mask"]).sum().backward()
+    (want * d["mask"]).sum().backward()
+    torch.testing.assert_close(logp.grad, logp2.grad)
+    # and as the loss's KL term, with its metric
+    metrics = run_both("bnpo", d, dict(beta=0.05, kl=kind), {"kl_coef": 0.05, "kl_type": kind})
+    expected_kl = (ref_kl(d["logp"], d["ref"], kind) * d["mask"]).sum() / d["mask"].sum()
+    assert metrics["kl"] == pytest.approx(expected_kl.item(), rel=1e-5)
+
+
+def test_k3_is_clamped_like_verl_low_var_kl():
+    logp = torch.tensor([0.0, -40.0, 40.0])
+    ref = torch.zeros(3)
+    out = kl_penalty(logp, ref, "k3")
+    assert out[0] == 0.0
+    assert out[1] == pytest.approx(10.0) and out[2] == pytest.approx(10.0)  # the result is clamped to 10
+    inner = kl_penalty(torch.tensor([3.0]), torch.zeros(1), "low_var_kl")  # inside the bounds: TRL's k3
+    assert inner.item() == pytest.approx(math.exp(-3.0) + 3.0 - 1.0)
+
+
+@pytest.mark.parametrize("name", ["grpo", "dapo"])
+def test_delta_and_dual_clip(name):
+    d = make_batch(3)
+    d["old"] = d["logp"] - 1.2 * torch.rand(B, T, generator=torch.Generator().manual_seed(3))  # large ratios: delta and the dual clip bite
+    run_both(name, d, dict(delta=1.5), {"delta": 1.5})
+    metrics = run_both(name, d, dict(clip_c=2.0), {"clip_ratio_c": 2.0})
+    coef = torch.exp(d["logp"] - d["old"])
+    adv = d["adv"].unsqueeze(1)
+    base = -torch.min(coef * adv, coef.clamp(0.8, 1.2) * adv)
+    dual = ((base > -adv * 2.0) & (adv < 0)).float()
+    assert metrics["clip_ratio/dual_mean"] == pytest.approx(((dual * d["mask"]).sum() / d["mask"].sum()).item())
+    assert metrics["clip_ratio/dual_mean"] > 0  # the case is actually exercised
+
+
+def test_options_truncation_entropy_mask_bonus_and_rollout_weights():
+    d = make_batch(4)
+    run_both("grpo", d, dict(mask_trunc=True), {"mask_truncated_completions": True})
+    run_both("dapo", d, dict(top_q=0.3), {"top_entropy_quantile": 0.3})
+    run_both("bnpo", d, dict(ent_coef=0.01), {"entropy_coef": 0.01})
+    run_both("cispo", d, dict(is_w=d["is_w"]), {}, {"rollout_is_weights": d["is_w"]})
+    run_both("sapo", d, dict(tau_pos=0.5, tau_neg=2.0, agg="bnpo"), {"tau_pos": 0.5, "tau_neg": 2.0, "aggregation": "bnpo"})
+
+
+def test_clip_metrics_use_trl_definitions():
+    d = make_batch(5)
+    _, metrics = build("bnpo", epsilon_low=0.2, epsilon_high=0.28)(d["logp"], d["old"], d["adv"], d["mask"])
+    coef = torch.exp(d["logp"] - d["old"])
+    adv = d["adv"].unsqueeze(1)
+    m = d["mask"].float()
+    low = ((coef < 0.8) & (adv < 0)).float()
+    high = ((coef > 1.28) & (adv > 0)).float()
+    assert metrics["clip_ratio/low_mean"] == pytest.approx(((low * m).sum() / m.sum()).item())
+    assert metrics["clip_ratio/high_mean"] == pytest.approx(((high * m).sum() / m.sum()).item())
+    assert metrics["clip_ratio/region_mean"] == pytest.approx((((low + high).clamp(max=1) * m).sum() / m.sum()).item())
+    assert metrics["clip_ratio/low_mean"] > 0 and metrics["clip_ratio/high_mean"] > 0
+    # sequence level: one flag per sequence, averaged over sequences
+    _, seq = build("gspo", epsilon_low=0.1, epsilon_high=0.1)(d["logp"], d["old"], d["adv"], d["mask"])
+    lr = ((d["logp"] - d["old"]) * m).sum(-1) / m.sum(-1)
+    flags = ((lr.exp() < 0.9) & (d["adv"] < 0)).float()
+    assert seq["clip_ratio/low_mean"] == pytest.approx(flags.mean().item())
+    _, cis = build("cispo", epsilon_high=0.1)(d["logp"], d["old"], d["adv"], d["mask"])
+    assert cis["cispo_clip_ratio"] == pytest.approx(((((coef > 1.1) & (adv > 0)).float() * m).sum() / m.sum()).item())
+
+
+def test_dapo_normalises_by_the_generation_batch_across_ranks():
+    d = make_batch(6)
+    ctx = LossContext(mini_batch_sequences=B, mini_batch_tokens=int(d["mask"].sum()), generation_batch_sequences=4 * B,
+                      generation_batch_tokens=200, max_tokens=MAX_TOKENS, world_size=2)
+    run_both("dapo", d, dict(num_items=200, num_processes=2), {}, ctx=ctx)
+
+
+# ----------------------------------------------------------------------------- micro-batch accumulation
+ACCUMULATION = [
+    ("grpo", {}), ("bnpo", {}), ("dr_grpo", {}), ("dapo", {}), ("gspo", {}), ("cispo", {}), ("sapo", {}),
+    ("bnpo", {"mask_truncated_completions": True}), ("dapo", {"kl_coef": 0.1}),
+]
+
+
+def _ctx(mask, rows, world, gen_tokens):
+    return LossContext(
+        mini_batch_sequences=len(rows), mini_batch_tokens=int(mask[rows].sum()),
+        generation_batch_sequences=len(rows), generation_batch_tokens=gen_tokens, max_tokens=MAX_TOKENS,
+        world_size=world,
+    )
+
+
+@pytest.mark.parametrize("name,kw", ACCUMULATION)
+@pytest.mark.parametrize("world", [1, 2])
+def test_micro_batches_accumulate_to_the_full_batch_gradient(name, kw, world):
+    """Each rank sums ``micro_batch_weight * loss`` over uneven micro-batches; DDP averages the ranks' gradients.
+    That must equal the gradient of the loss computed over every rank's mini-batch at once."""
+    n = 10
+    d = make_batch(7, b=n)
+    loss_fn = build(name, **kw)
+    mask = d["mask"]
+    if loss_fn.mask_truncated_completions:
+        mask = mask & ~d["truncated"].unsqueeze(1)
+    gen_tokens = int(mask.sum()) * 2  # the generation batch also feeds a second optimizer step
+    everything = list(range(n))
+    full_ctx = _ctx(mask, everything, 1, gen_tokens)
+    logp = d["logp"].clone().requires_grad_(True)
+    loss, _ = loss_fn(logp, d["old"], d["adv"], d["mask"], ref_logprobs=d["ref"], truncated=d["truncated"], ctx=full_ctx)
+    (loss * loss_fn.micro_batch_weight(mask, full_ctx)).backward()
+    assert loss_fn.micro_batch_weight(mask, full_ctx) == pytest.approx(1.0)
+    full_grad = logp.grad.clone()
+
+    ranks = [everything[: n // world * (r + 1)][n // world * r:] for r in range(world)] if world > 1 else [everything]
+    summed = torch.zeros_like(full_grad)
+    ctx = LossContext(  # sizes summed over ranks, as GRPOModule.global_counts makes them
+        mini_batch_sequences=n, mini_batch_tokens=int(mask.sum()), generation_batch_sequences=n,
+        generation_batch_tokens=gen_tokens, max_tokens=MAX_TOKENS, world_size=world,
+    )
+    for rows in ranks:
+        logp_r = d["logp"].clone().requires_grad_(True)
+        cuts = [0, 2, 3, len(rows)]  # micro-batches of 2, 1 and the rest
+        for a, b in zip(cuts, cuts[1:]):
+            idx = torch.tensor(rows[a:b])
+            sel = {k: v[idx] for k, v in d.items()}
+            micro_mask = mask[idx]
+            l, _ = loss_fn(logp_r[idx], sel["old"], sel["adv"], sel["mask"], ref_logprobs=sel["ref"],
+                           truncated=sel["truncated"], ctx=ctx)
+            (l * loss_fn.micro_batch_weight(micro_mask, ctx)).backward()
+        summed += logp_r.grad
+    torch.testing.assert_close(summed / world, full_grad, rtol=1e-5, atol=1e-7)
+
+
+# ------------------------------------------------------------------------------------------- errors
+def test_bad_options_fail_clearly():
+    with pytest.raises(Exception, match="kl_type"):
+        build("grpo", kl_type="k4")
+    with pytest.raises(Exception, match="importance_sampling_level"):
+        build("grpo", importance_sampling_level="segment")
+    with pytest.raises(Exception, match="delta"):
+        build("grpo", delta=1.1)
+    with pytest.raises(Exception, match="clip_ratio_c"):
+        build("dapo", clip_ratio_c=0.5)
+    with pytest.raises(Exception, match="aggregation"):
+        build("cispo", aggregation="sum")
+    with pytest.raises(Exception, match="available: bnpo, cispo, dapo, dr_grpo, grpo, gspo, sapo"):
+        registry.build("rlflow.losses", "ppo")
+    d = make_batch(8)
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        build("grpo", kl_coef=0.1)(d["logp"], d["old"], d["adv"], d["mask"])
+    with pytest.raises(ValueError, match="truncated"):
+        build("grpo", mask_truncated_completions=True)(d["logp"], d["old"], d["adv"], d["mask"])
+    with pytest.raises(ValueError, match="entropy"):
+        build("grpo", top_entropy_quantile=0.5)(d["logp"], d["old"], d["adv"], d["mask"])
+
+
+# ------------------------------------------------------------------------------------------ end to end
+@pytest.mark.slow
+def test_fit_with_dapo_two_iterations_and_two_optimizer_steps(tiny_model, tiny_data, tmp_path, monkeypatch):
+    from rlflow.cli import cli_main
+    from rlflow.module import GRPOModule
+
+    calls = []
+    original = GRPOModule.fill_logprobs
+
+    def counting(self, experiences, attr, model):
+        calls.append((self.policy_version, attr))
+        return original(self, experiences, attr, model)
+
+    monkeypatch.setattr(GRPOModule, "fill_logprobs", counting)
+    args = fit_args(tiny_model, tiny_data, tmp_path, "--model.loss=dapo", "--model.num_iterations=2",
+                    "--model.optimizer_steps=2", "--model.micro_batch_size=3", "--model.epsilon_high=0.28", steps=4)
+    cli = cli_main(args)
+    module = cli.model
+    # 2 iterations x 2 mini-batches = 4 optimizer steps per rollout step, old log-probs computed once before them
+    assert module.policy_version == 4
+    assert calls == [(0, "old_logprobs")]
+    assert [v for v, _ in module.trained_versions] == [0, 1, 2, 3]
+    assert {sampled for _, sampled in module.trained_versions} == {0}
+    rows = list(csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")))
+    assert rows and all(math.isfinite(float(r["loss"])) for r in rows if r.get("loss"))

@@ -1,0 +1,220 @@
+"""Exact resume: 6 steps straight equal 3 steps, a real ``kill -9`` of a real ``rlflow fit``, and a resume to 6.
+
+The data has 8 prompts and 4 per step, so the 6 steps cross two epoch boundaries and the kill lands mid-epoch.
+A graded judger (digits in the completion) gives non-zero advantages, so the losses and weights really move.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from conftest import ROOT, fit_args
+from rlflow.cli import cli_main
+from rlflow.judgers.base import Judger
+
+pytestmark = pytest.mark.slow
+TESTS = Path(__file__).resolve().parent
+
+
+class DigitJudger(Judger):
+    """A graded reward: the share of digits in the completion (so groups have different rewards)."""
+
+    name = "digits"
+
+    def __init__(self, scale: float = 12.0) -> None:
+        self.scale = scale
+
+    def score(self, completion: str, **sample) -> float:
+        return sum(ch.isdigit() for ch in completion) / self.scale
+
+
+class KillAfterCheckpoint(L.Callback):
+    """Sends SIGKILL to its own process when step ``step + 1`` is about to start, i.e. after step ``step``'s checkpoint."""
+
+    def __init__(self, step: int = 3) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run_args(tiny_model, data_dir, root, *extra, steps=6):
+    args = fit_args(tiny_model, data_dir, root, steps=steps)
+    args = [a for a in args if not a.startswith("--trainer.logger.save_dir")]
+    return [
+        *args,
+        f"--trainer.logger.save_dir={root}",
+        "--trainer.logger.flush_logs_every_n_steps=1",
+        '--data.judgers={"openai/gsm8k": {"class_path": "test_resume.DigitJudger"}}',
+        "--model.export_hf=false",
+        "--summary.enabled=false",
+        *extra,
+    ]
+
+
+def metrics_by_step(root: Path) -> dict[int, dict[str, float]]:
+    rows = {}
+    for path in sorted(root.glob("lightning_logs/version_*/metrics.csv")):
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                values = {k: float(v) for k, v in row.items() if v != ""}
+                if "loss" in values:
+                    rows[int(values["step"])] = values
+    return rows
+
+
+def trajectories(root: Path) -> list[dict]:
+    lines = []
+    for path in sorted(root.glob("lightning_logs/version_*/trajectories.jsonl")):
+        lines += [json.loads(line) for line in path.read_text().splitlines()]
+    return lines
+
+
+@pytest.fixture(scope="module")
+def small_data(tiny_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("small")
+    rows = (tiny_data / "train.jsonl").read_text().splitlines()[:8]
+    (out / "train.jsonl").write_text("\n".join(rows) + "\n")
+    return out
+
+
+def test_kill_and_resume_matches_straight_run(tiny_model, small_data, tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    cli_main(run_args(tiny_model, small_data, straight))
+
+    # a real `rlflow fit` process, killed with SIGKILL right after step 3's checkpoint
+    kill = '--trainer.callbacks+={"class_path": "test_resume.KillAfterCheckpoint", "init_args": {"step": 3}}'
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-m", "rlflow", *run_args(tiny_model, small_data, killed, kill)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    last = killed / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    state = torch.load(last, weights_only=True, map_location="cpu")  # loads with weights_only: plain types only
+    assert state["global_step"] == 3
+    assert {"rng", "policy_version", "num_tokens"} <= set(state["rlflow"])
+    assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["consumed"] == 1  # step 3 = epoch 1, batch 0
+    assert not list(last.parent.glob(".partial-*"))
+
+    cli = cli_main(run_args(tiny_model, small_data, killed, "--ckpt_path=last"))
+    assert cli.trainer.global_step == 6
+
+    a, b = metrics_by_step(straight), metrics_by_step(killed)
+    assert sorted(a) == sorted(b) == [0, 1, 2, 3, 4, 5]
+    for step in range(6):
+        for key in ("reward", "loss", "entropy", "grad_norm", "completions/mean_length", "num_tokens", "lr"):
+            assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])
+    assert any(a[s]["loss"] != 0.0 for s in a)  # the comparison is not between zeros
+    ta, tb = trajectories(straight), trajectories(killed)
+    assert [(t["step"], t["prompt"], t["completion"], t["reward"]) for t in ta] == \
+        [(t["step"], t["prompt"], t["completion"], t["reward"]) for t in tb]
+    assert len({t["prompt"] for t in ta}) == 8  # both epochs' orders were replayed
+
+    final_a = torch.load(straight / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
+    final_b = torch.load(killed / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert final_a["global_step"] == final_b["global_step"] == 6
+    for key, value in final_a["state_dict"].items():
+        assert torch.equal(value, final_b["state_dict"][key]), key
+    for sa, sb in zip(final_a["optimizer_states"][0]["state"].values(), final_b["optimizer_states"][0]["state"].values()):
+        assert torch.equal(sa["exp_avg"], sb["exp_avg"])
+
+
+SAVE_LOOP = """
+import sys, torch
+from rlflow.checkpointing import atomic_torch_save
+path, i, big = sys.argv[1], 0, torch.arange(8_000_000, dtype=torch.float32)
+while True:  # nearly all the time goes into the save, so a kill almost always lands inside one
+    i += 1
+    atomic_torch_save({"step": i, "big": big, "tag": torch.full((1000,), float(i))}, path)
+    print(i, flush=True)
+"""
+
+
+def test_kill_during_save_never_leaves_a_broken_checkpoint(tmp_path):
+    """Real SIGKILLs land while a 32 MB checkpoint is rewritten in a loop: the file always loads whole."""
+    import time
+
+    from rlflow.checkpointing import remove_stale_partials
+
+    path, mid_save = tmp_path / "last.ckpt", 0
+    for delay in (0.5, 0.9, 1.4):
+        proc = subprocess.Popen([sys.executable, "-c", SAVE_LOOP, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip()  # at least one save finished
+        time.sleep(delay)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        state = torch.load(path, weights_only=True)
+        assert torch.equal(state["tag"], torch.full((1000,), float(state["step"])))
+        assert torch.equal(state["big"], torch.arange(8_000_000, dtype=torch.float32))
+        partials = list(tmp_path.glob(".partial-*.tmp"))
+        mid_save += bool(partials)  # the kill interrupted a write: its partial file is left behind
+        assert sorted(remove_stale_partials(tmp_path)) == sorted(partials)
+        assert {p.name for p in tmp_path.iterdir()} == {"last.ckpt"}
+    assert mid_save >= 1  # at least one kill really landed inside a save
+
+
+def test_interrupted_save_keeps_previous_file(tmp_path, monkeypatch):
+    from rlflow.checkpointing import atomic_torch_save
+
+    path = tmp_path / "last.ckpt"
+    atomic_torch_save({"step": 1}, path)
+
+    def half_written(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", half_written)
+    with pytest.raises(KeyboardInterrupt):
+        atomic_torch_save({"step": 2}, path)
+    monkeypatch.undo()
+    assert torch.load(path, weights_only=True) == {"step": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_sampler_position_survives_prefetch_and_epochs():
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    from rlflow.data.sampler import PromptBatchSampler, PromptLoader
+
+    sampler = PromptBatchSampler(12, 4, seed=3)
+    loader = PromptLoader(list(range(12)), batch_sampler=sampler, collate_fn=list)
+    _set_sampler_epoch(loader, 1)  # what Lightning calls each epoch must reach the batch sampler
+    assert sampler.epoch == 1
+    it = iter(loader)
+    first, prefetched = next(it), next(it)  # Lightning fetches one batch ahead of training
+    sampler.mark_consumed()  # ... but only the first was trained on when the checkpoint is written
+    state = loader.state_dict()
+    assert state["epoch"] == 1 and state["consumed"] == 1
+
+    resumed = PromptBatchSampler(12, 4, seed=3)
+    resumed_loader = PromptLoader(list(range(12)), batch_sampler=resumed, collate_fn=list)
+    resumed_loader.load_state_dict(state)
+    _set_sampler_epoch(resumed_loader, 1)  # same epoch: the position stays
+    assert list(resumed_loader) == [prefetched, next(it)]
+    expected_order = torch.randperm(12, generator=torch.Generator().manual_seed(3 + 1)).tolist()
+    assert first + prefetched == expected_order[:8]  # the order is the seeded permutation of seed + epoch
+    _set_sampler_epoch(resumed_loader, 2)  # a new epoch starts from its first batch, in a new order
+    assert len(list(resumed_loader)) == 3 and resumed.consumed == 0
+    with pytest.raises(ValueError, match="same data"):
+        PromptBatchSampler(16, 4).load_state_dict(state)
+
+
+def test_checkpoint_defaults_and_opt_out(tiny_model, tiny_data, tmp_path):
+    from rlflow.checkpointing import RLFlowCheckpoint
+
+    trainer = cli_main(fit_args(tiny_model, tiny_data, tmp_path)[1:], run=False).trainer  # [1:]: no subcommand
+    ckpt = trainer.checkpoint_callback
+    assert isinstance(ckpt, RLFlowCheckpoint) and ckpt.save_last is True and ckpt._every_n_train_steps == 1
+    assert [c for c in trainer.callbacks if isinstance(c, RLFlowCheckpoint)] == [ckpt]
+    trainer = cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--trainer.enable_checkpointing=false")[1:], run=False).trainer
+    assert not [c for c in trainer.callbacks if isinstance(c, RLFlowCheckpoint)]

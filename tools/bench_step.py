@@ -1,0 +1,242 @@
+"""Benchmark: GRPO step time and completion tokens/s of ``rlflow fit`` against ``trl.GRPOTrainer``.
+
+Both train the same model on the same prompts with the same settings: ``--prompts`` prompts x ``--group``
+completions per step, ``--max-tokens`` new tokens, temperature 1, AdamW at ``--lr``, the ``bnpo`` loss with
+epsilon 0.2, no KL (beta 0), group-std-scaled advantages, one optimizer step per rollout step accumulated over
+micro-batches of ``--micro-batch`` sequences, the GSM8K judger as the reward. Each framework runs in its own
+subprocess (same ``OMP_NUM_THREADS``), alternately, ``--repeats`` times; the first ``--warmup`` steps of every run
+are left out. The last line is the ratio of median step times::
+
+    pip install trl                                    # only for this benchmark; never an rlflow dependency
+    python tools/bench_step.py --model checkpoints/tiny-qwen3 --data checkpoints/arith/train.jsonl --threads 1
+    ...
+    step rlflow/trl speedup: 3.05x (rlflow 0.99 s/step 3237 tok/s, trl 3.01 s/step 1092 tok/s; tok/s ratio 2.96x; ...)
+
+``--rlflow-args`` passes extra ``rlflow fit`` flags (default: the ``engine`` rollout and packing);
+``--only-packing`` instead times one training forward/backward of padded vs packed micro-batches.
+
+Simplifications: CPU (or whatever device each framework picks by default); TRL's step time is measured by a
+``TrainerCallback`` (``on_step_begin`` to ``on_step_end``, which includes its generation), rlflow's is its own
+``step_time`` metric (``training_step`` start to end, including generation); TRL's ``generation_batch_size``
+equals the step's 128 completions so both make one rollout and one optimizer step per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------------ workers
+def rlflow_worker(args) -> dict:
+    from rlflow.cli import cli_main
+
+    with tempfile.TemporaryDirectory() as root:
+        cli_main([
+            "fit", f"--model.model_path={args.model}", f"--model.lr={args.lr}", "--model.loss=bnpo",
+            f"--model.micro_batch_size={args.micro_batch}", "--model.export_hf=false",
+            f"--data.train_data_path={args.data}", f"--data.prompt_repeat_k={args.group}",
+            f"--data.global_batch_size={args.prompts}", f"--data.max_tokens={args.max_tokens}",
+            "--data.log_trajectories=false", "--trainer.accelerator=cpu", "--trainer.devices=1",
+            f"--trainer.max_steps={args.steps}", f"--trainer.default_root_dir={root}",
+            "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={root}",
+            "--trainer.enable_progress_bar=false",
+            f"--seed_everything={args.seed}", *args.rlflow_args.split(),
+        ])
+        (metrics,) = Path(root).rglob("metrics.csv")
+        with open(metrics) as f:
+            rows = [{k: float(v) for k, v in r.items() if v != ""} for r in csv.DictReader(f)]
+    rows = [r for r in rows if "step_time" in r]
+    n = args.prompts * args.group
+    return {
+        "step_time": [r["step_time"] for r in rows],
+        "completion_tokens": [r["completions/mean_length"] * n for r in rows],
+        "reward": [r["reward"] for r in rows],
+    }
+
+
+def trl_worker(args) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rlflow.judgers.gsm8k import GSM8KJudger
+
+    rows = []
+    with open(args.data, encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            rows.append({"prompt": r["prompt"], "ground_truth": str(r["reward_model"]["ground_truth"])})
+    judger = GSM8KJudger()
+
+    def gsm8k(prompts, completions, **kwargs):
+        return judger(prompts, completions, **kwargs)
+
+    times, tokens, rewards = [], [], []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            times.append(time.perf_counter() - self.t0)
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                tokens.append(logs["completions/mean_length"] * args.prompts * args.group)
+                rewards.append(logs.get("reward", float("nan")))
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    with tempfile.TemporaryDirectory() as out:
+        per_step = args.prompts * args.group
+        config = GRPOConfig(
+            output_dir=out, use_cpu=True, bf16=False, learning_rate=args.lr, lr_scheduler_type="constant",
+            warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999,
+            per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=per_step // args.micro_batch,
+            num_generations=args.group, max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0,
+            top_k=0, beta=0.0, loss_type="bnpo", epsilon=0.2, num_iterations=1, max_steps=args.steps,
+            logging_steps=1, report_to="none", save_strategy="no", seed=args.seed, disable_dropout=True,
+            dataloader_num_workers=0, log_completions=False,
+        )
+        trainer = GRPOTrainer(model=model, reward_funcs=[gsm8k], args=config, train_dataset=Dataset.from_list(rows),
+                              processing_class=tok, callbacks=[Timer()])
+        trainer.train()
+    return {"step_time": times, "completion_tokens": tokens, "reward": rewards}
+
+
+# ----------------------------------------------------------------------------------------- packing only
+def packing_bench(args) -> dict:
+    """Median time of one forward+backward over the same experiences, padded micro-batches vs token packs."""
+    import random
+
+    from transformers import AutoModelForCausalLM
+
+    from rlflow.data.experience import Experience, collate
+    from rlflow.data.packing import collate_packed, pack_experiences, packed_completion_logprobs
+    from rlflow.logprobs import completion_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(args.model).train()
+    rng = random.Random(args.seed)
+    n = args.prompts * args.group
+    out = {}
+    for label, lo in (("equal lengths", args.max_tokens), ("varied lengths", 1)):
+        exps = [Experience([rng.randrange(4, 100) for _ in range(100)],
+                           [rng.randrange(4, 100) for _ in range(rng.randint(lo, args.max_tokens))],
+                           [0.0] * args.max_tokens, 0.0, 1.0, i // args.group, "stop", 0) for i in range(n)]
+        budget = args.micro_batch * (100 + args.max_tokens)  # the padded micro-batch's token count at most
+
+        def padded(exps=exps):
+            for s in range(0, n, args.micro_batch):
+                lp, _ = completion_logprobs(model, collate(exps[s: s + args.micro_batch], 0))
+                lp.sum().backward()
+
+        def packed(exps=exps, budget=budget):
+            for micro in pack_experiences(exps, budget):
+                lp, _ = packed_completion_logprobs(model, collate_packed(micro))
+                lp.sum().backward()
+
+        for name, fn in (("padded", padded), ("packed", packed)):
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - start)
+                model.zero_grad(set_to_none=True)
+            out[f"{label}/{name}"] = statistics.median(times)
+        tokens = sum(len(e.prompt_ids) + len(e.completion_ids) for e in exps)
+        print(f"{label}: {tokens} real tokens; padded {out[f'{label}/padded']:.3f} s, packed {out[f'{label}/packed']:.3f} s "
+              f"(packed/padded time {out[f'{label}/packed'] / out[f'{label}/padded']:.2f})", flush=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------- driver
+def run_worker(which: str, argv: list[str], threads: int | None) -> dict:
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.run([sys.executable, __file__, *argv, "--worker", which], env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the {which} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def summarise(runs: list[dict], warmup: int) -> dict:
+    times = [t for r in runs for t in r["step_time"][warmup:]]
+    tokens = [t for r in runs for t in r["completion_tokens"][warmup:]]
+    rewards = [statistics.mean(x) for x in zip(*[r["reward"] for r in runs])] if runs else []
+    return {"median_step_s": statistics.median(times), "tok_s": sum(tokens) / sum(times), "reward_by_step": rewards,
+            "steps_timed": len(times)}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="checkpoints/tiny-qwen3")
+    ap.add_argument("--data", default="checkpoints/arith/train.jsonl", help="XTuner-format jsonl (reward_model.ground_truth)")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--micro-batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=1, help="steps left out of the timing at the start of each run")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of both runs")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rlflow-args", default="--data.rollout=engine --model.packing=true")
+    ap.add_argument("--only", choices=["rlflow", "trl"], default=None, help="run one framework and print its figures")
+    ap.add_argument("--only-packing", action="store_true", help="time padded vs packed forward/backward instead")
+    ap.add_argument("--worker", choices=["rlflow", "trl"], default=None, help=argparse.SUPPRESS)
+    args, _ = ap.parse_known_args(argv)
+    if args.worker:
+        result = rlflow_worker(args) if args.worker == "rlflow" else trl_worker(args)
+        print(json.dumps(result))
+        return
+    if args.only_packing:
+        import torch
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        packing_bench(args)
+        return
+    forward = [a for a in (argv if argv is not None else sys.argv[1:])]
+    names = [args.only] if args.only else ["rlflow", "trl"]
+    if "trl" in names:
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            sys.exit("trl is not installed: 'pip install trl' (only for this benchmark), or pass --only rlflow")
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(args.repeats):
+        for name in names:
+            result = run_worker(name, forward, args.threads)
+            runs[name].append(result)
+            s = summarise([result], args.warmup)
+            print(f"run {r + 1} {name:6s}: median {s['median_step_s']:.2f} s/step, {s['tok_s']:.1f} completion tok/s, "
+                  f"steps {[round(t, 2) for t in result['step_time']]}, reward {[round(x, 3) for x in result['reward']]}",
+                  flush=True)
+    summary = {name: summarise(v, args.warmup) for name, v in runs.items()}
+    for name, s in summary.items():
+        print(f"{name}: median {s['median_step_s']:.2f} s/step over {s['steps_timed']} steps, {s['tok_s']:.1f} tok/s, "
+              f"mean reward by step {[round(x, 3) for x in s['reward_by_step']]}")
+    if len(summary) == 2:
+        a, b = summary["rlflow"], summary["trl"]
+        print(f"step rlflow/trl speedup: {b['median_step_s'] / a['median_step_s']:.2f}x (rlflow {a['median_step_s']:.2f} s/step "
+              f"{a['tok_s']:.0f} tok/s, trl {b['median_step_s']:.2f} s/step {b['tok_s']:.0f} tok/s; tok/s ratio "
+              f"{a['tok_s'] / b['tok_s']:.2f}x; median of {args.repeats} runs x {args.steps - args.warmup} steps)")
+
+
+if __name__ == "__main__":
+    main()

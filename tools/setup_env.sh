@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Creates ./.venv (once) and installs rlflow into it: the CPU build of torch first, then rlflow[dev] editable
+# and the example judger plugin. Re-running is cheap: nothing is reinstalled while the pyproject files and
+# this script are unchanged. Override the torch requirement with RLFLOW_TORCH (e.g. a CUDA build on a GPU box).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+VENV=${RLFLOW_VENV:-.venv}
+TORCH=${RLFLOW_TORCH:-torch==2.13.0}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV with $($PYTHON --version)"
+  "$PYTHON" -m venv "$VENV"
+fi
+# shellcheck disable=SC1091
+. "$VENV/bin/activate"
+
+stamp="$VENV/.rlflow-install-stamp"
+want=$(cat pyproject.toml plugins/*/pyproject.toml tools/setup_env.sh 2>/dev/null | sha256sum | cut -d' ' -f1)-$TORCH
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  exit 0
+fi
+echo "[setup] installing $TORCH (the CPU wheel here; a plain 'torch' would pull GBs of CUDA packages)"
+python -m pip install -q "$TORCH"
+echo "[setup] installing rlflow[dev] and the example judger plugin"
+python -m pip install -q -e ".[dev]"
+for plugin in plugins/*/; do
+  [ -f "$plugin/pyproject.toml" ] && python -m pip install -q -e "$plugin"
+done
+echo "$want" > "$stamp"

@@ -1,0 +1,49 @@
+"""Print the reward curve of an rlflow run from its CSV metrics, and the first-5 vs last-5 steps' mean reward.
+
+    python tools/summarize_run.py runs/demo            # the newest version_* under runs/demo
+    python tools/summarize_run.py runs/demo/version_3  # one run
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+
+def newest_run(path: Path) -> Path:
+    if (path / "metrics.csv").exists():
+        return path
+    versions = sorted(path.glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    if not versions:
+        sys.exit(f"no metrics.csv under {path}")
+    return versions[-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run", type=Path)
+    args = parser.parse_args()
+    run = newest_run(args.run)
+    rows = list(csv.DictReader((run / "metrics.csv").open()))
+    train = [r for r in rows if r.get("reward")]
+    evals = [r for r in rows if r.get("eval/accuracy")]
+    print(f"run: {run}")
+    print("step  reward  reward_std  mean_len  clipped  step_time")
+    for r in train:
+        print(f"{int(float(r['step'])):4d}  {float(r['reward']):6.3f}  {float(r['reward_std']):10.3f}  "
+              f"{float(r['completions/mean_length']):8.1f}  {float(r['completions/clipped_ratio']):7.2f}  "
+              f"{float(r['step_time']):8.2f}s")
+    for r in evals:
+        print(f"eval at step {int(float(r['step']))}: accuracy {float(r['eval/accuracy']):.3f}")
+    rewards = [float(r["reward"]) for r in train]
+    if len(rewards) >= 10:
+        first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
+        total = sum(float(r["step_time"]) for r in train)
+        print(f"mean reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}, gain {last - first:+.3f} "
+              f"over {len(rewards)} steps in {total:.0f}s of step time")
+
+
+if __name__ == "__main__":
+    main()
