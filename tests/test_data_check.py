@@ -86,10 +86,12 @@ def test_config_mode_checks_the_configured_mix_and_eval_set(tiny_model, tiny_dat
     assert main(["data", "check", "--config", str(config)]) == 0
     out = capsys.readouterr().out
     assert "train source 'train'" in out and "train source 'extra'" in out and "eval source 'val'" in out
-    assert "mix: weight 3 -> 3.00 of 4 prompts per step, one pass every 341.3 steps" in out  # 1024 / 3
+    n_train = len((tiny_data / "train.jsonl").read_text().splitlines())
+    n_eval = len((tiny_data / "val.jsonl").read_text().splitlines())
+    assert f"mix: weight 3 -> 3.00 of 4 prompts per step, one pass every {n_train / 3:.1f} steps" in out
     assert "mix: weight 1 -> 1.00 of 4 prompts per step, one pass every 20.0 steps" in out
     assert f"max {longest}  (max_prompt_length {limit})" in out  # its own limit
-    assert "OK: 3 source(s), 1044 usable train and 128 eval prompts, 0 dropped as too long, 0 error(s)" in out
+    assert f"OK: 3 source(s), {n_train + 20} usable train and {n_eval} eval prompts, 0 dropped as too long, 0 error(s)" in out
     # overrides work as in rlflow fit: a limit below every prompt drops them all and fails the check
     assert main(["data", "check", "--config", str(config), "--data.max_prompt_length=5"]) == 1
     out = capsys.readouterr().out

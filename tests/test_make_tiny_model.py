@@ -105,7 +105,8 @@ def _read_jsonl(path):
 def test_data_rows(built):
     _, data = built
     train, val = _read_jsonl(data / "train.jsonl"), _read_jsonl(data / "val.jsonl")
-    assert len(train) == 1024 and len(val) == 128
+    n = len(mtm.all_problems())
+    assert n == 200 and len(train) == n and len(val) == 64  # every fact is a training prompt
     for split, rows in (("train", train), ("test", val)):
         for i, row in enumerate(rows):
             assert row["data_source"] == "openai/gsm8k" and row["ability"] == "math"
@@ -120,20 +121,22 @@ def test_data_rows(built):
             assert row["extra_info"]["question"] in message["content"]
             assert row["extra_info"]["answer"].endswith(f"#### {truth}")
     prompts = lambda rows: {r["prompt"][0]["content"] for r in rows}  # noqa: E731
-    assert not prompts(train) & prompts(val)
+    assert len(prompts(train)) == len(train)  # no duplicate prompts
+    assert prompts(val) <= prompts(train)  # by design: the tiny task evaluates on trained facts
 
 
 def test_data_is_deterministic(built, tmp_path):
     _, data = built
-    train, val, _ = mtm.split_problems(0, 1024, 128)
+    train, val, _ = mtm.split_problems(0, 1024, 64)
     mtm.write_data(tmp_path, train, val)
     for name in ("train.jsonl", "val.jsonl"):
         assert (tmp_path / name).read_text() == (data / name).read_text()
 
 
-def test_sft_pool_is_held_out():
-    train, val, pool = mtm.split_problems(0, 1024, 128)
-    assert not set(pool) & (set(train) | set(val))
+def test_sft_pool_covers_every_problem_and_rl_prompts_come_from_it():
+    train, val, pool = mtm.split_problems(0, 1024, 64)
+    assert sorted(pool) == sorted(mtm.all_problems())
+    assert set(train) <= set(pool) and set(val) <= set(train)
 
 
 def test_strict_score():

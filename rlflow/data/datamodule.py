@@ -24,6 +24,7 @@ from rlflow import registry
 from rlflow.advantages.base import estimate
 from rlflow.data.dataset import DataError, PromptFormat, PromptRecord
 from rlflow.data.mix import MixBatchSampler
+from rlflow.data.overlap import generate_and_judge
 from rlflow.data.sources import DataSource, SourceJudgers, parse_sources, per_source_means, read_source
 from rlflow.data.experience import Experience
 from rlflow.data.replay_buffer import ReplayBuffer
@@ -68,6 +69,7 @@ class RolloutDataModule(L.LightningDataModule):
         eval_k: int = 1,
         seed: int = 0,
         log_trajectories: bool = True,
+        overlap_judging: bool = True,
     ) -> None:
         """
         Args:
@@ -105,6 +107,9 @@ class RolloutDataModule(L.LightningDataModule):
                 ``eval_temperature`` (which must then be > 0) and also reports ``eval/pass@k``.
             seed: Seed of the prompt order (each epoch uses ``seed + epoch``).
             log_trajectories: Append every rollout step's samples to ``<log_dir>/trajectories.jsonl``.
+            overlap_judging: With a backend that streams finished groups (``engine``), judge them in a background
+                thread while the rest of the batch is still generating (same rewards and metrics as judging the
+                whole batch at once); see :mod:`rlflow.data.overlap`.
         """
         super().__init__()
         if prompt_repeat_k < 2:
@@ -146,6 +151,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.eval_k = eval_k
         self.seed = seed
         self.log_trajectories = log_trajectories
+        self.overlap_judging = overlap_judging
         self.buffer = ReplayBuffer(seed=seed)
         self.last_samples: list[dict] = []  # the latest rollout step's samples (for the W&B samples table)
         self.rollout_progress: Any = None  # a listener with start(total), update(completions, tokens), close()
@@ -323,6 +329,11 @@ class RolloutDataModule(L.LightningDataModule):
 
     def judge(self, records: list[PromptRecord], completions: list[Any], k: int) -> tuple[list[float], dict[str, float], list[str]]:
         """Decode and judge ``k`` completions per record (TRL's layout: chat completions for chat prompts)."""
+        result, texts = self.judge_result(records, completions, k)
+        return result.rewards, result.metrics, texts
+
+    def judge_result(self, records: list[PromptRecord], completions: list[Any], k: int) -> tuple[Any, list[str]]:
+        """:meth:`judge`'s :class:`~rlflow.judgers.runner.JudgeResult` (with per-judger values) and decoded texts."""
         tok = self.load_tokenizer()
         ids = [c.token_ids for c in completions]
         texts = tok.batch_decode(ids, skip_special_tokens=True)
@@ -332,7 +343,7 @@ class RolloutDataModule(L.LightningDataModule):
         keys = sorted({key for r in records for key in r.columns})
         columns = {key: [r.columns.get(key) for r in reps] for key in keys}
         result = self.source_judgers.judge([r.origin for r in reps], prompts, shaped, ids, columns, default=self.judger_runner)
-        return result.rewards, result.metrics, texts
+        return result, texts
 
     def generate_with_progress(self, prompt_ids: list[list[int]], params: SamplingParams, n: int) -> list[list[Any]]:
         """``backend.generate``, reporting to ``rollout_progress`` (per batch where ``generate`` takes ``progress=``)."""
@@ -356,11 +367,8 @@ class RolloutDataModule(L.LightningDataModule):
             self.sampler.mark_consumed()  # its checkpointed position follows trained batches, not prefetched ones
         records = self.rank_share(batch)
         k = self.prompt_repeat_k
-        t0 = time.perf_counter()
-        groups = self.generate_with_progress([r.prompt_ids for r in records], self.sampling_params(), k)
-        gen_time = time.perf_counter() - t0
+        groups, rewards, metrics, texts, gen_time = generate_and_judge(self, records, self.sampling_params(), k)
         completions = [c for group in groups for c in group]
-        rewards, metrics, texts = self.judge(records, completions, k)
         if self.dynamic_sampling:
             records, completions, rewards, texts, extra_time = self.dynamic_sample(records, completions, rewards, texts, step, metrics)
             gen_time += extra_time

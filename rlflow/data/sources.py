@@ -268,7 +268,7 @@ class SourceJudgers:
 
         ``default`` replaces the data-level runner (the datamodule passes its ``judger_runner``, which may be swapped).
         """
-        from rlflow.judgers.runner import JudgeResult
+        from rlflow.judgers.runner import JudgeResult, judge_metrics
 
         default = default if default is not None else self.default
         groups: dict[int, list[int]] = {}
@@ -282,28 +282,20 @@ class SourceJudgers:
         n = len(completions)
         rewards = [0.0] * n
         per_judger: dict[str, list[float | None]] = {}
-        metrics: dict[str, float] = {}
+        failures = 0.0
         for key, idx in groups.items():
             part = runners[key].judge(
                 [prompts[i] for i in idx], [completions[i] for i in idx], [completion_ids[i] for i in idx],
                 {k: [v[i] for i in idx] for k, v in columns.items()},
             )
-            for key, value in part.metrics.items():  # counts (judger/unscored, judger/failures) add up
-                if not key.startswith("rewards/"):
-                    metrics[key] = metrics.get(key, 0.0) + value
+            failures += part.metrics.get("judger/failures", 0.0)  # not visible in the values: counts add up
             for i, r in zip(idx, part.rewards):
                 rewards[i] = r
             for name, values in part.per_judger.items():
                 merged = per_judger.setdefault(name, [None] * n)
                 for i, v in zip(idx, values):
                     merged[i] = v
-        for name, values in per_judger.items():  # the same statistics JudgerRunner reports, over the whole batch
-            scored = [v for v in values if v is not None]
-            if scored:
-                mean = sum(scored) / len(scored)
-                metrics[f"rewards/{name}/mean"] = mean
-                metrics[f"rewards/{name}/std"] = math.sqrt(sum((v - mean) ** 2 for v in scored) / max(len(scored) - 1, 1))
-        return JudgeResult(rewards, per_judger, metrics)
+        return JudgeResult(rewards, per_judger, judge_metrics(per_judger, failures))  # over the whole batch
 
 
 def per_source_means(keys: Sequence[str | None], values: Sequence[float], prefix: str = "reward") -> dict[str, float]:

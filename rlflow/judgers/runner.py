@@ -66,6 +66,26 @@ class JudgeResult:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def judge_metrics(per_judger: dict[str, list[float | None]], failures: float = 0.0) -> dict[str, float]:
+    """The metrics of a judged batch from each judger's per-sample values (None: not scored by it).
+
+    ``judger/unscored`` counts samples no judger scored, ``judger/failures`` is passed through (a failure is not
+    visible in the values), and ``rewards/<name>/mean|std`` (TRL's names; sample std) cover the scored samples.
+    One implementation for the runner, mixed-source batches and batches judged in chunks.
+    """
+    n = max((len(v) for v in per_judger.values()), default=0)
+    unscored = sum(all(values[i] is None for values in per_judger.values()) for i in range(n))
+    metrics = {"judger/unscored": float(unscored), "judger/failures": float(failures)}
+    for name, values in per_judger.items():
+        scored = [v for v in values if v is not None]
+        if scored:
+            mean = sum(scored) / len(scored)
+            std = math.sqrt(sum((v - mean) ** 2 for v in scored) / (len(scored) - 1)) if len(scored) > 1 else 0.0
+            metrics[f"rewards/{name}/mean"] = mean
+            metrics[f"rewards/{name}/std"] = std
+    return metrics
+
+
 def _in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any], name: str) -> asyncio.Future:
     """Run ``fn(**kwargs)`` in a fresh daemon thread; the returned future resolves on the running loop."""
     loop = asyncio.get_running_loop()
@@ -277,17 +297,8 @@ class JudgerRunner:
             consume = getattr(self.judgers[name], "consume_failures", None)
             if callable(consume):  # judgers that fail per sample (e.g. remote) report how many they gave None
                 failures += int(consume())
-        rewards, unscored = [], 0
+        rewards = []
         for i in range(n):
             parts = [self.weights[name] * per_judger[name][i] for name in self.judgers if per_judger[name][i] is not None]
-            unscored += not parts
             rewards.append(sum(parts) if parts else 0.0)
-        metrics = {"judger/unscored": float(unscored), "judger/failures": float(failures)}
-        for name, values in per_judger.items():
-            scored = [v for v in values if v is not None]
-            if scored:
-                mean = sum(scored) / len(scored)
-                std = math.sqrt(sum((v - mean) ** 2 for v in scored) / (len(scored) - 1)) if len(scored) > 1 else 0.0
-                metrics[f"rewards/{name}/mean"] = mean
-                metrics[f"rewards/{name}/std"] = std
-        return JudgeResult(rewards, per_judger, metrics)
+        return JudgeResult(rewards, per_judger, judge_metrics(per_judger, failures))
