@@ -61,7 +61,7 @@ OPS = ("+", "-")
 A_RANGE, B_RANGE = range(10), range(10)  # single digits: 200 facts a tiny model learns in ~2 minutes
 
 DEFAULT_SFT_STEPS = 300
-DEFAULT_HASH_FRACTION = 0.5  # fraction of SFT targets that end with "#### <c>"
+DEFAULT_HASH_FRACTION = 0.5  # fraction of SFT targets that end with "#### <c>": room for RL to learn the format
 MODEL_KWARGS = dict(
     hidden_size=128,
     intermediate_size=256,
@@ -253,8 +253,10 @@ def sft(model, tokenizer, pool, steps: int, seed: int, batch_size=32, lr=5e-3,
     model.train()
     losses = []
     for _ in range(steps):
-        batch = [encode_example(tokenizer, rng.choice(pool), rng.random() < hash_fraction)
-                 for _ in range(batch_size)]
+        # Every batch holds exactly round(hash_fraction * batch_size) "####" targets: with a random
+        # per-example coin the format bias drifts with the last few batches (seen: p(####) = 0.29).
+        n_hash = round(hash_fraction * batch_size)
+        batch = [encode_example(tokenizer, rng.choice(pool), i < n_hash) for i in range(batch_size)]
         loss = batch_loss(model, batch, tokenizer.pad_token_id)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
