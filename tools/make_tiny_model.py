@@ -10,8 +10,10 @@ What it does
 3. Warm-starts it with a short supervised fine-tune (plain torch loop, AdamW, loss on completion
    tokens only) on a synthetic two-operand arithmetic task phrased in GSM8K's RL prompt format.
    On purpose only part of the SFT targets end with the GSM8K ``#### <answer>`` line; the rest
-   end with ``The answer is <answer>.`` so the sampled GSM8K reward right after SFT is modest
-   (roughly 0.25-0.5 at temperature 1.0) and GRPO can quickly improve it by learning the format.
+   end with ``The answer is <answer>.`` (exactly half of every batch), so right after SFT the arithmetic is
+   mostly right (~0.8-0.9 of equations at temperature 1.0) but only about half the samples use the ``####``
+   format: the sampled GSM8K reward starts near 0.4 and GRPO has room to raise it towards the arithmetic's
+   accuracy by learning the format.
 4. Optionally (``--data-out``) writes ``train.jsonl`` / ``val.jsonl`` of the same task in
    XTuner's RL jsonl format, with prompts held out from the SFT data.
 5. Prints parameter count, SFT loss first/last, a sampled reward at temperature 1.0 on val
@@ -60,7 +62,7 @@ INSTRUCTION = "Let's think step by step and output the final answer after \"####
 OPS = ("+", "-")
 A_RANGE, B_RANGE = range(10), range(10)  # single digits: 200 facts a tiny model learns in ~2 minutes
 
-DEFAULT_SFT_STEPS = 300
+DEFAULT_SFT_STEPS = 500  # math ~0.8-0.9 right at T=1 (seeds 0-2); 300 steps left it at ~0.5 and RL drifted it
 DEFAULT_HASH_FRACTION = 0.5  # fraction of SFT targets that end with "#### <c>": room for RL to learn the format
 MODEL_KWARGS = dict(
     hidden_size=128,
