@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from rlflow import registry
 from rlflow.rollout.base import SamplingParams
-from rlflow.rollout.engine import DecodeState, EngineRollout
+from rlflow.rollout.engine import DecodeState, EngineRollout, common_prefix_len
+from rlflow.rollout.fused import FusedDecoder
 from rlflow.rollout.hf import HFRollout
 
 
@@ -102,20 +103,26 @@ def test_second_token_distribution_matches_plain_softmax(model, tokenizer):
 
 
 @torch.no_grad()
-def test_shared_prefix_cache_gives_the_same_next_token_distribution_as_separate_prefills(model, tokenizer):
+@pytest.mark.parametrize("fused,head", [(False, 0), (True, 0), (True, 20)])
+def test_shared_prefix_cache_gives_the_same_next_token_distribution_as_separate_prefills(model, tokenizer, fused, head):
+    """Decode steps over the group caches (model forward or fused decoder; a prefill with or without a prompt head
+    common to the batch run once) give the next-token distribution of one plain forward over the whole sequence."""
     e = engine(model, tokenizer)
-    prompts = prompts_of([9, 23], seed=7)  # different lengths: the prompt caches are padded
+    common = prompts_of([head], seed=9)[0]
+    prompts = [common + p for p in prompts_of([9, 23], seed=7)]  # different lengths: the prompt caches are padded
+    decoder = FusedDecoder(model) if fused else None
+    shared = e._prefill_head(common, torch.device("cpu")) if head else None  # the head every prompt starts with
     n = 3
-    keys, values, mask, _ = e._prefill(prompts, torch.device("cpu"))
-    state = DecodeState(n, max_tokens=8)
+    keys, values, mask, _ = e._prefill(prompts, torch.device("cpu"), shared)
+    state = DecodeState(n, max_tokens=8, head=shared)
     state.add_groups([0, 1], keys, values, mask)
-    third = prompts_of([15], seed=8)[0]  # a group that joins the running batch later
+    third = common + prompts_of([15], seed=8)[0]  # a group that joins the running batch later
     rng = random.Random(0)
     seqs = [list(prompts[g]) for g in range(2) for _ in range(n)]
     pos = torch.tensor([len(s) for s in seqs])
     for step in range(5):
         if step == 2:
-            k3, v3, m3, _ = e._prefill([third], torch.device("cpu"))
+            k3, v3, m3, _ = e._prefill([third], torch.device("cpu"), shared)
             state.add_groups([2], k3, v3, m3)
             seqs += [list(third) for _ in range(n)]
             pos = torch.cat([pos, torch.full((n,), len(third))])
@@ -125,7 +132,7 @@ def test_shared_prefix_cache_gives_the_same_next_token_distribution_as_separate_
             seqs = [seqs[j] for j in keep.tolist()]
             pos = pos[keep]
         feed = torch.tensor([rng.randrange(4, 100) for _ in seqs])
-        logits = e._decode_step(state, feed, pos)
+        logits = e._decode_step(state, feed, pos, decoder)
         pos = pos + 1
         for j, tok in enumerate(feed.tolist()):
             seqs[j].append(tok)
@@ -133,11 +140,13 @@ def test_shared_prefix_cache_gives_the_same_next_token_distribution_as_separate_
             torch.testing.assert_close(torch.log_softmax(logits[j], -1), torch.log_softmax(plain, -1), atol=1e-5, rtol=0)
 
 
-def test_logprobs_match_a_full_forward_pass(model, tokenizer):
+@pytest.mark.parametrize("max_tokens,fused", [(10, True), (10, False), (70, True)])
+def test_logprobs_match_a_full_forward_pass(model, tokenizer, max_tokens, fused):
+    """70 tokens: the generated-token caches grow twice (32 -> 64 -> 70) on the way."""
     torch.manual_seed(0)
     prompts = prompts_of([5, 30, 12], seed=1)
-    e = engine(model, tokenizer, max_batch_size=4, prefill_batch_size=1)  # prompts join mid-run
-    params = SamplingParams(0.8, 0.9, 20, max_tokens=10)
+    e = engine(model, tokenizer, max_batch_size=4, prefill_batch_size=1, fused=fused)  # prompts join mid-run
+    params = SamplingParams(0.8, 0.9, 20, max_tokens=max_tokens)
     groups = e.generate(prompts, params, n=2)
     for prompt, group in zip(prompts, groups):
         assert len(group) == 2
@@ -184,7 +193,7 @@ def test_stream_yields_finished_groups_before_the_last_prompt_is_prefilled(model
     e = engine(model, tokenizer, seed=0, max_batch_size=4, prefill_batch_size=1)
     prefills = []
     original = e._prefill
-    monkeypatch.setattr(e, "_prefill", lambda p, d: prefills.append(len(p)) or original(p, d))
+    monkeypatch.setattr(e, "_prefill", lambda p, d, head=None: prefills.append(len(p)) or original(p, d, head))
     prompts = prompts_of([7, 9, 11, 13, 15], seed=6)
     seen = []
     for index, group in e.stream(prompts, SamplingParams(1.0, max_tokens=5), n=2):
@@ -200,3 +209,41 @@ def test_bad_arguments_are_refused(model, tokenizer):
         EngineRollout(max_batch_size=0)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         engine(model, tokenizer).generate([[5], []], SamplingParams(max_tokens=2), n=2)
+
+
+def test_common_prefix_len_leaves_every_prompt_a_token():
+    assert common_prefix_len([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 9]]) == 2
+    assert common_prefix_len([[1, 2], [1, 2, 3]]) == 1  # the shorter prompt keeps its last token
+    assert common_prefix_len([[7], [7]]) == 0
+
+
+def test_prefill_after_a_shared_head_returns_the_separate_prefills_last_logits(model, tokenizer):
+    common = prompts_of([24], seed=11)[0]
+    prompts = [common + p for p in prompts_of([3, 11, 1], seed=12)]
+    e = engine(model, tokenizer)
+    head_keys, head_values = e._prefill_head(common, torch.device("cpu"))
+    assert head_keys[0].shape == (model.config.num_key_value_heads, 24, model.config.head_dim)  # one copy, no batch
+    keys, values, mask, logits = e._prefill(prompts, torch.device("cpu"), (head_keys, head_values))
+    assert mask.shape == (3, 11) and mask.sum(1).tolist() == [3, 11, 1]  # only each prompt's rest, left-padded
+    assert keys[0].shape[:3] == (3, model.config.num_key_value_heads, 11)
+    for i, p in enumerate(prompts):
+        with torch.no_grad():
+            plain = model(torch.tensor([p])).logits[0, -1]
+        torch.testing.assert_close(logits[i], plain, atol=1e-5, rtol=0)
+
+
+def test_a_head_common_to_every_prompt_is_prefilled_once(model, tokenizer, monkeypatch):
+    common = prompts_of([20], seed=13)[0]
+    prompts = [common + p for p in prompts_of([4, 9, 2, 6], seed=14)]
+    e = engine(model, tokenizer, seed=1, max_batch_size=4, prefill_batch_size=1, min_shared_prefix=16)
+    heads, rests = [], []
+    original_head, original = e._prefill_head, e._prefill
+    monkeypatch.setattr(e, "_prefill_head", lambda h, d: heads.append(len(h)) or original_head(h, d))
+    monkeypatch.setattr(e, "_prefill", lambda p, d, head=None: rests.append(head is not None) or original(p, d, head))
+    groups = e.generate(prompts, SamplingParams(1.0, max_tokens=6), n=2)
+    assert heads == [20] and rests == [True] * 4 and len(groups) == 4
+    heads.clear()
+    short = engine(model, tokenizer, min_shared_prefix=21)  # the common head is shorter than the threshold
+    monkeypatch.setattr(short, "_prefill_head", lambda h, d: heads.append(len(h)) or original_head(h, d))
+    short.generate(prompts, SamplingParams(1.0, max_tokens=3), n=2)
+    assert heads == []

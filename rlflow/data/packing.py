@@ -57,7 +57,8 @@ def varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=Non
     if full:
         q, k, v = (t[0].unflatten(1, (seqs, width)).transpose(0, 1) for t in (query, key, value))
     else:
-        q, k, v = (t[0][:, index].transpose(0, 1) for t in (query, key, value))  # [seqs, heads, longest, dim]
+        flat = index.reshape(-1)  # index_select: its backward is index_add_, cheaper than advanced indexing's
+        q, k, v = (t[0].index_select(1, flat).unflatten(1, index.shape).transpose(0, 1) for t in (query, key, value))
     mask = None
     if not full:
         causal = torch.ones((width, width), dtype=torch.bool, device=q.device).tril()

@@ -13,7 +13,11 @@ every token, keeps finished rows in the batch until the longest one ends, and pa
 * runs continuous batching: a finished sequence leaves the batch at the step it ends, a group's prompt cache
   is freed when its last sequence ends, and waiting prompts are prefilled and join the running batch as soon
   as there is room (``max_batch_size`` sequences);
-* hands the model its own attention function and state (no 2D/4D mask building per token);
+* prefills the token prefix common to every prompt of the rollout (system prompt, instruction, chat-template
+  head) once, keeps one copy of its keys/values, and attends to it with one matrix product for all rows;
+* decodes with its own forward of the live weights (:mod:`rlflow.rollout.fused`: q/k/v and gate/up folded into
+  one matrix product each, no per-token module, hook, cache-object or mask machinery) for Qwen2/Qwen3/Llama-style
+  models, and otherwise hands the model's forward its own attention function and state;
 * samples with temperature / top-k / top-p and returns ``log_softmax(logits / temperature)`` of each taken token
   (before truncation, as :class:`~rlflow.rollout.base.Completion` specifies), stopping exactly at the first stop
   token (kept) or at ``max_tokens``;
@@ -21,11 +25,12 @@ every token, keeps finished rows in the batch until the longest one ends, and pa
   judging can overlap with the rest of the generation.
 
 Simplifications: the prompt caches of a batch are right-padded to the longest prompt and the generated-token
-caches are pre-allocated to ``max_tokens`` per sequence (masked, exact, but not a paged block table). The
-prefill uses the model's own attention implementation; decoding uses the function registered here, which
-needs a decoder whose attention modules call ``past_key_values.update(k, v, layer_idx)`` and take the layer's
-mask from a ``{"full_attention": ...}`` mapping (Qwen2/Qwen3/Llama/Mistral-style full-attention models;
-sliding-window and hybrid linear-attention models are refused).
+caches are contiguous per sequence and grow by doubling up to ``max_tokens`` (masked, exact, but not a paged
+block table); only the prefix common to *all* prompts of a call is shared across groups (no radix tree). The prefill
+uses the model's own attention implementation. Decoding through the model's forward (architectures the fused
+path does not cover) needs attention modules that call ``past_key_values.update(k, v, layer_idx)`` and take the
+layer's mask from a ``{"full_attention": ...}`` mapping; sliding-window and hybrid linear-attention models are
+refused.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from rlflow.rollout.base import Completion, RolloutBackend, SamplingParams
+from rlflow.rollout.fused import FusedDecoder
 
 ATTENTION_NAME = "rlflow_shared_prefix"
 
@@ -62,13 +68,17 @@ class DecodeState:
 
     Layout, per layer: ``prefix_k/v[layer]`` ``[groups, kv_heads, prompt_width, head_dim]`` (right-padded,
     ``prefix_bias`` ``[groups, prompt_width]`` is 0 on real tokens and -inf on padding), ``suffix_k/v[layer]``
-    ``[rows, kv_heads, max_tokens, head_dim]`` with ``suffix_len[row]`` tokens filled, ``row_group``/``row_slot``
-    place each row in its group.
+    ``[rows, kv_heads, capacity, head_dim]`` (``capacity`` doubles up to ``max_tokens`` as needed) with ``suffix_len[row]`` tokens filled, ``row_group``/``row_slot``
+    place each row in its group. ``head_k/v[layer]`` ``[kv_heads, head_len, head_dim]`` (optional) hold the prompt
+    head common to *every* prompt of the rollout (system prompt, instruction, chat-template head), stored once and
+    attended by all rows in one matrix product; the group caches then hold only what follows it.
     """
 
-    def __init__(self, n: int, max_tokens: int) -> None:
+    def __init__(self, n: int, max_tokens: int, head: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> None:
         self.n = n
+        self.head_k, self.head_v = head if head is not None else (None, None)
         self.max_tokens = max_tokens
+        self.capacity = min(max_tokens, 32)  # generated-token slots per row; grows (doubling) up to max_tokens
         self.prefix_k: list[torch.Tensor] = []
         self.prefix_v: list[torch.Tensor] = []
         self.prefix_bias: torch.Tensor | None = None
@@ -104,7 +114,7 @@ class DecodeState:
         g_new, n = len(prompt_ids), self.n
         g_old = len(self.group_prompt)
         rows_new = g_new * n
-        kv_shape = (rows_new, keys[0].shape[1], self.max_tokens, keys[0].shape[3])
+        kv_shape = (rows_new, keys[0].shape[1], self.capacity, keys[0].shape[3])
         if self.prefix_bias is None:
             self.prefix_k, self.prefix_v, self.prefix_bias = list(keys), list(values), bias
             self.suffix_k = [keys[0].new_zeros(kv_shape) for _ in keys]
@@ -163,6 +173,11 @@ class DecodeState:
     def begin_step(self) -> None:
         """Precompute the suffix mask of a decode step (the row's cached tokens plus the one fed now)."""
         self.step_width = int(self.suffix_len.max()) + 1
+        if self.step_width > self.capacity:  # grow the generated-token caches (zero-filled: masked, but finite)
+            grow = min(self.max_tokens, max(self.step_width, 2 * self.capacity)) - self.capacity
+            self.suffix_k = [torch.nn.functional.pad(t, (0, 0, 0, grow)) for t in self.suffix_k]
+            self.suffix_v = [torch.nn.functional.pad(t, (0, 0, 0, grow)) for t in self.suffix_v]
+            self.capacity += grow
         cols = torch.arange(self.step_width, device=self.suffix_len.device)
         allowed = cols[None, :] <= self.suffix_len[:, None]
         dtype = self.prefix_bias.dtype
@@ -179,8 +194,11 @@ def shared_prefix_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     ``query`` is ``[rows, heads, 1, dim]``; ``attention_mask`` is the :class:`DecodeState`. Returns
     ``([rows, 1, heads, dim], None)`` as transformers' attention functions do.
     """
-    state: DecodeState = attention_mask
-    layer = module.layer_idx
+    return attend_cached(attention_mask, module.layer_idx, query, scaling), None
+
+
+def attend_cached(state: DecodeState, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+    """The maths of :func:`shared_prefix_attention`: ``query`` ``[rows, heads, 1, dim]`` -> ``[rows, 1, heads, dim]``."""
     rows, heads, _, dim = query.shape
     pk, pv = state.prefix_k[layer], state.prefix_v[layer]
     groups, kv_heads, width, _ = pk.shape
@@ -201,21 +219,39 @@ def shared_prefix_attention(module: torch.nn.Module, query: torch.Tensor, key: t
         x = x.view(groups, kv_heads, n, rep, -1).permute(0, 2, 1, 3, 4)
         return x.reshape(rows, kv_heads, rep, -1) if dense else x[g_idx, s_idx]
 
+    # head: every row's queries together against the prompt head common to the whole rollout
+    parts, head_len = [], 0
+    if state.head_k is not None:
+        hk, hv = state.head_k[layer], state.head_v[layer]  # [kv, head_len, d]
+        head_len = hk.shape[1]
+        q_all = q.permute(1, 0, 2, 3).reshape(kv_heads, rows * rep, dim)
+        parts.append(torch.matmul(q_all, hk.float().transpose(-1, -2)).view(kv_heads, rows, rep, head_len).permute(1, 0, 2, 3))
     # prefix: the group's queries together against the group's one prompt cache
     s_pre = torch.matmul(to_groups(q), pk.float().transpose(-1, -2)) + state.prefix_bias.float()[:, None, None, :]
-    s_pre = to_rows(s_pre)  # [rows, kv, rep, width]
+    parts.append(to_rows(s_pre))  # [rows, kv, rep, width]
     # suffix: each row against its own generated tokens
     sk = state.suffix_k[layer][:, :, : state.step_width]
     sv = state.suffix_v[layer][:, :, : state.step_width]
     s_suf = torch.matmul(q, sk.float().transpose(-1, -2)) + state.step_bias.float()[:, None, None, :]
-    probs = torch.softmax(torch.cat([s_pre, s_suf], dim=-1), dim=-1)
-    p_pre, p_suf = probs[..., :width], probs[..., width:]
+    probs = torch.softmax(torch.cat([*parts, s_suf], dim=-1), dim=-1)
+    p_pre, p_suf = probs[..., head_len: head_len + width], probs[..., head_len + width:]
     out = torch.matmul(p_suf, sv.float())  # [rows, kv, rep, dim]
     out = out + to_rows(torch.matmul(to_groups(p_pre), pv.float()))
-    return out.reshape(rows, 1, heads, dim).to(query.dtype), None
+    if head_len:
+        p_head = probs[..., :head_len].permute(1, 0, 2, 3).reshape(kv_heads, rows * rep, head_len)
+        out = out + torch.matmul(p_head, hv.float()).view(kv_heads, rows, rep, dim).permute(1, 0, 2, 3)
+    return out.reshape(rows, 1, heads, dim).to(query.dtype)
 
 
 AttentionInterface.register(ATTENTION_NAME, shared_prefix_attention)
+
+
+def common_prefix_len(prompts: list[list[int]]) -> int:
+    """Length of the token prefix shared by every prompt, leaving at least one own token per prompt."""
+    first, n = prompts[0], min(len(p) for p in prompts) - 1
+    for other in prompts[1:]:
+        n = next((i for i in range(n) if other[i] != first[i]), n)
+    return n
 
 
 def sample_tokens(
@@ -244,26 +280,40 @@ def sample_tokens(
             before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
             drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= params.top_p)
             filtered = filtered.masked_fill(drop, float("-inf"))
-        tokens = torch.multinomial(filtered.softmax(dim=-1), 1, generator=generator).squeeze(-1)
+        # inverse-CDF sampling: one uniform per row (multinomial draws one exponential per vocabulary entry);
+        # the CDF in float64 so that the tail of a large vocabulary keeps its mass
+        cdf = filtered.softmax(dim=-1).double().cumsum(dim=-1)
+        u = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=torch.float64)
+        total = cdf[:, -1:]
+        u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # strictly below the total
+        tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
 class EngineRollout(RolloutBackend):
     """Rollout with a shared prompt cache per group and continuous batching on the live policy (faster than ``hf``)."""
 
-    def __init__(self, max_batch_size: int = 256, prefill_batch_size: int = 16, seed: int | None = None) -> None:
+    def __init__(self, max_batch_size: int = 256, prefill_batch_size: int = 16, seed: int | None = None,
+                 fused: bool = True, min_shared_prefix: int = 16) -> None:
         """
         Args:
             max_batch_size: Most sequences decoded together (bounds the KV cache's memory); a prompt's ``n``
                 completions always join together, so at least ``n`` run at once.
             prefill_batch_size: Most distinct prompts prefilled in one forward pass.
             seed: Seed of the engine's own random generator; None draws from torch's global generator.
+            fused: Decode with rlflow's own forward of the live weights (:mod:`rlflow.rollout.fused`) where the
+                architecture is supported (Qwen2/Qwen3/Llama, unsharded); otherwise, or when False, decode steps
+                call the model's forward with the engine's attention function.
+            min_shared_prefix: Prefill the token prefix common to all prompts of a rollout once, and attend to it
+                with one matrix product for all rows, when it is at least this long (0 disables it).
         """
         if max_batch_size < 1 or prefill_batch_size < 1:
             raise ValueError("engine max_batch_size and prefill_batch_size must be >= 1")
         self.max_batch_size = max_batch_size
         self.prefill_batch_size = prefill_batch_size
         self.seed = seed
+        self.fused = fused
+        self.min_shared_prefix = min_shared_prefix
         self.generator: torch.Generator | None = None
 
     def bind(self, model: Any, tokenizer: Any) -> None:
@@ -284,26 +334,53 @@ class EngineRollout(RolloutBackend):
         pid = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         return int(pid) if pid is not None else 0
 
-    def _prefill(self, prompts: list[list[int]], device: torch.device):
-        """One forward pass over distinct ``prompts`` (left-padded); return per-layer keys, values, mask, last logits."""
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
-        position_ids = (mask.cumsum(1) - 1).clamp(min=0)
+    def _prefill_head(self, head: list[int], device: torch.device):
+        """Run the prompt head common to every prompt once; return its per-layer keys and values ``[kv, len, d]``."""
         cache = DynamicCache(config=self.model.config)
-        mask = mask.to(device)
+        self.model(input_ids=torch.tensor([head], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return [layer.keys[0] for layer in cache.layers], [layer.values[0] for layer in cache.layers]
+
+    def _prefill(self, prompts: list[list[int]], device: torch.device, head=None):
+        """One forward pass over distinct ``prompts``; return per-layer keys, values, their 2D mask and last logits.
+
+        With ``head`` (``(keys, values)`` of :meth:`_prefill_head` for the first ``head_len`` tokens, which every
+        prompt starts with), only the rest of each prompt is run, attending to the head's cache, and only the
+        rest's keys/values are returned. Prompts are left-padded; position ids count real tokens only.
+        """
+        head_len = 0 if head is None else head[0][0].shape[1]
+        cache = DynamicCache(config=self.model.config)
+        if head_len:
+            for layer, (k, v) in enumerate(zip(*head)):
+                cache.update(k.expand(len(prompts), -1, -1, -1), v.expand(len(prompts), -1, -1, -1), layer)
+        rests = [p[head_len:] for p in prompts]
+        width = max(len(r) for r in rests)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), head_len + width), dtype=torch.long)
+        mask[:, :head_len] = 1
+        for i, r in enumerate(rests):
+            ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+            mask[i, head_len + width - len(r):] = 1
+        position_ids = (mask.cumsum(1) - 1).clamp(min=0)[:, head_len:]
         out = self.model(
-            input_ids=ids.to(device), attention_mask=mask, position_ids=position_ids.to(device),
+            input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=position_ids.to(device),
             past_key_values=cache, use_cache=True, logits_to_keep=1,
         )
-        keys = [layer.keys for layer in cache.layers]
-        values = [layer.values for layer in cache.layers]
-        return keys, values, mask, out.logits[:, -1]
+        keys = [layer.keys[:, :, head_len:] for layer in cache.layers]
+        values = [layer.values[:, :, head_len:] for layer in cache.layers]
+        return keys, values, mask[:, head_len:].to(device), out.logits[:, -1]
 
-    def _decode_step(self, state: DecodeState, pending: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    def _decode_step(self, state: DecodeState, pending: torch.Tensor, pos: torch.Tensor,
+                     decoder: FusedDecoder | None = None) -> torch.Tensor:
+        if decoder is not None:
+            state.begin_step()
+
+            def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+                state.update(k, v, layer)
+                return attend_cached(state, layer, q, scaling).reshape(q.shape[0], -1)
+
+            logits = decoder.step(pending, pos, attend)
+            state.end_step()
+            return logits
         config = self.model.config
         previous = config._attn_implementation
         state.begin_step()
@@ -336,7 +413,10 @@ class EngineRollout(RolloutBackend):
         waiting = deque(range(len(prompts)))
         done: dict[int, list[tuple[int, Completion]]] = {}
         rows: list[_Row] = []
-        state = DecodeState(n, params.max_tokens)
+        head_len = common_prefix_len(prompts) if len(prompts) > 1 else 0
+        head = self._prefill_head(prompts[0][:head_len], device) if head_len >= max(self.min_shared_prefix, 1) else None
+        state = DecodeState(n, params.max_tokens, head)
+        decoder = FusedDecoder(model) if self.fused and FusedDecoder.unsupported_reason(model) is None else None
         pos = pending = None  # position of the token to feed, and that token, per row
         try:
             while waiting or rows:
@@ -344,7 +424,7 @@ class EngineRollout(RolloutBackend):
                 while waiting and len(take) < self.prefill_batch_size and len(rows) + (len(take) + 1) * n <= capacity:
                     take.append(waiting.popleft())
                 if take:  # admit waiting prompts: prefill once, sample each group's first tokens
-                    keys, values, mask, logits = self._prefill([prompts[i] for i in take], device)
+                    keys, values, mask, logits = self._prefill([prompts[i] for i in take], device, head)
                     tokens, lps = sample_tokens(logits.repeat_interleave(n, dim=0), params, self.generator)
                     state.add_groups(take, keys, values, mask)
                     new_pos = torch.tensor([len(prompts[i]) for i in take], device=device).repeat_interleave(n)
@@ -355,7 +435,7 @@ class EngineRollout(RolloutBackend):
                     for i in take:
                         done[i] = []
                 else:  # one decode step of every live row
-                    tokens, lps = sample_tokens(self._decode_step(state, pending, pos), params, self.generator)
+                    tokens, lps = sample_tokens(self._decode_step(state, pending, pos, decoder), params, self.generator)
                     pos, pending, offset = pos + 1, tokens, 0
                 finished = self._record(rows, offset, tokens, lps, stop_t, params.max_tokens)
                 for j in finished:
@@ -377,7 +457,7 @@ class EngineRollout(RolloutBackend):
                         state.keep_rows(keep)
                         pos, pending = pos[keep], pending[keep]
                     else:
-                        state, pos, pending = DecodeState(n, params.max_tokens), None, None
+                        state, pos, pending = DecodeState(n, params.max_tokens, head), None, None
         finally:
             model.train(was_training)
 
