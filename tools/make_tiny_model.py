@@ -50,6 +50,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from rlflow.rollout.engine import common_prefix_len
+
 PAD, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END, UNK]
 CHAT_TEMPLATE = (
@@ -207,10 +209,7 @@ def encode_example(tokenizer, prob, hash_format: bool) -> tuple[list[int], list[
 
 def shared_prefix_len(examples) -> int:
     """Length of the token prefix common to every example, leaving >= 1 own prompt token."""
-    first, n = examples[0][0], min(len(ids) for ids, _ in examples) - 1
-    for other, _ in examples[1:]:
-        n = next((i for i in range(n) if other[i] != first[i]), n)
-    return n
+    return common_prefix_len([ids for ids, _ in examples])
 
 
 def collate(examples, pad_id: int, start: int = 0):
