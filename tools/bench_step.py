@@ -7,8 +7,8 @@ micro-batches of ``--micro-batch`` sequences, the GSM8K judger as the reward. Ea
 subprocess (same ``OMP_NUM_THREADS``), alternately, ``--repeats`` times; the first ``--warmup`` steps of every run
 are left out. The last line is the ratio of median step times::
 
-    pip install trl                                    # only for this benchmark; never an rlflow dependency
-    python tools/bench_step.py --model checkpoints/tiny-qwen3 --data checkpoints/arith/train.jsonl --threads 1
+    pip install --no-deps --target /tmp/trl-site trl accelerate psutil   # only for this benchmark
+    PYTHONPATH=/tmp/trl-site python tools/bench_step.py --model checkpoints/tiny-qwen3 --data checkpoints/arith/train.jsonl --threads 1
     ...
     step rlflow/trl speedup: 3.05x (rlflow 0.99 s/step 3237 tok/s, trl 3.01 s/step 1092 tok/s; tok/s ratio 2.96x; ...)
 
@@ -217,7 +217,8 @@ def main(argv=None) -> None:
         try:
             import trl  # noqa: F401
         except ImportError:
-            sys.exit("trl is not installed: 'pip install trl' (only for this benchmark), or pass --only rlflow")
+            sys.exit("trl is not importable: 'pip install --no-deps --target /tmp/trl-site trl accelerate psutil' and "
+                     "PYTHONPATH=/tmp/trl-site (only for this benchmark), or pass --only rlflow")
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(args.repeats):
         for name in names:
