@@ -246,4 +246,7 @@ def test_a_head_common_to_every_prompt_is_prefilled_once(model, tokenizer, monke
     short = engine(model, tokenizer, min_shared_prefix=21)  # the common head is shorter than the threshold
     monkeypatch.setattr(short, "_prefill_head", lambda h, d: heads.append(len(h)) or original_head(h, d))
     short.generate(prompts, SamplingParams(1.0, max_tokens=3), n=2)
+    off = engine(model, tokenizer, min_shared_prefix=0)  # 0 disables the shared head
+    monkeypatch.setattr(off, "_prefill_head", lambda h, d: heads.append(len(h)) or original_head(h, d))
+    off.generate(prompts, SamplingParams(1.0, max_tokens=3), n=2)
     assert heads == []

@@ -414,7 +414,8 @@ class EngineRollout(RolloutBackend):
         done: dict[int, list[tuple[int, Completion]]] = {}
         rows: list[_Row] = []
         head_len = common_prefix_len(prompts) if len(prompts) > 1 else 0
-        head = self._prefill_head(prompts[0][:head_len], device) if head_len >= max(self.min_shared_prefix, 1) else None
+        shared = self.min_shared_prefix and head_len >= self.min_shared_prefix
+        head = self._prefill_head(prompts[0][:head_len], device) if shared else None
         state = DecodeState(n, params.max_tokens, head)
         decoder = FusedDecoder(model) if self.fused and FusedDecoder.unsupported_reason(model) is None else None
         pos = pending = None  # position of the token to feed, and that token, per row
