@@ -26,8 +26,8 @@ every token, keeps finished rows in the batch until the longest one ends, and pa
 
 Simplifications: the prompt caches of a batch are right-padded to the longest prompt and the generated-token
 caches are contiguous per sequence and grow by doubling up to ``max_tokens`` (masked, exact, but not a paged
-block table); only the prefix common to *all* prompts of a call is shared across groups (no radix tree). The prefill
-uses the model's own attention implementation. Decoding through the model's forward (architectures the fused
+block table); only the prefix common to *all* prompts of a call is shared across groups (no radix tree). The
+prefill uses the model's own attention implementation. Decoding through the model's forward (architectures the fused
 path does not cover) needs attention modules that call ``past_key_values.update(k, v, layer_idx)`` and take the
 layer's mask from a ``{"full_attention": ...}`` mapping; sliding-window and hybrid linear-attention models are
 refused.
@@ -68,10 +68,11 @@ class DecodeState:
 
     Layout, per layer: ``prefix_k/v[layer]`` ``[groups, kv_heads, prompt_width, head_dim]`` (right-padded,
     ``prefix_bias`` ``[groups, prompt_width]`` is 0 on real tokens and -inf on padding), ``suffix_k/v[layer]``
-    ``[rows, kv_heads, capacity, head_dim]`` (``capacity`` doubles up to ``max_tokens`` as needed) with ``suffix_len[row]`` tokens filled, ``row_group``/``row_slot``
-    place each row in its group. ``head_k/v[layer]`` ``[kv_heads, head_len, head_dim]`` (optional) hold the prompt
-    head common to *every* prompt of the rollout (system prompt, instruction, chat-template head), stored once and
-    attended by all rows in one matrix product; the group caches then hold only what follows it.
+    ``[rows, kv_heads, capacity, head_dim]`` (``capacity`` doubles up to ``max_tokens`` as needed) with
+    ``suffix_len[row]`` tokens filled, ``row_group``/``row_slot`` place each row in its group.
+    ``head_k/v[layer]`` ``[kv_heads, head_len, head_dim]`` (optional) hold the prompt head common to *every* prompt
+    of the rollout (system prompt, instruction, chat-template head), stored once and attended by all rows in one
+    matrix product; the group caches then hold only what follows it.
     """
 
     def __init__(self, n: int, max_tokens: int, head: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> None:
@@ -371,29 +372,26 @@ class EngineRollout(RolloutBackend):
 
     def _decode_step(self, state: DecodeState, pending: torch.Tensor, pos: torch.Tensor,
                      decoder: FusedDecoder | None = None) -> torch.Tensor:
+        state.begin_step()
         if decoder is not None:
-            state.begin_step()
-
             def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
                 state.update(k, v, layer)
                 return attend_cached(state, layer, q, scaling).reshape(q.shape[0], -1)
 
             logits = decoder.step(pending, pos, attend)
-            state.end_step()
-            return logits
-        config = self.model.config
-        previous = config._attn_implementation
-        state.begin_step()
-        config._attn_implementation = ATTENTION_NAME
-        try:
-            out = self.model(
-                input_ids=pending[:, None], position_ids=pos[:, None], attention_mask={"full_attention": state},
-                past_key_values=state, use_cache=True,
-            )
-        finally:
-            config._attn_implementation = previous
+        else:
+            config = self.model.config
+            previous = config._attn_implementation
+            config._attn_implementation = ATTENTION_NAME
+            try:
+                logits = self.model(
+                    input_ids=pending[:, None], position_ids=pos[:, None], attention_mask={"full_attention": state},
+                    past_key_values=state, use_cache=True,
+                ).logits[:, -1]
+            finally:
+                config._attn_implementation = previous
         state.end_step()
-        return out.logits[:, -1]
+        return logits
 
     @torch.no_grad()
     def stream(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Iterator[tuple[int, list[Completion]]]:

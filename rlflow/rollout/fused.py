@@ -23,9 +23,9 @@ import torch.nn.functional as F
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' ``LlamaRMSNorm``/``Qwen3RMSNorm``: ``weight * x / sqrt(mean(x^2) + eps)``, computed in float32."""
-    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype) * (1 if weight is None else weight)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
