@@ -35,39 +35,54 @@ class Experience:
         return self.finish_reason == "length"
 
 
-def collate(experiences: list[Experience], pad_id: int) -> dict[str, torch.Tensor]:
-    """Stack experiences into ``input_ids``, ``attention_mask``, ``position_ids``, ``completion_mask`` and
-    per-token/per-sample tensors; ``logits_to_keep`` is the completion width."""
-    p_width = max(len(e.prompt_ids) for e in experiences)
-    c_width = max(max(len(e.completion_ids) for e in experiences), 1)
+def completion_tensors(experiences: list[Experience], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """The per-sequence tensors every collate returns: ``completion_ids`` (right-padded with ``pad_id``),
+    ``completion_mask`` and ``rollout_logprobs``/``old_logprobs``/``ref_logprobs`` (0 where absent) of shape
+    ``[sequences, max(longest completion, 1)]``, and ``advantages``/``truncated`` of shape ``[sequences]``."""
     b = len(experiences)
-    input_ids = torch.full((b, p_width + c_width), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((b, p_width + c_width), dtype=torch.long)
+    c_width = max(max(len(e.completion_ids) for e in experiences), 1)
+    completion_ids = torch.full((b, c_width), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((b, c_width), dtype=torch.bool)
-    rollout_lp = torch.zeros((b, c_width))
-    old_lp = torch.zeros((b, c_width))
-    ref_lp = torch.zeros((b, c_width))
+    rollout_lp, old_lp, ref_lp = torch.zeros((b, c_width)), torch.zeros((b, c_width)), torch.zeros((b, c_width))
     for i, e in enumerate(experiences):
-        p, c = len(e.prompt_ids), len(e.completion_ids)
-        input_ids[i, p_width - p: p_width] = torch.tensor(e.prompt_ids, dtype=torch.long)
-        input_ids[i, p_width: p_width + c] = torch.tensor(e.completion_ids, dtype=torch.long)
-        attention_mask[i, p_width - p: p_width + c] = 1
+        c = len(e.completion_ids)
+        completion_ids[i, :c] = torch.tensor(e.completion_ids, dtype=torch.long)
         completion_mask[i, :c] = True
         rollout_lp[i, :c] = torch.tensor(e.rollout_logprobs[:c])
         if e.old_logprobs is not None:
             old_lp[i, :c] = torch.tensor(e.old_logprobs[:c])
         if e.ref_logprobs is not None:
             ref_lp[i, :c] = torch.tensor(e.ref_logprobs[:c])
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
     return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-        "completion_ids": input_ids[:, p_width:],
+        "completion_ids": completion_ids,
         "completion_mask": completion_mask,
         "rollout_logprobs": rollout_lp,
         "old_logprobs": old_lp,
         "ref_logprobs": ref_lp,
         "advantages": torch.tensor([e.advantage for e in experiences], dtype=torch.float32),
         "truncated": torch.tensor([e.truncated for e in experiences]),
+    }
+
+
+def collate(experiences: list[Experience], pad_id: int) -> dict[str, torch.Tensor]:
+    """Stack experiences into left-padded ``input_ids``, ``attention_mask`` and ``position_ids``
+    ``[sequences, prompt_width + completion_width]`` plus :func:`completion_tensors` (whose ``completion_ids``,
+    padded with ``pad_id``, equal the completion part of ``input_ids``); ``logits_to_keep`` is the completion
+    width."""
+    p_width = max(len(e.prompt_ids) for e in experiences)
+    c_width = max(max(len(e.completion_ids) for e in experiences), 1)
+    b = len(experiences)
+    input_ids = torch.full((b, p_width + c_width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, p_width + c_width), dtype=torch.long)
+    for i, e in enumerate(experiences):
+        p, c = len(e.prompt_ids), len(e.completion_ids)
+        input_ids[i, p_width - p: p_width] = torch.tensor(e.prompt_ids, dtype=torch.long)
+        input_ids[i, p_width: p_width + c] = torch.tensor(e.completion_ids, dtype=torch.long)
+        attention_mask[i, p_width - p: p_width + c] = 1
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        **completion_tensors(experiences, pad_id),
     }

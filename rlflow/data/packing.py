@@ -20,7 +20,7 @@ import contextlib
 import torch
 from transformers import AttentionInterface
 
-from rlflow.data.experience import Experience
+from rlflow.data.experience import Experience, completion_tensors
 from rlflow.logprobs import _has_logit_postprocessing, naive_token_stats, token_stats_from_hidden
 
 ATTENTION_NAME = "rlflow_varlen_sdpa"
@@ -194,23 +194,7 @@ def collate_packed(experiences: list[Experience], share_prompts: bool = False) -
             rows.append(list(range(prompt_start, prompt_start + p)) + list(range(start, start + c)))
             owned_prefix.append(p if k > 0 and share_prompts else 0)
             logit_of[i] = ([prompt_start + p - 1] + list(range(start, start + c - 1))) if c else []
-    b = len(experiences)
-    c_width = max(max(len(e.completion_ids) for e in experiences), 1)
-    completion_ids = torch.zeros((b, c_width), dtype=torch.long)
-    completion_mask = torch.zeros((b, c_width), dtype=torch.bool)
-    rollout_lp, old_lp, ref_lp = torch.zeros((b, c_width)), torch.zeros((b, c_width)), torch.zeros((b, c_width))
-    logit_index: list[int] = []
-    for i, e in enumerate(experiences):
-        c = len(e.completion_ids)
-        logit_index.extend(logit_of[i])
-        if c:
-            completion_ids[i, :c] = torch.tensor(e.completion_ids, dtype=torch.long)
-            rollout_lp[i, :c] = torch.tensor(e.rollout_logprobs[:c])
-        completion_mask[i, :c] = True
-        if e.old_logprobs is not None:
-            old_lp[i, :c] = torch.tensor(e.old_logprobs[:c])
-        if e.ref_logprobs is not None:
-            ref_lp[i, :c] = torch.tensor(e.ref_logprobs[:c])
+    logit_index = [j for i in range(len(experiences)) for j in logit_of[i]]
     seq_index, seq_valid = rows_layout(rows)
     batch = {
         "input_ids": torch.tensor([ids], dtype=torch.long),
@@ -218,13 +202,7 @@ def collate_packed(experiences: list[Experience], share_prompts: bool = False) -
         "seq_valid": seq_valid,
         "position_ids": torch.tensor([positions], dtype=torch.long),
         "logit_index": torch.tensor(logit_index, dtype=torch.long),
-        "completion_ids": completion_ids,
-        "completion_mask": completion_mask,
-        "rollout_logprobs": rollout_lp,
-        "old_logprobs": old_lp,
-        "ref_logprobs": ref_lp,
-        "advantages": torch.tensor([e.advantage for e in experiences], dtype=torch.float32),
-        "truncated": torch.tensor([e.truncated for e in experiences]),
+        **completion_tensors(experiences),
     }
     if any(owned_prefix):
         cols = torch.arange(seq_index.shape[1])
