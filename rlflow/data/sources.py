@@ -157,12 +157,7 @@ def _iter_json_array(path: Path) -> Iterator[tuple[str, PromptRecord | DataError
         raise DataError(f"{path}:{exc.lineno}: invalid JSON at column {exc.colno}: {exc.msg}") from exc
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not UTF-8 text: {exc}") from exc
-    for i, row in enumerate(rows, start=1):
-        where = f"{path}:row {i}"
-        try:
-            yield where, check_row(row, where)
-        except DataError as exc:
-            yield where, exc
+    yield from _iter_rows(rows, str(path))
 
 
 def _iter_rows(rows: Any, name: str) -> Iterator[tuple[str, PromptRecord | DataError]]:
