@@ -11,6 +11,8 @@ dual clip (verl's ``pg_clipfrac_lower``).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from rlflow.losses.base import LossContext
@@ -20,42 +22,17 @@ from rlflow.losses.surrogate import RatioPolicyLoss
 class ClippedSurrogateLoss(RatioPolicyLoss):
     """PPO's clipped surrogate with GRPO's options; subclasses only choose the default normaliser."""
 
-    def __init__(
-        self,
-        epsilon_low: float = 0.2,
-        epsilon_high: float | None = None,
-        delta: float | None = None,
-        clip_ratio_c: float | None = None,
-        kl_coef: float = 0.0,
-        kl_type: str = "k3",
-        importance_sampling_level: str = "token",
-        mask_truncated_completions: bool = False,
-        top_entropy_quantile: float = 1.0,
-        entropy_coef: float = 0.0,
-        max_tokens: int | None = None,
-        aggregation: str | None = None,
-    ) -> None:
+    def __init__(self, delta: float | None = None, clip_ratio_c: float | None = None, **kwargs: Any) -> None:
         """
         Args:
-            epsilon_low: Lower clip range of the importance ratio (``1 - epsilon_low``).
-            epsilon_high: Upper clip range (``1 + epsilon_high``); None means ``epsilon_low``. DAPO's clip-higher uses 0.28.
             delta: Cap on the unclipped ratio (two-sided clipping); must exceed ``1 + epsilon_high``. None disables it.
             clip_ratio_c: Dual clip: the loss of a negative-advantage token is at most ``-clip_ratio_c * A`` (verl uses 3.0); must exceed 1. None disables it.
-            kl_coef: Weight of the KL penalty to the reference model (needs ``ref_logprobs``); 0 disables it.
-            kl_type: KL estimator: ``k1``, ``k2``, ``k3`` (= ``low_var_kl``) or ``abs``.
-            importance_sampling_level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO: one ratio per completion, from the mean token log-ratio).
-            mask_truncated_completions: Leave completions cut at ``max_tokens`` out of the loss (DAPO's overlong filtering).
-            top_entropy_quantile: Train only on this fraction of tokens with the highest entropy; 1.0 trains on all.
-            entropy_coef: Weight of an entropy bonus (subtracted from the loss); 0 disables it.
-            max_tokens: Completion budget, the ``dr_grpo`` normaliser when no ``LossContext`` is given.
-            aggregation: Override the normaliser: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``; None keeps the loss's own.
+            **kwargs: The options of :class:`~rlflow.losses.surrogate.RatioPolicyLoss` (``epsilon_low``,
+                ``epsilon_high``, ``kl_coef``, ``kl_type``, ``importance_sampling_level``,
+                ``mask_truncated_completions``, ``top_entropy_quantile``, ``entropy_coef``, ``max_tokens``,
+                ``aggregation``).
         """
-        super().__init__(
-            epsilon_low=epsilon_low, epsilon_high=epsilon_high, kl_coef=kl_coef, kl_type=kl_type,
-            importance_sampling_level=importance_sampling_level, mask_truncated_completions=mask_truncated_completions,
-            top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef, max_tokens=max_tokens,
-            aggregation=aggregation,
-        )
+        super().__init__(**kwargs)
         if delta is not None and delta <= 1.0 + self.epsilon_high:
             raise ValueError(f"delta must be greater than 1 + epsilon_high = {1.0 + self.epsilon_high}, got {delta}")
         if clip_ratio_c is not None and clip_ratio_c <= 1.0:
