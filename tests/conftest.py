@@ -22,6 +22,27 @@ def load_tool(name: str):
     return module
 
 
+class ProgressRecorder:
+    """A rollout progress listener (``start``/``update``/``close``) that records its calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def start(self, total):
+        self.calls.append(("start", total))
+
+    def update(self, completions, tokens):
+        self.calls.append(("update", completions, tokens))
+
+    def close(self):
+        self.calls.append(("close",))
+
+
+@pytest.fixture
+def progress_recorder() -> ProgressRecorder:
+    return ProgressRecorder()
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A random-init tiny Qwen3 model + char tokenizer (no SFT: fast), and its arithmetic data beside it."""

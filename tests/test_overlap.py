@@ -41,22 +41,6 @@ def answered(completions, **kwargs):
     return [1.0 if "####" in t else None for t in texts]
 
 
-class Recorder:
-    """A rollout progress listener that records its calls."""
-
-    def __init__(self):
-        self.calls = []
-
-    def start(self, total):
-        self.calls.append(("start", total))
-
-    def update(self, completions, tokens):
-        self.calls.append(("update", completions, tokens))
-
-    def close(self):
-        self.calls.append(("close",))
-
-
 class ShuffledStream:
     """A streaming backend with pre-made completions, finishing groups in a shuffled order (a pause after each)."""
 
@@ -98,12 +82,12 @@ def test_judge_metrics_against_plain_statistics():
     assert "rewards/c/mean" not in m
 
 
-def test_shuffled_stream_equals_whole_batch_judging(tiny_model, tiny_data, tokenizer):
+def test_shuffled_stream_equals_whole_batch_judging(tiny_model, tiny_data, tokenizer, progress_recorder):
     dm = make_dm(tiny_model, tiny_data, {"*": ["gsm8k", half_none]})
     dm.judger_runner = JudgerRunner({"*": [answered, half_none]}, reward_weights={"answered": 2.0})
     records = dm.train_records[:8]
     groups = premade(dm, records, tokenizer)
-    dm.backend, dm.rollout_progress = ShuffledStream(groups), Recorder()
+    dm.backend, dm.rollout_progress = ShuffledStream(groups), progress_recorder
     overlap = OverlappedJudging(dm.judge_result, K)
     out_groups, rewards, metrics, texts = overlap.run(dm.backend.stream([r.prompt_ids for r in records], None, K),
                                                       records, dm.rollout_progress)

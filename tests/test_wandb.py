@@ -127,7 +127,7 @@ def test_rollout_progress_and_step_summary(tiny_model, tiny_data, tmp_path, caps
         assert part in lines[1]
 
 
-def test_progress_listener_counts_per_batch_when_the_backend_reports():
+def test_progress_listener_counts_per_batch_when_the_backend_reports(progress_recorder):
     from rlflow.data.datamodule import RolloutDataModule
     from rlflow.rollout.base import Completion, SamplingParams
 
@@ -140,21 +140,8 @@ def test_progress_listener_counts_per_batch_when_the_backend_reports():
                 progress(n, 3 * n)
             return out
 
-    class Recorder:
-        def __init__(self):
-            self.calls = []
-
-        def start(self, total):
-            self.calls.append(("start", total))
-
-        def update(self, completions, tokens):
-            self.calls.append(("update", completions, tokens))
-
-        def close(self):
-            self.calls.append(("close",))
-
     dm = RolloutDataModule.__new__(RolloutDataModule)
-    dm.backend, dm.rollout_progress = Reporting(), Recorder()
+    dm.backend, dm.rollout_progress = Reporting(), progress_recorder
     groups = dm.generate_with_progress([[1], [2]], SamplingParams(), 4)
     assert len(groups) == 2 and dm.rollout_progress.calls == [
         ("start", 8), ("update", 4, 12), ("update", 4, 12), ("close",)]
