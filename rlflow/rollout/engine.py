@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
 from rlflow.rollout.base import Completion, RolloutBackend, SamplingParams
@@ -66,13 +67,18 @@ class DecodeState:
     It stands in for transformers' ``Cache`` during decode steps (the model calls :meth:`update`) and is passed
     as the attention mask, so :func:`shared_prefix_attention` finds everything it needs in one object.
 
-    Layout, per layer: ``prefix_k/v[layer]`` ``[groups, kv_heads, prompt_width, head_dim]`` (right-padded,
-    ``prefix_bias`` ``[groups, prompt_width]`` is 0 on real tokens and -inf on padding), ``suffix_k/v[layer]``
-    ``[rows, kv_heads, capacity, head_dim]`` (``capacity`` doubles up to ``max_tokens`` as needed) with
-    ``suffix_len[row]`` tokens filled, ``row_group``/``row_slot`` place each row in its group.
-    ``head_k/v[layer]`` ``[kv_heads, head_len, head_dim]`` (optional) hold the prompt head common to *every* prompt
-    of the rollout (system prompt, instruction, chat-template head), stored once and attended by all rows in one
-    matrix product; the group caches then hold only what follows it.
+    Layout, per layer: ``prefix_k/v[layer]`` ``[groups, kv_heads, prompt_width, head_dim]`` hold each group's
+    prompt: the rollout-wide head (``head``, keys/values ``[kv_heads, head_len, head_dim]`` per layer, prefilled
+    once and copied in front of each group's own tokens when the group joins, so that decoding reads one prompt
+    cache per group) and then the group's left-padded rest; ``prefix_bias`` ``[groups, prompt_width]`` is 0 on
+    real tokens and -inf on padding. ``suffix_k/v[layer]`` ``[rows, kv_heads, capacity, head_dim]`` hold each
+    row's generated tokens (``capacity`` doubles up to ``max_tokens`` as needed); ``row_group``/``row_slot``
+    place each row in its group.
+
+    While every row has fed the same number of tokens (``fed``; the rows admitted together, the usual case)
+    a step writes one column of the generated-token caches with a slice copy and needs no mask. Rows that join
+    later switch the state to per-row lengths (``suffix_len``) and a mask per step; compaction that leaves
+    rows of one length switches back.
     """
 
     def __init__(self, n: int, max_tokens: int, head: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> None:
@@ -83,9 +89,11 @@ class DecodeState:
         self.prefix_k: list[torch.Tensor] = []
         self.prefix_v: list[torch.Tensor] = []
         self.prefix_bias: torch.Tensor | None = None
+        self.prefix_padded = False  # whether any prompt cache has padding (else prefix_bias is all zeros)
         self.suffix_k: list[torch.Tensor] = []
         self.suffix_v: list[torch.Tensor] = []
-        self.suffix_len: torch.Tensor | None = None
+        self.fed: int | None = 0  # tokens fed by every row when all rows agree (uniform mode), else None
+        self.suffix_len: torch.Tensor | None = None  # per-row tokens fed (per-row mode only)
         self.row_group: torch.Tensor | None = None
         self.row_slot: torch.Tensor | None = None
         self.alive: torch.Tensor | None = None  # finished rows stay (masked out of the bookkeeping) until compaction
@@ -100,30 +108,47 @@ class DecodeState:
     # -------------------------------------------------------------------- transformers' cache protocol
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write the step's key/value (``[rows, kv_heads, 1, dim]``) at each row's next free suffix slot."""
-        rows = torch.arange(key_states.shape[0], device=key_states.device)
-        self.suffix_k[layer_idx][rows, :, self.suffix_len] = key_states[:, :, 0]
-        self.suffix_v[layer_idx][rows, :, self.suffix_len] = value_states[:, :, 0]
+        self.write(layer_idx, key_states[:, :, 0], value_states[:, :, 0])
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.suffix_len is None else int(self.suffix_len.max()) + (self.prefix_bias.shape[1] if self.prefix_bias is not None else 0)
+        if self.prefix_bias is None:
+            return 0
+        fed = self.fed if self.fed is not None else int(self.suffix_len.max())
+        return fed + self.prefix_bias.shape[1]
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Store the step's ``key``/``value`` (``[rows, kv_heads, dim]``) in each row's next generated-token slot."""
+        if self.fed is not None:
+            self.suffix_k[layer][:, :, self.fed] = key
+            self.suffix_v[layer][:, :, self.fed] = value
+        else:
+            rows = torch.arange(key.shape[0], device=key.device)
+            self.suffix_k[layer][rows, :, self.suffix_len] = key
+            self.suffix_v[layer][rows, :, self.suffix_len] = value
 
     # ------------------------------------------------------------------------------- batch bookkeeping
     def add_groups(self, prompt_ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> None:
-        """Add prefilled groups: per-layer ``[groups, kv_heads, width, dim]`` caches and their 2D ``mask``."""
-        bias = torch.zeros(mask.shape, dtype=keys[0].dtype, device=keys[0].device).masked_fill(mask == 0, float("-inf"))
+        """Add prefilled groups: per-layer ``[groups, kv_heads, width, dim]`` caches (of the prompts after the
+        rollout-wide head, if any) and their 2D ``mask``."""
         g_new, n = len(prompt_ids), self.n
+        if self.head_k is not None:  # the head's keys/values in front of every group's own
+            keys = [torch.cat([h.expand(g_new, -1, -1, -1), k], dim=2) for h, k in zip(self.head_k, keys)]
+            values = [torch.cat([h.expand(g_new, -1, -1, -1), v], dim=2) for h, v in zip(self.head_v, values)]
+            mask = torch.cat([mask.new_ones((g_new, self.head_k[0].shape[1])), mask], dim=1)
+        bias = torch.zeros(mask.shape, dtype=keys[0].dtype, device=keys[0].device).masked_fill(mask == 0, float("-inf"))
         g_old = len(self.group_prompt)
         rows_new = g_new * n
         kv_shape = (rows_new, keys[0].shape[1], self.capacity, keys[0].shape[3])
+        device = bias.device
         if self.prefix_bias is None:
             self.prefix_k, self.prefix_v, self.prefix_bias = list(keys), list(values), bias
             self.suffix_k = [keys[0].new_zeros(kv_shape) for _ in keys]
             self.suffix_v = [keys[0].new_zeros(kv_shape) for _ in keys]
-            self.suffix_len = torch.zeros(rows_new, dtype=torch.long, device=bias.device)
-            self.alive = torch.ones(rows_new, dtype=torch.bool, device=bias.device)
-            self.row_group = torch.zeros(0, dtype=torch.long, device=bias.device)
-            self.row_slot = torch.zeros(0, dtype=torch.long, device=bias.device)
+            self.alive = torch.ones(rows_new, dtype=torch.bool, device=device)
+            self.row_group = torch.zeros(0, dtype=torch.long, device=device)
+            self.row_slot = torch.zeros(0, dtype=torch.long, device=device)
+            self.fed, self.suffix_len = 0, None
         else:
             width = max(self.prefix_bias.shape[1], bias.shape[1])
 
@@ -138,20 +163,25 @@ class DecodeState:
             self.prefix_bias = torch.cat([pad(self.prefix_bias, float("-inf")), pad(bias, float("-inf"))])
             self.suffix_k = [torch.cat([s, s.new_zeros(kv_shape)]) for s in self.suffix_k]
             self.suffix_v = [torch.cat([s, s.new_zeros(kv_shape)]) for s in self.suffix_v]
-            self.suffix_len = torch.cat([self.suffix_len, self.suffix_len.new_zeros(rows_new)])
             self.alive = torch.cat([self.alive, self.alive.new_ones(rows_new)])
-        device = self.row_group.device
+            if self.fed != 0:  # the new rows start behind the running ones: per-row lengths from now on
+                old = self.suffix_len if self.fed is None else torch.full((self.num_rows,), self.fed, device=device)
+                self.suffix_len, self.fed = torch.cat([old, old.new_zeros(rows_new)]), None
         groups = torch.arange(g_old, g_old + g_new, device=device).repeat_interleave(n)
         slots = torch.arange(n, device=device).repeat(g_new)
         self.row_group = torch.cat([self.row_group, groups])
         self.row_slot = torch.cat([self.row_slot, slots])
         self.group_prompt.extend(prompt_ids)
+        self.prefix_padded = bool(torch.isinf(self.prefix_bias).any())
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         """Keep rows ``keep`` (in order); free the prompt caches of groups with no row left."""
         self.suffix_k = [s[keep] for s in self.suffix_k]
         self.suffix_v = [s[keep] for s in self.suffix_v]
-        self.suffix_len = self.suffix_len[keep]
+        if self.fed is None:
+            self.suffix_len = self.suffix_len[keep]
+            if self.suffix_len.numel() and int(self.suffix_len.min()) == int(self.suffix_len.max()):
+                self.fed, self.suffix_len = int(self.suffix_len[0]), None  # one length again: uniform mode
         self.alive = self.alive[keep]
         row_group = self.row_group[keep]
         self.row_slot = self.row_slot[keep]
@@ -169,23 +199,40 @@ class DecodeState:
             self.prefix_k = [p[:, :, :width] for p in self.prefix_k]
             self.prefix_v = [p[:, :, :width] for p in self.prefix_v]
             self.group_prompt = [self.group_prompt[g] for g in live.tolist()]
+            self.prefix_padded = bool(torch.isinf(self.prefix_bias).any())
         self.row_group = row_group
 
     def begin_step(self) -> None:
-        """Precompute the suffix mask of a decode step (the row's cached tokens plus the one fed now)."""
-        self.step_width = int(self.suffix_len.max()) + 1
+        """Size the step's view of the generated-token caches (the rows' cached tokens plus the one fed now) and,
+        with per-row lengths, its mask."""
+        self.step_width = (self.fed if self.fed is not None else int(self.suffix_len.max())) + 1
         if self.step_width > self.capacity:  # grow the generated-token caches (zero-filled: masked, but finite)
             grow = min(self.max_tokens, max(self.step_width, 2 * self.capacity)) - self.capacity
             self.suffix_k = [torch.nn.functional.pad(t, (0, 0, 0, grow)) for t in self.suffix_k]
             self.suffix_v = [torch.nn.functional.pad(t, (0, 0, 0, grow)) for t in self.suffix_v]
             self.capacity += grow
+        if self.fed is not None:  # every row sees all step_width slots: no mask
+            self.step_bias = None
+            return
         cols = torch.arange(self.step_width, device=self.suffix_len.device)
         allowed = cols[None, :] <= self.suffix_len[:, None]
         dtype = self.prefix_bias.dtype
         self.step_bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
 
     def end_step(self) -> None:
-        self.suffix_len = self.suffix_len + self.alive.long()  # a finished row rewrites its last slot
+        if self.fed is not None:
+            self.fed += 1  # finished rows advance too: they write only their own slots, which nobody else reads
+        else:
+            self.suffix_len = self.suffix_len + self.alive.long()  # a finished row rewrites its last slot
+
+    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
+        """``[rows, ...]`` -> ``[groups, n, ...]`` (a view while every group is whole and in order, else a scatter)."""
+        groups = len(self.group_prompt)
+        if x.shape[0] == groups * self.n:
+            return x.view((groups, self.n) + x.shape[1:])
+        grid = x.new_zeros((groups, self.n) + x.shape[1:])
+        grid[self.row_group, self.row_slot] = x
+        return grid
 
 
 def shared_prefix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -199,48 +246,49 @@ def shared_prefix_attention(module: torch.nn.Module, query: torch.Tensor, key: t
 
 
 def attend_cached(state: DecodeState, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
-    """The maths of :func:`shared_prefix_attention`: ``query`` ``[rows, heads, 1, dim]`` -> ``[rows, 1, heads, dim]``."""
+    """The maths of :func:`shared_prefix_attention`: ``query`` ``[rows, heads, 1, dim]`` -> ``[rows, 1, heads, dim]``.
+
+    Two score blocks joined in one softmax: the ``n * rep`` queries of a group (``rep`` query heads per key/value
+    head) against the group's one prompt cache in one matrix product per group, and each row's queries against
+    its own generated tokens. Scores are laid out ``[groups, n, kv, rep, ...]`` so that joining them is one copy.
+    """
     rows, heads, _, dim = query.shape
     pk, pv = state.prefix_k[layer], state.prefix_v[layer]
     groups, kv_heads, width, _ = pk.shape
     rep, n = heads // kv_heads, state.n
     scale = dim ** -0.5 if scaling is None else scaling
-    q = query[:, :, 0].reshape(rows, kv_heads, rep, dim).float() * scale
-    g_idx, s_idx = state.row_group, state.row_slot
-    dense = rows == groups * n  # every group complete and in order (no row compacted out): reshapes, no scatter
-
-    def to_groups(x: torch.Tensor) -> torch.Tensor:  # [rows, kv, rep, d] -> [groups, kv, n * rep, d]
-        if not dense:
-            grid = x.new_zeros((groups, n) + x.shape[1:])
-            grid[g_idx, s_idx] = x
-            x = grid
-        return x.reshape(groups, n, kv_heads, rep, -1).permute(0, 2, 1, 3, 4).reshape(groups, kv_heads, n * rep, -1)
-
-    def to_rows(x: torch.Tensor) -> torch.Tensor:  # [groups, kv, n * rep, d] -> [rows, kv, rep, d]
-        x = x.view(groups, kv_heads, n, rep, -1).permute(0, 2, 1, 3, 4)
-        return x.reshape(rows, kv_heads, rep, -1) if dense else x[g_idx, s_idx]
-
-    # head: every row's queries together against the prompt head common to the whole rollout
-    parts, head_len = [], 0
-    if state.head_k is not None:
-        hk, hv = state.head_k[layer], state.head_v[layer]  # [kv, head_len, d]
-        head_len = hk.shape[1]
-        q_all = q.permute(1, 0, 2, 3).reshape(kv_heads, rows * rep, dim)
-        parts.append(torch.matmul(q_all, hk.float().transpose(-1, -2)).view(kv_heads, rows, rep, head_len).permute(1, 0, 2, 3))
-    # prefix: the group's queries together against the group's one prompt cache
-    s_pre = torch.matmul(to_groups(q), pk.float().transpose(-1, -2)) + state.prefix_bias.float()[:, None, None, :]
-    parts.append(to_rows(s_pre))  # [rows, kv, rep, width]
-    # suffix: each row against its own generated tokens
+    cast = pk.dtype != torch.float32  # attention in float32; no-op casts skipped on the hot path
+    q = query.reshape(rows, kv_heads, rep, dim)
+    q = q.float() if query.dtype != torch.float32 else q
+    if scale != 1.0:
+        q = q * scale
+    dense = rows == groups * n  # every group whole and in order: the grid is a view of the rows
+    # prompt: each group's n * rep queries against its one prompt cache
+    q_grid = state.to_grid(q).transpose(1, 2).reshape(groups, kv_heads, n * rep, dim)
+    s_pre = torch.matmul(q_grid, (pk.float() if cast else pk).transpose(-1, -2))
+    if state.prefix_padded:
+        s_pre.add_(state.prefix_bias.float()[:, None, None, :])
+    s_pre = s_pre.view(groups, kv_heads, n, rep, width).transpose(1, 2)  # [groups, n, kv, rep, width]
+    # generated tokens: each row against its own
     sk = state.suffix_k[layer][:, :, : state.step_width]
     sv = state.suffix_v[layer][:, :, : state.step_width]
-    s_suf = torch.matmul(q, sk.float().transpose(-1, -2)) + state.step_bias.float()[:, None, None, :]
-    probs = torch.softmax(torch.cat([*parts, s_suf], dim=-1), dim=-1)
-    p_pre, p_suf = probs[..., head_len: head_len + width], probs[..., head_len + width:]
-    out = torch.matmul(p_suf, sv.float())  # [rows, kv, rep, dim]
-    out = out + to_rows(torch.matmul(to_groups(p_pre), pv.float()))
-    if head_len:
-        p_head = probs[..., :head_len].permute(1, 0, 2, 3).reshape(kv_heads, rows * rep, head_len)
-        out = out + torch.matmul(p_head, hv.float()).view(kv_heads, rows, rep, dim).permute(1, 0, 2, 3)
+    if cast:
+        pv, sk, sv = pv.float(), sk.float(), sv.float()
+    s_suf = torch.matmul(q, sk.transpose(-1, -2))  # [rows, kv, rep, step_width]
+    if state.step_bias is not None:
+        s_suf.add_(state.step_bias.float()[:, None, None, :])
+    if dense:
+        scores = torch.cat([s_pre, s_suf.view(groups, n, kv_heads, rep, -1)], dim=-1).view(rows, kv_heads, rep, -1)
+    else:
+        scores = torch.cat([s_pre[state.row_group, state.row_slot], s_suf], dim=-1)
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs[..., width:], sv)  # [rows, kv, rep, dim]
+    p_grid = state.to_grid(probs[..., :width]).transpose(1, 2).reshape(groups, kv_heads, n * rep, width)
+    o_pre = torch.matmul(p_grid, pv).view(groups, kv_heads, n, rep, dim).transpose(1, 2)
+    if dense:
+        out = out.view(groups, n, kv_heads, rep, dim).add_(o_pre)
+    else:
+        out = out.add_(o_pre[state.row_group, state.row_slot])
     return out.reshape(rows, 1, heads, dim).to(query.dtype)
 
 
@@ -267,7 +315,7 @@ def sample_tokens(
     """
     logits = logits.float()
     temperature = params.temperature if not params.greedy else 1.0
-    logp = torch.log_softmax(logits / temperature, dim=-1)
+    logp = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
     if params.greedy:
         tokens = logits.argmax(dim=-1)
     else:
@@ -282,12 +330,11 @@ def sample_tokens(
             drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= params.top_p)
             filtered = filtered.masked_fill(drop, float("-inf"))
         # inverse-CDF sampling: one uniform per row (multinomial draws one exponential per vocabulary entry);
-        # the CDF in float64 so that the tail of a large vocabulary keeps its mass
-        cdf = filtered.softmax(dim=-1).double().cumsum(dim=-1)
-        u = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=torch.float64)
-        total = cdf[:, -1:]
-        u = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # strictly below the total
-        tokens = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+        # the CDF in float64 so that the tail of a large vocabulary keeps its mass. u is in (0, total], and the
+        # first index whose CDF reaches u always has positive mass (a token of zero mass repeats the CDF before it)
+        cdf = filtered.exp().double().cumsum(dim=-1)
+        u = (1.0 - torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=torch.float64)) * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, u).squeeze(-1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
@@ -316,6 +363,7 @@ class EngineRollout(RolloutBackend):
         self.fused = fused
         self.min_shared_prefix = min_shared_prefix
         self.generator: torch.Generator | None = None
+        self._decoder: FusedDecoder | None = None  # the fused decoder of the rollout call in progress, if any
 
     def bind(self, model: Any, tokenizer: Any) -> None:
         super().bind(model, tokenizer)
@@ -337,6 +385,9 @@ class EngineRollout(RolloutBackend):
 
     def _prefill_head(self, head: list[int], device: torch.device):
         """Run the prompt head common to every prompt once; return its per-layer keys and values ``[kv, len, d]``."""
+        if self._decoder is not None:
+            keys, values, _, _ = self._prefill_fused([head], device, None)
+            return [k[0] for k in keys], [v[0] for v in values]
         cache = DynamicCache(config=self.model.config)
         self.model(input_ids=torch.tensor([head], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
         return [layer.keys[0] for layer in cache.layers], [layer.values[0] for layer in cache.layers]
@@ -346,8 +397,12 @@ class EngineRollout(RolloutBackend):
 
         With ``head`` (``(keys, values)`` of :meth:`_prefill_head` for the first ``head_len`` tokens, which every
         prompt starts with), only the rest of each prompt is run, attending to the head's cache, and only the
-        rest's keys/values are returned. Prompts are left-padded; position ids count real tokens only.
+        rest's keys/values are returned. Through the fused decoder (the rollout call's, when it has one) prompts
+        are right-padded; through the model's forward they are left-padded with position ids counting real
+        tokens only. Either way the mask marks the real tokens and the decode attention ignores the rest.
         """
+        if self._decoder is not None:
+            return self._prefill_fused(prompts, device, head)
         head_len = 0 if head is None else head[0][0].shape[1]
         cache = DynamicCache(config=self.model.config)
         if head_len:
@@ -370,12 +425,48 @@ class EngineRollout(RolloutBackend):
         values = [layer.values[:, :, head_len:] for layer in cache.layers]
         return keys, values, mask[:, head_len:].to(device), out.logits[:, -1]
 
+    def _prefill_fused(self, prompts: list[list[int]], device: torch.device, head=None):
+        """:meth:`_prefill` through the fused decoder: the right-padded rests of all prompts as one flat batch of
+        tokens, causal attention (over the head's keys too) in ``scaled_dot_product_attention``."""
+        decoder = self._decoder
+        head_len = 0 if head is None else head[0][0].shape[1]
+        rests = [p[head_len:] for p in prompts]
+        batch, width = len(rests), max(len(r) for r in rests)
+        heads, kv_heads, dim = decoder.num_heads, decoder.num_kv_heads, decoder.head_dim
+        ids = torch.full((batch, width), self.pad_id, dtype=torch.long)
+        for i, r in enumerate(rests):
+            ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+        lengths = torch.tensor([len(r) for r in rests])
+        cols = torch.arange(width)
+        real = cols[None, :] < lengths[:, None]  # [batch, width]
+        allowed = torch.ones((batch, 1, width, head_len + width), dtype=torch.bool)  # the head: always
+        allowed[..., head_len:] = (cols[None, :] <= cols[:, None]) & real[:, None, None, :]  # causal, real keys
+        positions = (head_len + cols).repeat(batch)
+        ids, real, allowed, positions, lengths = (t.to(device) for t in (ids, real, allowed, positions, lengths))
+        keys, values = [], []
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+            q = q.view(batch, width, heads, dim).transpose(1, 2)
+            k = k.view(batch, width, kv_heads, dim).transpose(1, 2).contiguous()
+            v = v.view(batch, width, kv_heads, dim).transpose(1, 2).contiguous()
+            keys.append(k)
+            values.append(v)
+            if head_len:
+                k = torch.cat([head[0][layer].expand(batch, -1, -1, -1), k], dim=2)
+                v = torch.cat([head[1][layer].expand(batch, -1, -1, -1), v], dim=2)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=heads != kv_heads)
+            return out.transpose(1, 2).reshape(batch * width, heads * dim)
+
+        last = torch.arange(batch, device=device) * width + lengths - 1
+        logits = decoder.step(ids.view(-1), positions, attend, select=last)
+        return keys, values, real.long(), logits
+
     def _decode_step(self, state: DecodeState, pending: torch.Tensor, pos: torch.Tensor,
                      decoder: FusedDecoder | None = None) -> torch.Tensor:
         state.begin_step()
         if decoder is not None:
             def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-                state.update(k, v, layer)
+                state.write(layer, k[:, :, 0], v[:, :, 0])
                 return attend_cached(state, layer, q, scaling).reshape(q.shape[0], -1)
 
             logits = decoder.step(pending, pos, attend)
@@ -411,11 +502,12 @@ class EngineRollout(RolloutBackend):
         waiting = deque(range(len(prompts)))
         done: dict[int, list[tuple[int, Completion]]] = {}
         rows: list[_Row] = []
+        decoder = FusedDecoder(model) if self.fused and FusedDecoder.unsupported_reason(model) is None else None
+        self._decoder = decoder
         head_len = common_prefix_len(prompts) if len(prompts) > 1 else 0
         shared = self.min_shared_prefix and head_len >= self.min_shared_prefix
         head = self._prefill_head(prompts[0][:head_len], device) if shared else None
         state = DecodeState(n, params.max_tokens, head)
-        decoder = FusedDecoder(model) if self.fused and FusedDecoder.unsupported_reason(model) is None else None
         pos = pending = None  # position of the token to feed, and that token, per row
         try:
             while waiting or rows:
@@ -446,10 +538,12 @@ class EngineRollout(RolloutBackend):
                     state.alive[torch.tensor(sorted(finished), dtype=torch.long, device=device)] = False
                     for prompt in [p for p, group in done.items() if len(group) == n]:
                         yield prompt, [c for _, c in sorted(done.pop(prompt), key=lambda sc: sc[0])]
-                dead = sum(not r.alive for r in rows)
-                # compact lazily: dropping rows copies the caches, so do it when a quarter is dead or room is needed
-                if dead and (4 * dead >= len(rows) or waiting):
-                    keep_list = [j for j, r in enumerate(rows) if r.alive]
+                # compact by whole groups (the rows of a group whose completions are all done): the batch stays
+                # whole groups in order, so attention needs no scatter; and lazily, since dropping rows copies
+                # the caches: when a quarter of the rows are done groups' or room is needed
+                gone = sum(r.prompt not in done for r in rows)
+                if gone and (4 * gone >= len(rows) or waiting):
+                    keep_list = [j for j, r in enumerate(rows) if r.prompt in done]
                     rows = [rows[j] for j in keep_list]
                     if rows:
                         keep = torch.tensor(keep_list, dtype=torch.long, device=device)
@@ -458,6 +552,7 @@ class EngineRollout(RolloutBackend):
                     else:
                         state, pos, pending = DecodeState(n, params.max_tokens, head), None, None
         finally:
+            self._decoder = None
             model.train(was_training)
 
     @staticmethod

@@ -4,7 +4,12 @@ Why: at rollout batch sizes a decode step of a small model is dominated by the f
 by the maths: transformers' forward goes through ~30 modules, output-recording hooks, a cache object and a mask
 builder per token. The engine (:mod:`rlflow.rollout.engine`) calls :meth:`FusedDecoder.step` instead: the
 same operations in the same order (so the logits agree with the model's forward to float rounding;
-``tests/test_fused_decoder.py`` checks it) with q/k/v and gate/up each folded into one matrix product.
+``tests/test_fused_decoder.py`` checks it) with q/k/v and gate/up each folded into one matrix product. With float32 weights the RMSNorm weights before
+q/k/v, gate/up and the head are folded into those matrices and the attention scale into q (or into q's
+RMSNorm weight), and the rotary cos/sin come from a table built once per decoder (positions looked up, not
+recomputed); ``rotate_half(x) * sin`` is ``roll(x, dim / 2) * (sign * sin)``, exactly. Each fold moves one
+float rounding, so logits agree with the model's forward to float32 precision; other dtypes keep the model's
+own order of operations.
 
 Simplifications: only the architectures listed in :data:`SUPPORTED_MODEL_TYPES` (RMSNorm, rotary embeddings from
 the model's own ``rotary_emb``, optional q/k RMSNorm as in Qwen3, optional projection biases as in Qwen2,
@@ -23,14 +28,26 @@ import torch.nn.functional as F
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' ``LlamaRMSNorm``/``Qwen3RMSNorm``: ``weight * x / sqrt(mean(x^2) + eps)``, computed in float32."""
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # frequencies that do not depend on the sequence length
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """transformers' ``LlamaRMSNorm``/``Qwen3RMSNorm``: ``weight * x / sqrt(mean(x^2) + eps)``, computed in float32
+    (``weight`` None: folded into the next matrix product)."""
+    if x.dtype == torch.float32:
+        normed = F.rms_norm(x, (x.shape[-1],), None, eps)
+        return normed if weight is None else weight * normed
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` with the weight stored transposed (``[in, out]``, contiguous: the faster layout for ``mm``)."""
+    return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
+
+
+def _residual(h: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``h + F.linear(x, weight, bias)``; without a bias the residual add rides in the matrix product (addmm)."""
+    return torch.addmm(h, x, weight_t) if bias is None else h + torch.addmm(bias, x, weight_t)
 
 
 def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
@@ -40,9 +57,10 @@ def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
 
 
 class _Layer:
-    """One decoder layer's weights, with q/k/v and gate/up concatenated."""
+    """One decoder layer's weights, with q/k/v and gate/up concatenated (and, with ``fold``, the norms' weights
+    and the attention scale folded in)."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module, fold: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1_w, self.ln1_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         self.ln2_w, self.ln2_eps = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
@@ -61,14 +79,29 @@ class _Layer:
         self.scaling = attn.scaling
         self.gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
         self.gate_up_b = _cat_bias(mlp.gate_proj, mlp.up_proj)
+        if fold:  # W @ (g * x) == (W * g) @ x; scale * q == q computed with scaled weights (RoPE is linear)
+            self.qkv_w, self.ln1_w = self.qkv_w * self.ln1_w, None
+            self.gate_up_w, self.ln2_w = self.gate_up_w * self.ln2_w, None
+            if self.qk_norm is not None:
+                weight, eps = self.qk_norm
+                self.qk_norm = (torch.cat([weight[:heads] * self.scaling, weight[heads:]]), eps)
+            else:
+                self.qkv_w[: self.q_size] *= self.scaling
+                if self.qkv_b is not None:
+                    self.qkv_b[: self.q_size] *= self.scaling
+            self.scaling = 1.0
         self.inter = mlp.gate_proj.out_features
         self.down_w, self.down_b = mlp.down_proj.weight, mlp.down_proj.bias
         self.act = mlp.act_fn
+        # transposed copies for _linear (made per decoder, i.e. per rollout call, like the concatenations)
+        self.qkv_w, self.o_w = self.qkv_w.t().contiguous(), self.o_w.t().contiguous()
+        self.gate_up_w, self.down_w = self.gate_up_w.t().contiguous(), self.down_w.t().contiguous()
 
 
 class FusedDecoder:
     """The decode-step forward of a supported decoder over its live weights (see the module docstring)."""
 
+    @torch.no_grad()
     def __init__(self, model: Any) -> None:
         reason = self.unsupported_reason(model)
         if reason:
@@ -79,9 +112,30 @@ class FusedDecoder:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.embed = inner.embed_tokens.weight
         self.rotary = inner.rotary_emb
-        self.layers = [_Layer(layer) for layer in inner.layers]
+        fold = self.embed.dtype == torch.float32
+        self.layers = [_Layer(layer, fold) for layer in inner.layers]
         self.norm_w, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
         self.lm_head_w, self.lm_head_b = model.lm_head.weight, model.lm_head.bias
+        if fold:
+            self.lm_head_w, self.norm_w = self.lm_head_w * self.norm_w, None
+        self.lm_head_w = self.lm_head_w.t().contiguous()
+        self.rope_table = getattr(self.rotary, "rope_type", "default") in STATIC_ROPE_TYPES
+        self._table = None  # [positions, 2, dim]: cos, and sin with rotate_half's sign folded in
+
+    def _rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos``, ``sign * sin`` ``[rows, 1, dim]`` at ``positions``, from the table (grown by doubling as needed)."""
+        half = self.head_dim // 2
+        if not self.rope_table:
+            cos, sin = self.rotary(h, positions[:, None])
+            return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        need = int(positions.max()) + 1
+        if self._table is None or self._table.shape[0] < need:
+            length = max(need, 256, 0 if self._table is None else 2 * self._table.shape[0])
+            cos, sin = self.rotary(h, torch.arange(length, device=h.device)[None])  # the model's own rotary maths
+            sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
+            self._table = torch.stack([cos[0], sin], dim=1)  # [positions, 2, dim]
+        cos, sin = self._table[positions].unsqueeze(1).unbind(2)  # one lookup for both
+        return cos, sin
 
     @staticmethod
     def unsupported_reason(model: Any) -> str | None:
@@ -99,8 +153,9 @@ class FusedDecoder:
             return "the weights are sharded (DTensor); the model's own forward gathers them"
         return None
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` of one decode step.
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, attend, select: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of one decode step (or, with ``attend`` doing causal attention over many tokens
+        of each prompt, of a prefill: every operation but attention acts on each token alone).
 
         Args:
             tokens: ``[rows]`` token fed at this step.
@@ -108,22 +163,25 @@ class FusedDecoder:
             attend: ``attend(layer_idx, q, k, v, scaling) -> [rows, heads * head_dim]`` with ``q``
                 ``[rows, heads, 1, dim]`` and ``k``/``v`` ``[rows, kv_heads, 1, dim]`` after RoPE: stores ``k``/``v``
                 in the cache and attends.
+            select: rows whose logits to return (all when None), e.g. the last token of each prompt of a prefill.
         """
         rows, heads, kv_heads, dim = tokens.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         h = F.embedding(tokens, self.embed)
-        cos, sin = self.rotary(h, positions[:, None])  # [rows, 1, dim]
+        cos, sin = self._rope(h, positions)  # [rows, 1, dim]
         for idx, layer in enumerate(self.layers):
             x = _rms_norm(h, layer.ln1_w, layer.ln1_eps)
-            qkv = F.linear(x, layer.qkv_w, layer.qkv_b)
+            qkv = _linear(x, layer.qkv_w, layer.qkv_b)
             qk = qkv[:, : layer.q_size + layer.kv_size].view(rows, heads + kv_heads, dim)
             v = qkv[:, layer.q_size + layer.kv_size:].view(rows, kv_heads, 1, dim)
             if layer.qk_norm is not None:
                 qk = _rms_norm(qk, *layer.qk_norm)
-            qk = (qk * cos + _rotate_half(qk) * sin)[:, :, None]  # RoPE on q and k at once
+            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)[:, :, None]  # RoPE on q and k at once
             out = attend(idx, qk[:, :heads], qk[:, heads:], v, layer.scaling)
-            h = h + F.linear(out, layer.o_w, layer.o_b)
+            h = _residual(h, out, layer.o_w, layer.o_b)
             x = _rms_norm(h, layer.ln2_w, layer.ln2_eps)
-            gate, up = F.linear(x, layer.gate_up_w, layer.gate_up_b).split(layer.inter, dim=-1)
-            h = h + F.linear(layer.act(gate) * up, layer.down_w, layer.down_b)
+            gate, up = _linear(x, layer.gate_up_w, layer.gate_up_b).split(layer.inter, dim=-1)
+            h = _residual(h, layer.act(gate) * up, layer.down_w, layer.down_b)
+        if select is not None:
+            h = h[select]
         h = _rms_norm(h, self.norm_w, self.norm_eps)
-        return F.linear(h, self.lm_head_w, self.lm_head_b)
+        return _linear(h, self.lm_head_w, self.lm_head_b)
