@@ -44,33 +44,74 @@ def segment_layout(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return rows_layout([list(range(s, s + n)) for s, n in zip(starts, lengths)])
 
 
+def attention_layout(rows: list[tuple[list[int], int]]) -> dict[str, torch.Tensor]:
+    """The tensors :func:`varlen_sdpa_attention` needs, for attention rows ``(key positions, first query)``.
+
+    Each row attends causally over its keys (flat token positions of the pack); its queries are its keys from
+    index ``first query`` on, so a shared prompt can be one row of its own (queries = keys = the prompt) while
+    each member's completion is another (queries = the completion, keys = prompt + completion). Every pack
+    position must be a query of exactly one row. Rows whose queries are all their keys form set 0, the others
+    set 1, each padded to its own widths: ``attn{s}_q``/``attn{s}_k`` ``[rows, width]`` (positions, 0 past the
+    end), ``attn{s}_mask`` ``[rows, 1, q_width, k_width]`` (causal and key padding), ``attn{s}_take`` (the real
+    queries in the flattened ``[rows * q_width]``); ``attn_inv`` orders the sets' concatenated outputs by
+    position. Equal-length rows laid end to end with nothing shared only get ``attn_full`` ``[rows, width]``:
+    attention is then a reshape.
+    """
+    widths = {len(keys) for keys, _ in rows}
+    if all(first == 0 for _, first in rows) and len(widths) == 1:
+        width = widths.pop()
+        if [k for keys, _ in rows for k in keys] == list(range(len(rows) * width)):
+            return {"attn_full": torch.tensor([len(rows), width])}
+    layout: dict[str, torch.Tensor] = {}
+    order = []
+    for s, group in enumerate(g for g in ([r for r in rows if r[1] == 0], [r for r in rows if r[1] > 0]) if g):
+        k_index, k_valid = rows_layout([keys for keys, _ in group])
+        q_index, q_valid = rows_layout([keys[first:] for keys, first in group])
+        q_col = torch.tensor([first for _, first in group])[:, None] + torch.arange(q_index.shape[1])[None, :]
+        mask = (torch.arange(k_index.shape[1])[None, None, :] <= q_col[:, :, None]) & k_valid[:, None, :]
+        take = q_valid.reshape(-1).nonzero().squeeze(1)
+        layout.update({f"attn{s}_q": q_index, f"attn{s}_k": k_index, f"attn{s}_mask": mask.unsqueeze(1), f"attn{s}_take": take})
+        order.append(q_index.reshape(-1)[take])
+    positions = torch.cat(order)
+    inv = torch.empty_like(positions)
+    inv[positions] = torch.arange(positions.numel())
+    if positions.numel() != int(positions.max()) + 1 or torch.unique(positions).numel() != positions.numel():
+        raise ValueError("attention_layout: every pack position must be the query of exactly one row")
+    layout["attn_inv"] = inv
+    return layout
+
+
 def varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, rlflow_pack=None, **kwargs):
     """Causal attention within each packed sequence, for implementations without a var-len kernel (CPU sdpa).
 
-    The packed ``[1, heads, tokens, dim]`` states are gathered into ``[sequences, heads, longest, dim]``, attended
-    with a causal + key-padding mask and scattered back, so the cost is that of a padded batch for attention
-    only (``sum(len²)``, not ``tokens²``) while every other layer runs on the packed tokens.
+    For each row set of :func:`attention_layout` the packed ``[1, heads, tokens, dim]`` states are gathered into
+    ``[rows, heads, width, dim]`` (queries and keys each at their own width), attended with the set's mask and
+    the real queries gathered back, so attention costs ``sum(queries x keys)`` over the rows while every other
+    layer runs on the packed tokens; a shared prompt's own attention is computed once, not once per member.
     """
-    index, valid, owned = rlflow_pack
-    seqs, width = index.shape
-    full = owned is None and seqs * width == query.shape[2]  # equally long, nothing shared: a reshape, no gather
-    if full:
+    layout = rlflow_pack
+    dropout_p = dropout if module.training else 0.0
+    gqa = query.shape[1] != key.shape[1]
+    if "attn_full" in layout:  # equally long, nothing shared: a reshape, no gather, no mask
+        seqs, width = layout["attn_full"].tolist()
         q, k, v = (t[0].unflatten(1, (seqs, width)).transpose(0, 1) for t in (query, key, value))
-    else:
-        flat = index.reshape(-1)  # index_select: its backward is index_add_, cheaper than advanced indexing's
-        q, k, v = (t[0].index_select(1, flat).unflatten(1, index.shape).transpose(0, 1) for t in (query, key, value))
-    mask = None
-    if not full:
-        causal = torch.ones((width, width), dtype=torch.bool, device=q.device).tril()
-        mask = causal[None, None] & valid[:, None, None, :]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=full, scale=scaling, dropout_p=dropout if module.training else 0.0,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
-    out = out.transpose(1, 2)  # [seqs, longest, heads, dim]
-    if full:
-        return out.reshape(1, -1, *out.shape[2:]), None  # [1, tokens, heads, dim]
-    return out[valid if owned is None else owned].unsqueeze(0), None
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
+                                                               dropout_p=dropout_p, enable_gqa=gqa)
+        return out.transpose(1, 2).reshape(1, -1, *out.shape[1:2], out.shape[3]), None  # [1, tokens, heads, dim]
+    outs = []
+    for s in (0, 1):
+        if f"attn{s}_q" not in layout:
+            continue
+        q_index, k_index = layout[f"attn{s}_q"], layout[f"attn{s}_k"]
+        # index_select: its backward is index_add_, cheaper than advanced indexing's
+        q = query[0].index_select(1, q_index.reshape(-1)).unflatten(1, q_index.shape).transpose(0, 1)
+        k, v = (t[0].index_select(1, k_index.reshape(-1)).unflatten(1, k_index.shape).transpose(0, 1) for t in (key, value))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=layout[f"attn{s}_mask"], scale=scaling, dropout_p=dropout_p, enable_gqa=gqa)
+        out = out.transpose(1, 2)  # [rows, q_width, heads, dim]
+        outs.append(out.reshape(-1, *out.shape[2:]).index_select(0, layout[f"attn{s}_take"]))
+    out = (torch.cat(outs) if len(outs) > 1 else outs[0]).index_select(0, layout["attn_inv"])
+    return out.unsqueeze(0), None  # [1, tokens, heads, dim]
 
 
 AttentionInterface.register(ATTENTION_NAME, varlen_sdpa_attention)
@@ -95,13 +136,13 @@ def _varlen_attention(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
     config = model.config
     previous = getattr(config, "_attn_implementation", None)
     if not varlen_supported(model):
-        if batch.get("seq_owned") is not None:
+        if "attn1_q" in batch:
             raise ValueError("a pack with shared prompts needs rlflow's var-len attention (sdpa/eager, no gradient checkpointing)")
         yield {}
         return
     config._attn_implementation = ATTENTION_NAME
     try:
-        yield {"rlflow_pack": (batch["seq_index"], batch["seq_valid"], batch.get("seq_owned"))}
+        yield {"rlflow_pack": {k: v for k, v in batch.items() if k.startswith("attn")}}
     finally:
         config._attn_implementation = previous
 
@@ -165,49 +206,47 @@ def collate_packed(experiences: list[Experience], share_prompts: bool = False) -
     member's completion, positions continuing from the prompt for every completion).
 
     Returns ``input_ids``/``position_ids`` ``[1, tokens]``, ``logit_index`` (the position whose output predicts
-    each completion token, in experience order), the attention layout (``seq_index``/``seq_valid``: each
-    sequence's token positions; ``seq_owned``: which of them a row writes back, only when prompts are shared)
+    each completion token, in experience order), the attention layout of :func:`attention_layout` (``attn*``)
     and, as :func:`rlflow.data.experience.collate` does, ``completion_ids``/``completion_mask``/
     ``rollout_logprobs``/``old_logprobs``/``ref_logprobs`` of shape ``[sequences, completion_width]`` and
     ``advantages``/``truncated`` of shape ``[sequences]``.
     """
     ids: list[int] = []
     positions: list[int] = []
-    rows: list[list[int]] = []
-    owned_prefix: list[int] = []  # per attention row: how many leading entries belong to another row
+    rows: list[tuple[list[int], int]] = []  # attention rows: (key positions, index of the first query)
     logit_of: dict[int, list[int]] = {}
     for unit in prompt_units(experiences, 1 << 62, share_prompts):
         prompt = experiences[unit[0]].prompt_ids
         p = len(prompt)
         if p == 0:
             raise ValueError("a packed sequence needs a non-empty prompt (its first completion token is predicted from it)")
+        shared = share_prompts and len(unit) > 1
         for k, i in enumerate(unit):
             e = experiences[i]
             if k == 0 or not share_prompts:
                 prompt_start = len(ids)
                 ids.extend(e.prompt_ids)
                 positions.extend(range(p))
+                if shared:  # the prompt's own attention, once for the group
+                    rows.append((list(range(prompt_start, prompt_start + p)), 0))
             start = len(ids)
             c = len(e.completion_ids)
             ids.extend(e.completion_ids)
             positions.extend(range(p, p + c))
-            rows.append(list(range(prompt_start, prompt_start + p)) + list(range(start, start + c)))
-            owned_prefix.append(p if k > 0 and share_prompts else 0)
+            keys = list(range(prompt_start, prompt_start + p)) + list(range(start, start + c))
+            if not shared:
+                rows.append((keys, 0))
+            elif c:  # the completion's queries over the shared prompt and its own tokens
+                rows.append((keys, p))
             logit_of[i] = ([prompt_start + p - 1] + list(range(start, start + c - 1))) if c else []
     logit_index = [j for i in range(len(experiences)) for j in logit_of[i]]
-    seq_index, seq_valid = rows_layout(rows)
-    batch = {
+    return {
         "input_ids": torch.tensor([ids], dtype=torch.long),
-        "seq_index": seq_index,
-        "seq_valid": seq_valid,
         "position_ids": torch.tensor([positions], dtype=torch.long),
         "logit_index": torch.tensor(logit_index, dtype=torch.long),
+        **attention_layout(rows),
         **completion_tensors(experiences),
     }
-    if any(owned_prefix):
-        cols = torch.arange(seq_index.shape[1])
-        batch["seq_owned"] = seq_valid & (cols[None, :] >= torch.tensor(owned_prefix)[:, None])
-    return batch
 
 
 def packed_completion_logprobs(
