@@ -126,8 +126,8 @@ def test_shared_prefix_cache_gives_the_same_next_token_distribution_as_separate_
             state.add_groups([2], k3, v3, m3)
             seqs += [list(third) for _ in range(n)]
             pos = torch.cat([pos, torch.full((n,), len(third))])
-        if step == 3:  # two sequences finish and leave; the first group loses one row
-            keep = torch.tensor([j for j in range(len(seqs)) if j not in (1, 4)])
+        if step == 3:  # the first group finishes and leaves (rows leave by whole groups); the others differ in length
+            keep = torch.tensor([j for j in range(len(seqs)) if j >= n])
             state.keep_rows(keep)
             seqs = [seqs[j] for j in keep.tolist()]
             pos = pos[keep]
@@ -138,6 +138,17 @@ def test_shared_prefix_cache_gives_the_same_next_token_distribution_as_separate_
             seqs[j].append(tok)
             plain = model(torch.tensor([seqs[j]])).logits[0, -1]
             torch.testing.assert_close(torch.log_softmax(logits[j], -1), torch.log_softmax(plain, -1), atol=1e-5, rtol=0)
+
+
+def test_rows_leave_the_decode_state_by_whole_groups(model, tokenizer):
+    e = engine(model, tokenizer)
+    keys, values, mask, _ = e._prefill(prompts_of([6, 9]), torch.device("cpu"))
+    state = DecodeState(3, max_tokens=4)
+    state.add_groups([0, 1], keys, values, mask)
+    with pytest.raises(ValueError, match="whole groups of 3 rows"):
+        state.keep_rows(torch.tensor([0, 1, 3, 4, 5]))
+    state.keep_rows(torch.tensor([3, 4, 5]))
+    assert state.group_prompt == [1] and state.k[0].shape[0] == 1
 
 
 @pytest.mark.parametrize("max_tokens,fused", [(10, True), (10, False), (70, True)])

@@ -62,23 +62,26 @@ class _Row:
 
 
 class DecodeState:
-    """The KV cache of a decode batch: one prompt cache per group and one generated-token cache per sequence.
+    """The KV cache of a decode batch: one cache per group holding its prompt and its rows' generated tokens.
 
     It stands in for transformers' ``Cache`` during decode steps (the model calls :meth:`update`) and is passed
     as the attention mask, so :func:`shared_prefix_attention` finds everything it needs in one object.
 
-    Layout, per layer: ``prefix_k/v[layer]`` ``[groups, kv_heads, prompt_width, head_dim]`` hold each group's
-    prompt: the rollout-wide head (``head``, keys/values ``[kv_heads, head_len, head_dim]`` per layer, prefilled
-    once and copied in front of each group's own tokens when the group joins, so that decoding reads one prompt
-    cache per group) and then the group's left-padded rest; ``prefix_bias`` ``[groups, prompt_width]`` is 0 on
-    real tokens and -inf on padding. ``suffix_k/v[layer]`` ``[rows, kv_heads, capacity, head_dim]`` hold each
-    row's generated tokens (``capacity`` doubles up to ``max_tokens`` as needed); ``row_group``/``row_slot``
-    place each row in its group.
+    The batch is whole groups in order (row ``g * n + s`` is sample ``s`` of group ``g``; rows leave by whole
+    groups). Layout, per layer: ``k/v[layer]`` ``[groups, kv_heads, prompt_width + n * capacity, head_dim]``.
+    Columns ``[0, prompt_width)`` hold the group's prompt: the rollout-wide head (``head``, keys/values
+    ``[kv_heads, head_len, head_dim]`` per layer, prefilled once and copied in front of each group's own tokens
+    when the group joins), then the group's padded rest. Column ``prompt_width + t * n + s`` holds row ``s``'s
+    ``t``-th generated token, so the first ``t`` tokens of every row are one contiguous slice and ``capacity``
+    grows by appending. ``bias`` ``[groups, n, columns]`` is 0 where a row may look (the group's real prompt
+    tokens, its own generated slots) and -inf elsewhere, so one matrix product of a group's ``n * rep`` queries
+    with its cache, one softmax and one product with the values make the whole decode attention.
 
-    While every row has fed the same number of tokens (``fed``; the rows admitted together, the usual case)
-    a step writes one column of the generated-token caches with a slice copy and needs no mask. Rows that join
-    later switch the state to per-row lengths (``suffix_len``) and a mask per step; compaction that leaves
-    rows of one length switches back.
+    While every group has fed the same number of tokens (``fed``; the groups admitted together, the usual case)
+    a step writes one slice and needs no mask beyond ``bias``. Groups that join later switch the state to
+    per-group lengths (``group_len``) and a per-step mask of the slots not written yet; compaction that leaves
+    groups of one length switches back. Finished rows of a live group keep decoding into their own slots, which
+    nobody else reads.
     """
 
     def __init__(self, n: int, max_tokens: int, head: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> None:
@@ -86,153 +89,145 @@ class DecodeState:
         self.head_k, self.head_v = head if head is not None else (None, None)
         self.max_tokens = max_tokens
         self.capacity = min(max_tokens, 32)  # generated-token slots per row; grows (doubling) up to max_tokens
-        self.prefix_k: list[torch.Tensor] = []
-        self.prefix_v: list[torch.Tensor] = []
-        self.prefix_bias: torch.Tensor | None = None
-        self.prefix_padded = False  # whether any prompt cache has padding (else prefix_bias is all zeros)
-        self.suffix_k: list[torch.Tensor] = []
-        self.suffix_v: list[torch.Tensor] = []
-        self.fed: int | None = 0  # tokens fed by every row when all rows agree (uniform mode), else None
-        self.suffix_len: torch.Tensor | None = None  # per-row tokens fed (per-row mode only)
-        self.row_group: torch.Tensor | None = None
-        self.row_slot: torch.Tensor | None = None
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.prompt_width = 0
+        self.prompt_bias: torch.Tensor | None = None  # [groups, prompt_width]
+        self.bias: torch.Tensor | None = None  # [groups, n, prompt_width + n * capacity]
+        self.fed: int | None = 0  # tokens fed by every group when all agree (uniform mode), else None
+        self.group_len: torch.Tensor | None = None  # per-group tokens fed (per-group mode only)
         self.alive: torch.Tensor | None = None  # finished rows stay (masked out of the bookkeeping) until compaction
         self.group_prompt: list[int] = []  # prompt index of each group
         self.step_bias: torch.Tensor | None = None
         self.step_width = 0
 
     @property
+    def num_groups(self) -> int:
+        return len(self.group_prompt)
+
+    @property
     def num_rows(self) -> int:
-        return 0 if self.row_group is None else int(self.row_group.shape[0])
+        return self.num_groups * self.n
 
     # -------------------------------------------------------------------- transformers' cache protocol
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write the step's key/value (``[rows, kv_heads, 1, dim]``) at each row's next free suffix slot."""
+        """Write the step's key/value (``[rows, kv_heads, 1, dim]``) in each row's next generated-token slot."""
         self.write(layer_idx, key_states[:, :, 0], value_states[:, :, 0])
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        if self.prefix_bias is None:
-            return 0
-        fed = self.fed if self.fed is not None else int(self.suffix_len.max())
-        return fed + self.prefix_bias.shape[1]
+        fed = self.fed if self.fed is not None else int(self.group_len.max())
+        return self.prompt_width + fed
 
     def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Store the step's ``key``/``value`` (``[rows, kv_heads, dim]``) in each row's next generated-token slot."""
+        groups, n = self.num_groups, self.n
+        key, value = (t.view(groups, n, *t.shape[1:]).transpose(1, 2) for t in (key, value))  # [groups, kv, n, dim]
         if self.fed is not None:
-            self.suffix_k[layer][:, :, self.fed] = key
-            self.suffix_v[layer][:, :, self.fed] = value
+            start = self.prompt_width + self.fed * n
+            self.k[layer][:, :, start: start + n] = key
+            self.v[layer][:, :, start: start + n] = value
         else:
-            rows = torch.arange(key.shape[0], device=key.device)
-            self.suffix_k[layer][rows, :, self.suffix_len] = key
-            self.suffix_v[layer][rows, :, self.suffix_len] = value
+            cols = self.prompt_width + self.group_len[:, None] * n + torch.arange(n, device=key.device)  # [groups, n]
+            g = torch.arange(groups, device=key.device)[:, None]
+            self.k[layer][g, :, cols] = key.transpose(1, 2)
+            self.v[layer][g, :, cols] = value.transpose(1, 2)
 
     # ------------------------------------------------------------------------------- batch bookkeeping
+    def _suffix_bias(self, groups: int, device: torch.device) -> torch.Tensor:
+        """``[groups, n, n * capacity]``: row ``s`` sees the generated-token columns ``t * n + s``."""
+        cols = torch.arange(self.n * self.capacity, device=device)
+        own = (cols[None, :] % self.n) == torch.arange(self.n, device=device)[:, None]
+        bias = torch.zeros(own.shape, dtype=self.prompt_bias.dtype, device=device).masked_fill(~own, float("-inf"))
+        return bias.expand(groups, -1, -1)
+
+    def _rebuild_bias(self) -> None:
+        groups, device = self.num_groups, self.prompt_bias.device
+        prompt = self.prompt_bias[:, None, :].expand(-1, self.n, -1)
+        self.bias = torch.cat([prompt, self._suffix_bias(groups, device)], dim=2).contiguous()
+
     def add_groups(self, prompt_ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> None:
         """Add prefilled groups: per-layer ``[groups, kv_heads, width, dim]`` caches (of the prompts after the
         rollout-wide head, if any) and their 2D ``mask``."""
-        g_new, n = len(prompt_ids), self.n
+        g_new = len(prompt_ids)
         if self.head_k is not None:  # the head's keys/values in front of every group's own
             keys = [torch.cat([h.expand(g_new, -1, -1, -1), k], dim=2) for h, k in zip(self.head_k, keys)]
             values = [torch.cat([h.expand(g_new, -1, -1, -1), v], dim=2) for h, v in zip(self.head_v, values)]
             mask = torch.cat([mask.new_ones((g_new, self.head_k[0].shape[1])), mask], dim=1)
-        bias = torch.zeros(mask.shape, dtype=keys[0].dtype, device=keys[0].device).masked_fill(mask == 0, float("-inf"))
-        g_old = len(self.group_prompt)
-        rows_new = g_new * n
-        kv_shape = (rows_new, keys[0].shape[1], self.capacity, keys[0].shape[3])
-        device = bias.device
-        if self.prefix_bias is None:
-            self.prefix_k, self.prefix_v, self.prefix_bias = list(keys), list(values), bias
-            self.suffix_k = [keys[0].new_zeros(kv_shape) for _ in keys]
-            self.suffix_v = [keys[0].new_zeros(kv_shape) for _ in keys]
-            self.alive = torch.ones(rows_new, dtype=torch.bool, device=device)
-            self.row_group = torch.zeros(0, dtype=torch.long, device=device)
-            self.row_slot = torch.zeros(0, dtype=torch.long, device=device)
-            self.fed, self.suffix_len = 0, None
+        dtype, device = keys[0].dtype, keys[0].device
+        bias = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(mask == 0, float("-inf"))
+        width = max(self.prompt_width, bias.shape[1])
+        suffix = self.n * self.capacity
+
+        def widen(t: torch.Tensor, old: int) -> torch.Tensor:  # [g, kv, old + tail, d] -> [g, kv, width + tail, d]
+            if old == width:
+                return t
+            pad = t.new_zeros(t.shape[:2] + (width - old, t.shape[3]))
+            return torch.cat([t[:, :, :old], pad, t[:, :, old:]], dim=2)
+
+        new_k = [widen(torch.cat([k, k.new_zeros(k.shape[:2] + (suffix, k.shape[3]))], dim=2), k.shape[2]) for k in keys]
+        new_v = [widen(torch.cat([v, v.new_zeros(v.shape[:2] + (suffix, v.shape[3]))], dim=2), v.shape[2]) for v in values]
+        bias = torch.nn.functional.pad(bias, (0, width - bias.shape[1]), value=float("-inf"))
+        if self.prompt_bias is None:
+            self.k, self.v, self.prompt_bias = new_k, new_v, bias
+            self.alive = torch.ones(g_new * self.n, dtype=torch.bool, device=device)
+            self.fed, self.group_len = 0, None
         else:
-            width = max(self.prefix_bias.shape[1], bias.shape[1])
-
-            def pad(t: torch.Tensor, value: float = 0.0) -> torch.Tensor:
-                extra = width - t.shape[-2 if t.dim() == 4 else -1]
-                if extra == 0:
-                    return t
-                return torch.nn.functional.pad(t, (0, 0, 0, extra) if t.dim() == 4 else (0, extra), value=value)
-
-            self.prefix_k = [torch.cat([pad(a), pad(b)]) for a, b in zip(self.prefix_k, keys)]
-            self.prefix_v = [torch.cat([pad(a), pad(b)]) for a, b in zip(self.prefix_v, values)]
-            self.prefix_bias = torch.cat([pad(self.prefix_bias, float("-inf")), pad(bias, float("-inf"))])
-            self.suffix_k = [torch.cat([s, s.new_zeros(kv_shape)]) for s in self.suffix_k]
-            self.suffix_v = [torch.cat([s, s.new_zeros(kv_shape)]) for s in self.suffix_v]
-            self.alive = torch.cat([self.alive, self.alive.new_ones(rows_new)])
-            if self.fed != 0:  # the new rows start behind the running ones: per-row lengths from now on
-                old = self.suffix_len if self.fed is None else torch.full((self.num_rows,), self.fed, device=device)
-                self.suffix_len, self.fed = torch.cat([old, old.new_zeros(rows_new)]), None
-        groups = torch.arange(g_old, g_old + g_new, device=device).repeat_interleave(n)
-        slots = torch.arange(n, device=device).repeat(g_new)
-        self.row_group = torch.cat([self.row_group, groups])
-        self.row_slot = torch.cat([self.row_slot, slots])
+            old = self.prompt_width
+            self.k = [torch.cat([widen(a, old), b]) for a, b in zip(self.k, new_k)]
+            self.v = [torch.cat([widen(a, old), b]) for a, b in zip(self.v, new_v)]
+            self.prompt_bias = torch.cat([
+                torch.nn.functional.pad(self.prompt_bias, (0, width - old), value=float("-inf")), bias])
+            self.alive = torch.cat([self.alive, self.alive.new_ones(g_new * self.n)])
+            if self.fed != 0:  # the new groups start behind the running ones: per-group lengths from now on
+                lens = self.group_len if self.fed is None else torch.full((self.num_groups,), self.fed, device=device)
+                self.group_len, self.fed = torch.cat([lens, lens.new_zeros(g_new)]), None
+        self.prompt_width = width
         self.group_prompt.extend(prompt_ids)
-        self.prefix_padded = bool(torch.isinf(self.prefix_bias).any())
+        self._rebuild_bias()
 
     def keep_rows(self, keep: torch.Tensor) -> None:
-        """Keep rows ``keep`` (in order); free the prompt caches of groups with no row left."""
-        self.suffix_k = [s[keep] for s in self.suffix_k]
-        self.suffix_v = [s[keep] for s in self.suffix_v]
-        if self.fed is None:
-            self.suffix_len = self.suffix_len[keep]
-            if self.suffix_len.numel() and int(self.suffix_len.min()) == int(self.suffix_len.max()):
-                self.fed, self.suffix_len = int(self.suffix_len[0]), None  # one length again: uniform mode
+        """Keep rows ``keep`` (in order), which must be whole groups; free the caches of the other groups."""
+        n = self.n
+        rows = keep.view(-1, n) if keep.numel() % n == 0 else None
+        if rows is None or not torch.equal(rows, rows[:, :1] + torch.arange(n, device=keep.device)) or bool((rows[:, 0] % n).any()):
+            raise ValueError(f"DecodeState.keep_rows keeps whole groups of {n} rows in order; got rows {keep.tolist()}")
+        live = rows[:, 0] // n
+        self.k = [t[live] for t in self.k]
+        self.v = [t[live] for t in self.v]
+        self.prompt_bias = self.prompt_bias[live]
+        self.bias = self.bias[live]
         self.alive = self.alive[keep]
-        row_group = self.row_group[keep]
-        self.row_slot = self.row_slot[keep]
-        live = torch.unique(row_group)
-        if live.numel() < len(self.group_prompt):
-            remap = torch.full((len(self.group_prompt),), -1, dtype=torch.long, device=live.device)
-            remap[live] = torch.arange(live.numel(), device=live.device)
-            row_group = remap[row_group]
-            self.prefix_k = [p[live] for p in self.prefix_k]
-            self.prefix_v = [p[live] for p in self.prefix_v]
-            bias = self.prefix_bias[live]
-            real = torch.isfinite(bias).any(dim=0).nonzero()
-            width = int(real[-1]) + 1 if real.numel() else bias.shape[1]
-            self.prefix_bias = bias[:, :width]
-            self.prefix_k = [p[:, :, :width] for p in self.prefix_k]
-            self.prefix_v = [p[:, :, :width] for p in self.prefix_v]
-            self.group_prompt = [self.group_prompt[g] for g in live.tolist()]
-            self.prefix_padded = bool(torch.isinf(self.prefix_bias).any())
-        self.row_group = row_group
+        self.group_prompt = [self.group_prompt[g] for g in live.tolist()]
+        if self.fed is None:
+            self.group_len = self.group_len[live]
+            if self.group_len.numel() and int(self.group_len.min()) == int(self.group_len.max()):
+                self.fed, self.group_len = int(self.group_len[0]), None  # one length again: uniform mode
 
     def begin_step(self) -> None:
-        """Size the step's view of the generated-token caches (the rows' cached tokens plus the one fed now) and,
-        with per-row lengths, its mask."""
-        self.step_width = (self.fed if self.fed is not None else int(self.suffix_len.max())) + 1
-        if self.step_width > self.capacity:  # grow the generated-token caches (zero-filled: masked, but finite)
-            grow = min(self.max_tokens, max(self.step_width, 2 * self.capacity)) - self.capacity
-            self.suffix_k = [torch.nn.functional.pad(t, (0, 0, 0, grow)) for t in self.suffix_k]
-            self.suffix_v = [torch.nn.functional.pad(t, (0, 0, 0, grow)) for t in self.suffix_v]
+        """Size the step's view of the caches (the groups' fed tokens plus the one fed now) and, with per-group
+        lengths, mask the slots a group has not written yet."""
+        fed = self.fed if self.fed is not None else int(self.group_len.max())
+        if fed + 1 > self.capacity:  # grow the generated-token region (appended: token-major columns)
+            grow = min(self.max_tokens, max(fed + 1, 2 * self.capacity)) - self.capacity
+            self.k = [torch.nn.functional.pad(t, (0, 0, 0, grow * self.n)) for t in self.k]
+            self.v = [torch.nn.functional.pad(t, (0, 0, 0, grow * self.n)) for t in self.v]
             self.capacity += grow
-        if self.fed is not None:  # every row sees all step_width slots: no mask
+            self._rebuild_bias()
+        self.step_width = self.prompt_width + (fed + 1) * self.n
+        if self.fed is not None:
             self.step_bias = None
             return
-        cols = torch.arange(self.step_width, device=self.suffix_len.device)
-        allowed = cols[None, :] <= self.suffix_len[:, None]
-        dtype = self.prefix_bias.dtype
-        self.step_bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, float("-inf"))
+        slot = torch.arange(self.step_width - self.prompt_width, device=self.group_len.device) // self.n
+        unwritten = torch.nn.functional.pad(slot[None, :] > self.group_len[:, None], (self.prompt_width, 0))
+        self.step_bias = torch.zeros(unwritten.shape, dtype=self.bias.dtype, device=unwritten.device).masked_fill(
+            unwritten, float("-inf"))
 
     def end_step(self) -> None:
         if self.fed is not None:
-            self.fed += 1  # finished rows advance too: they write only their own slots, which nobody else reads
-        else:
-            self.suffix_len = self.suffix_len + self.alive.long()  # a finished row rewrites its last slot
-
-    def to_grid(self, x: torch.Tensor) -> torch.Tensor:
-        """``[rows, ...]`` -> ``[groups, n, ...]`` (a view while every group is whole and in order, else a scatter)."""
-        groups = len(self.group_prompt)
-        if x.shape[0] == groups * self.n:
-            return x.view((groups, self.n) + x.shape[1:])
-        grid = x.new_zeros((groups, self.n) + x.shape[1:])
-        grid[self.row_group, self.row_slot] = x
-        return grid
+            self.fed += 1
+        else:  # a group with no live row left (not compacted yet) rewrites its last slot
+            self.group_len = (self.group_len + 1).clamp(max=self.max_tokens - 1)
 
 
 def shared_prefix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -248,48 +243,26 @@ def shared_prefix_attention(module: torch.nn.Module, query: torch.Tensor, key: t
 def attend_cached(state: DecodeState, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
     """The maths of :func:`shared_prefix_attention`: ``query`` ``[rows, heads, 1, dim]`` -> ``[rows, 1, heads, dim]``.
 
-    Two score blocks joined in one softmax: the ``n * rep`` queries of a group (``rep`` query heads per key/value
-    head) against the group's one prompt cache in one matrix product per group, and each row's queries against
-    its own generated tokens. Scores are laid out ``[groups, n, kv, rep, ...]`` so that joining them is one copy.
+    A group's ``n * rep`` queries (``rep`` query heads per key/value head) against its one cache (prompt and
+    generated tokens) in one matrix product, masked by the state's bias, one softmax, one product with values.
     """
     rows, heads, _, dim = query.shape
-    pk, pv = state.prefix_k[layer], state.prefix_v[layer]
-    groups, kv_heads, width, _ = pk.shape
-    rep, n = heads // kv_heads, state.n
+    cache_k, cache_v = state.k[layer], state.v[layer]
+    groups, kv_heads, _, _ = cache_k.shape
+    rep, n, width = heads // kv_heads, state.n, state.step_width
     scale = dim ** -0.5 if scaling is None else scaling
-    cast = pk.dtype != torch.float32  # attention in float32; no-op casts skipped on the hot path
-    q = query.reshape(rows, kv_heads, rep, dim)
-    q = q.float() if query.dtype != torch.float32 else q
+    q = query.reshape(groups, n, kv_heads, rep, dim).transpose(1, 2).reshape(groups, kv_heads, n * rep, dim)
+    keys, values = cache_k[:, :, :width], cache_v[:, :, :width]
+    if cache_k.dtype != torch.float32:  # attention in float32
+        q, keys, values = q.float(), keys.float(), values.float()
     if scale != 1.0:
         q = q * scale
-    dense = rows == groups * n  # every group whole and in order: the grid is a view of the rows
-    # prompt: each group's n * rep queries against its one prompt cache
-    q_grid = state.to_grid(q).transpose(1, 2).reshape(groups, kv_heads, n * rep, dim)
-    s_pre = torch.matmul(q_grid, (pk.float() if cast else pk).transpose(-1, -2))
-    if state.prefix_padded:
-        s_pre.add_(state.prefix_bias.float()[:, None, None, :])
-    s_pre = s_pre.view(groups, kv_heads, n, rep, width).transpose(1, 2)  # [groups, n, kv, rep, width]
-    # generated tokens: each row against its own
-    sk = state.suffix_k[layer][:, :, : state.step_width]
-    sv = state.suffix_v[layer][:, :, : state.step_width]
-    if cast:
-        pv, sk, sv = pv.float(), sk.float(), sv.float()
-    s_suf = torch.matmul(q, sk.transpose(-1, -2))  # [rows, kv, rep, step_width]
+    scores = torch.matmul(q, keys.transpose(-1, -2))  # [groups, kv, n * rep, width]
+    scores.view(groups, kv_heads, n, rep, width).add_(state.bias[:, None, :, None, :width].float())
     if state.step_bias is not None:
-        s_suf.add_(state.step_bias.float()[:, None, None, :])
-    if dense:
-        scores = torch.cat([s_pre, s_suf.view(groups, n, kv_heads, rep, -1)], dim=-1).view(rows, kv_heads, rep, -1)
-    else:
-        scores = torch.cat([s_pre[state.row_group, state.row_slot], s_suf], dim=-1)
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs[..., width:], sv)  # [rows, kv, rep, dim]
-    p_grid = state.to_grid(probs[..., :width]).transpose(1, 2).reshape(groups, kv_heads, n * rep, width)
-    o_pre = torch.matmul(p_grid, pv).view(groups, kv_heads, n, rep, dim).transpose(1, 2)
-    if dense:
-        out = out.view(groups, n, kv_heads, rep, dim).add_(o_pre)
-    else:
-        out = out.add_(o_pre[state.row_group, state.row_slot])
-    return out.reshape(rows, 1, heads, dim).to(query.dtype)
+        scores.add_(state.step_bias[:, None, None, :].float())
+    out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [groups, kv, n * rep, dim]
+    return out.view(groups, kv_heads, n, rep, dim).transpose(1, 2).reshape(rows, 1, heads, dim).to(query.dtype)
 
 
 AttentionInterface.register(ATTENTION_NAME, shared_prefix_attention)
