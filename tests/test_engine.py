@@ -168,6 +168,32 @@ def test_logprobs_match_a_full_forward_pass(model, tokenizer, max_tokens, fused)
             torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), ref, atol=2e-5, rtol=0)
 
 
+def test_uninitialised_cache_memory_is_never_read(model, tokenizer, monkeypatch):
+    """The caches are allocated uninitialised where every slot is written before it is read; poisoned with NaN,
+    a rollout whose groups join behind running ones (per-group lengths, masked unwritten slots) stays exact."""
+    original = torch.Tensor.new_empty
+
+    def poisoned(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned)
+    joins = []  # tokens already decoded by the running groups when a group joins (None: per-group lengths)
+    add_groups = DecodeState.add_groups
+    monkeypatch.setattr(DecodeState, "add_groups", lambda self, *a: joins.append(self.fed) or add_groups(self, *a))
+    prompts = prompts_of([5, 30, 12, 7, 9, 16], seed=6)
+    stops = torch.argsort(next_token_probs(model, prompts[0], 1.0), descending=True)[:6].tolist()  # early, varied ends
+    e = engine(model, tokenizer, max_batch_size=4, prefill_batch_size=1, seed=0)
+    groups = e.generate(prompts, SamplingParams(0.8, max_tokens=24, stop_token_ids=stops), n=2)
+    assert any(fed != 0 for fed in joins), joins  # some group joined behind running ones
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1: -1].double()
+            ref = torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), ref, atol=2e-5, rtol=0)
+
+
 def test_stop_tokens_and_max_tokens_are_exact(model, tokenizer):
     prompts = prompts_of([8, 14, 21], seed=2)
     probs = next_token_probs(model, prompts[0], 1.0)

@@ -5,32 +5,32 @@ the ``n`` copies separately, stores ``n`` copies of the prompt's keys and values
 every token, keeps finished rows in the batch until the longest one ends, and pays its general machinery
 (logits processors, stopping criteria, mask building) on every token. This engine
 
-* prefills each *distinct* prompt once and keeps one copy of its keys/values for its whole group: decode-time
-  attention is split into a *shared prefix* part (the ``n`` completions' queries of a group multiply the
-  group's prompt keys in one matrix product, so the prompt cache is read once per group, not once per
-  completion; "cascade attention") and a per-sequence *suffix* part over the generated tokens, joined in one
-  softmax;
-* runs continuous batching: a finished sequence leaves the batch at the step it ends, a group's prompt cache
-  is freed when its last sequence ends, and waiting prompts are prefilled and join the running batch as soon
-  as there is room (``max_batch_size`` sequences);
+* prefills each *distinct* prompt once and keeps one cache per group: its prompt's keys/values followed by the
+  ``n`` rows' generated tokens (token-major), so a decode step's attention is one matrix product of the group's
+  queries with its cache under a mask built when the group joins, one softmax and one product with the values
+  ("cascade" sharing of the prompt: it is read once per group, not once per completion);
+* runs continuous batching by groups: a finished sequence stops at once, a group's cache is freed when its last
+  sequence ends (compaction is lazy and by whole groups, so the batch stays whole groups in order), and waiting
+  prompts are prefilled and join the running batch as soon as there is room (``max_batch_size`` sequences);
 * prefills the token prefix common to every prompt of the rollout (system prompt, instruction, chat-template
-  head) once, keeps one copy of its keys/values, and attends to it with one matrix product for all rows;
-* decodes with its own forward of the live weights (:mod:`rlflow.rollout.fused`: q/k/v and gate/up folded into
-  one matrix product each, no per-token module, hook, cache-object or mask machinery) for Qwen2/Qwen3/Llama-style
-  models, and otherwise hands the model's forward its own attention function and state;
+  head) once, and copies its keys/values in front of each group's own;
+* decodes and prefills with its own forward of the live weights (:mod:`rlflow.rollout.fused`: q/k/v and gate/up
+  folded into one matrix product each, no per-token module, hook, cache-object or mask machinery) for
+  Qwen2/Qwen3/Llama-style models, and otherwise hands the model's forward its own attention function and state;
 * samples with temperature / top-k / top-p and returns ``log_softmax(logits / temperature)`` of each taken token
   (before truncation, as :class:`~rlflow.rollout.base.Completion` specifies), stopping exactly at the first stop
   token (kept) or at ``max_tokens``;
 * yields each prompt's group as soon as its last completion finishes (:meth:`EngineRollout.stream`), so
   judging can overlap with the rest of the generation.
 
-Simplifications: the prompt caches of a batch are right-padded to the longest prompt and the generated-token
-caches are contiguous per sequence and grow by doubling up to ``max_tokens`` (masked, exact, but not a paged
-block table); only the prefix common to *all* prompts of a call is shared across groups (no radix tree). The
-prefill uses the model's own attention implementation. Decoding through the model's forward (architectures the fused
-path does not cover) needs attention modules that call ``past_key_values.update(k, v, layer_idx)`` and take the
-layer's mask from a ``{"full_attention": ...}`` mapping; sliding-window and hybrid linear-attention models are
-refused.
+Simplifications: the prompt regions of a batch are padded to the longest prompt and the generated-token
+regions grow by doubling up to ``max_tokens`` (masked, exact, but not a paged block table); each query also
+meets its group's other rows' tokens (masked: ``n`` times the arithmetic of that part, cheap next to the
+per-operator cost at rollout sizes on a CPU); only the prefix common to *all* prompts of a call is shared
+across groups (no radix tree). The prefill without the fused forward uses the model's own attention.
+Decoding through the model's forward (architectures the fused path does not cover) needs attention modules
+that call ``past_key_values.update(k, v, layer_idx)`` and take the layer's mask from a
+``{"full_attention": ...}`` mapping; sliding-window and hybrid linear-attention models are refused.
 """
 
 from __future__ import annotations
@@ -146,36 +146,51 @@ class DecodeState:
         prompt = self.prompt_bias[:, None, :].expand(-1, self.n, -1)
         self.bias = torch.cat([prompt, self._suffix_bias(groups, device)], dim=2).contiguous()
 
+    def _group_cache(self, head: torch.Tensor | None, rest: torch.Tensor, width: int, zero_generated: bool) -> torch.Tensor:
+        """One layer's cache of new groups: ``head`` (``[kv, head_len, d]``) and ``rest`` (``[g, kv, w, d]``) in the
+        prompt region of ``width`` columns, zeros after them (masked, but finite). The generated region is zeroed
+        only for groups that join behind running ones (their unwritten slots are read, masked); otherwise every
+        slot a step reads was written by that step or an earlier one."""
+        groups, kv_heads, w, dim = rest.shape
+        h = 0 if head is None else head.shape[1]
+        cache = rest.new_empty((groups, kv_heads, width + self.n * self.capacity, dim))
+        if h:
+            cache[:, :, :h] = head
+        cache[:, :, h: h + w] = rest
+        cache[:, :, h + w: None if zero_generated else width].zero_()
+        return cache
+
     def add_groups(self, prompt_ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> None:
         """Add prefilled groups: per-layer ``[groups, kv_heads, width, dim]`` caches (of the prompts after the
         rollout-wide head, if any) and their 2D ``mask``."""
         g_new = len(prompt_ids)
-        if self.head_k is not None:  # the head's keys/values in front of every group's own
-            keys = [torch.cat([h.expand(g_new, -1, -1, -1), k], dim=2) for h, k in zip(self.head_k, keys)]
-            values = [torch.cat([h.expand(g_new, -1, -1, -1), v], dim=2) for h, v in zip(self.head_v, values)]
+        device = keys[0].device
+        if self.head_k is not None:
             mask = torch.cat([mask.new_ones((g_new, self.head_k[0].shape[1])), mask], dim=1)
-        dtype, device = keys[0].dtype, keys[0].device
-        bias = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(mask == 0, float("-inf"))
-        width = max(self.prompt_width, bias.shape[1])
-        suffix = self.n * self.capacity
-
-        def widen(t: torch.Tensor, old: int) -> torch.Tensor:  # [g, kv, old + tail, d] -> [g, kv, width + tail, d]
-            if old == width:
-                return t
-            pad = t.new_zeros(t.shape[:2] + (width - old, t.shape[3]))
-            return torch.cat([t[:, :, :old], pad, t[:, :, old:]], dim=2)
-
-        new_k = [widen(torch.cat([k, k.new_zeros(k.shape[:2] + (suffix, k.shape[3]))], dim=2), k.shape[2]) for k in keys]
-        new_v = [widen(torch.cat([v, v.new_zeros(v.shape[:2] + (suffix, v.shape[3]))], dim=2), v.shape[2]) for v in values]
-        bias = torch.nn.functional.pad(bias, (0, width - bias.shape[1]), value=float("-inf"))
+        width = max(self.prompt_width, mask.shape[1])
+        bias = torch.zeros((g_new, width), dtype=keys[0].dtype, device=device)
+        bias[:, : mask.shape[1]].masked_fill_(mask == 0, float("-inf"))
+        bias[:, mask.shape[1]:] = float("-inf")
+        heads_k = self.head_k if self.head_k is not None else [None] * len(keys)
+        heads_v = self.head_v if self.head_v is not None else [None] * len(values)
+        behind = self.prompt_bias is not None and self.fed != 0  # joining groups that have already decoded
+        new_k = [self._group_cache(h, k, width, behind) for h, k in zip(heads_k, keys)]
+        new_v = [self._group_cache(h, v, width, behind) for h, v in zip(heads_v, values)]
         if self.prompt_bias is None:
             self.k, self.v, self.prompt_bias = new_k, new_v, bias
             self.alive = torch.ones(g_new * self.n, dtype=torch.bool, device=device)
             self.fed, self.group_len = 0, None
         else:
             old = self.prompt_width
-            self.k = [torch.cat([widen(a, old), b]) for a, b in zip(self.k, new_k)]
-            self.v = [torch.cat([widen(a, old), b]) for a, b in zip(self.v, new_v)]
+
+            def widen(t: torch.Tensor) -> torch.Tensor:  # a longer prompt joined: more prompt columns
+                if old == width:
+                    return t
+                pad = t.new_zeros(t.shape[:2] + (width - old, t.shape[3]))
+                return torch.cat([t[:, :, :old], pad, t[:, :, old:]], dim=2)
+
+            self.k = [torch.cat([widen(a), b]) for a, b in zip(self.k, new_k)]
+            self.v = [torch.cat([widen(a), b]) for a, b in zip(self.v, new_v)]
             self.prompt_bias = torch.cat([
                 torch.nn.functional.pad(self.prompt_bias, (0, width - old), value=float("-inf")), bias])
             self.alive = torch.cat([self.alive, self.alive.new_ones(g_new * self.n)])
@@ -305,7 +320,7 @@ def sample_tokens(
         # inverse-CDF sampling: one uniform per row (multinomial draws one exponential per vocabulary entry);
         # the CDF in float64 so that the tail of a large vocabulary keeps its mass. u is in (0, total], and the
         # first index whose CDF reaches u always has positive mass (a token of zero mass repeats the CDF before it)
-        cdf = filtered.exp().double().cumsum(dim=-1)
+        cdf = torch.cumsum(filtered.exp(), dim=-1, dtype=torch.float64)
         u = (1.0 - torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=torch.float64)) * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, u).squeeze(-1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)

@@ -2,12 +2,13 @@
 
 Why: at rollout batch sizes a decode step of a small model is dominated by the framework around the maths, not
 by the maths: transformers' forward goes through ~30 modules, output-recording hooks, a cache object and a mask
-builder per token. The engine (:mod:`rlflow.rollout.engine`) calls :meth:`FusedDecoder.step` instead: the
-same operations in the same order (so the logits agree with the model's forward to float rounding;
-``tests/test_fused_decoder.py`` checks it) with q/k/v and gate/up each folded into one matrix product. With float32 weights the RMSNorm weights before
-q/k/v, gate/up and the head are folded into those matrices and the attention scale into q (or into q's
-RMSNorm weight), and the rotary cos/sin come from a table built once per decoder (positions looked up, not
-recomputed); ``rotate_half(x) * sin`` is ``roll(x, dim / 2) * (sign * sin)``, exactly. Each fold moves one
+builder per token. The engine (:mod:`rlflow.rollout.engine`) calls :meth:`FusedDecoder.step` instead (for its
+prefills too, with a causal ``attend``): the same operations (so the logits agree with the model's forward to
+float rounding; ``tests/test_fused_decoder.py`` checks it) with q/k/v and gate/up each folded into one
+pre-transposed matrix product and the residual adds inside ``addmm``. With float32 weights the RMSNorm weights
+before q/k/v, gate/up and the head are folded into those matrices and the attention scale into q (or into q's
+RMSNorm weight); the rotary cos/sin come from a table built once per decoder (positions looked up, not
+recomputed), and ``rotate_half(x) * sin`` is ``roll(x, dim / 2) * (sign * sin)``, exactly. Each fold moves one
 float rounding, so logits agree with the model's forward to float32 precision; other dtypes keep the model's
 own order of operations.
 
@@ -34,10 +35,11 @@ STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # frequencies that do not d
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """transformers' ``LlamaRMSNorm``/``Qwen3RMSNorm``: ``weight * x / sqrt(mean(x^2) + eps)``, computed in float32
     (``weight`` None: folded into the next matrix product)."""
-    if x.dtype == torch.float32:
-        normed = F.rms_norm(x, (x.shape[-1],), None, eps)
-        return normed if weight is None else weight * normed
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+    h = x.float()
+    normed = h * (h * h).mean(-1, keepdim=True).add_(eps).rsqrt_()  # transformers' own formula, in 4 ops
+    if weight is None:
+        return normed
+    return weight * normed.to(x.dtype)
 
 
 def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -134,7 +136,7 @@ class FusedDecoder:
             cos, sin = self.rotary(h, torch.arange(length, device=h.device)[None])  # the model's own rotary maths
             sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
             self._table = torch.stack([cos[0], sin], dim=1)  # [positions, 2, dim]
-        cos, sin = self._table[positions].unsqueeze(1).unbind(2)  # one lookup for both
+        cos, sin = self._table.index_select(0, positions).unsqueeze(1).unbind(2)  # one lookup for both
         return cos, sin
 
     @staticmethod
