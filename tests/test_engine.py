@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from rlflow import registry
 from rlflow.rollout.base import SamplingParams
@@ -254,19 +254,29 @@ def test_common_prefix_len_leaves_every_prompt_a_token():
     assert common_prefix_len([[7], [7]]) == 0
 
 
-def test_prefill_after_a_shared_head_returns_the_separate_prefills_last_logits(model, tokenizer):
+@pytest.mark.parametrize("fused", [False, True])
+def test_prefill_after_a_shared_head_returns_the_separate_prefills_last_logits(model, tokenizer, fused):
+    """Through the model's forward (left-padded rests) and the fused decoder (right-padded): the same last logits
+    as a plain forward of each whole prompt, and the same keys/values of each prompt's real tokens."""
     common = prompts_of([24], seed=11)[0]
     prompts = [common + p for p in prompts_of([3, 11, 1], seed=12)]
     e = engine(model, tokenizer)
+    e._decoder = FusedDecoder(model) if fused else None
     head_keys, head_values = e._prefill_head(common, torch.device("cpu"))
     assert head_keys[0].shape == (model.config.num_key_value_heads, 24, model.config.head_dim)  # one copy, no batch
     keys, values, mask, logits = e._prefill(prompts, torch.device("cpu"), (head_keys, head_values))
-    assert mask.shape == (3, 11) and mask.sum(1).tolist() == [3, 11, 1]  # only each prompt's rest, left-padded
+    assert mask.shape == (3, 11) and mask.sum(1).tolist() == [3, 11, 1]  # only each prompt's rest, padded
     assert keys[0].shape[:3] == (3, model.config.num_key_value_heads, 11)
     for i, p in enumerate(prompts):
         with torch.no_grad():
-            plain = model(torch.tensor([p])).logits[0, -1]
+            plain_cache = DynamicCache(config=model.config)
+            plain = model(torch.tensor([p]), past_key_values=plain_cache, use_cache=True).logits[0, -1]
         torch.testing.assert_close(logits[i], plain, atol=1e-5, rtol=0)
+        real = mask[i].bool()
+        for layer in range(model.config.num_hidden_layers):
+            torch.testing.assert_close(keys[layer][i][:, real], plain_cache.layers[layer].keys[0, :, 24:], atol=1e-5, rtol=0)
+            torch.testing.assert_close(values[layer][i][:, real], plain_cache.layers[layer].values[0, :, 24:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(head_keys[0], plain_cache.layers[0].keys[0, :, :24], atol=1e-5, rtol=0)
 
 
 def test_a_head_common_to_every_prompt_is_prefilled_once(model, tokenizer, monkeypatch):

@@ -26,9 +26,12 @@ def build(kind: str) -> torch.nn.Module:
         model = Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=24, tie_word_embeddings=True))
     elif kind == "qwen2":  # q/k/v biases
         model = Qwen2ForCausalLM(Qwen2Config(**SMALL))
-    else:  # biases everywhere, untied lm_head, scaled rope
+    elif kind == "llama":  # biases everywhere, untied lm_head, scaled rope
         model = LlamaForCausalLM(LlamaConfig(**SMALL, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
                                              rope_parameters={"rope_type": "default", "rope_theta": 500.0}))
+    else:  # rotary frequencies that depend on the sequence length: no cos/sin table, the model's rotary per step
+        model = LlamaForCausalLM(LlamaConfig(**SMALL, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
+                                                                      "rope_theta": 500.0}))
     for p in model.parameters():  # random biases and norms, not the zeros/ones of the initialisation
         torch.nn.init.normal_(p, std=0.2)
     return model.eval()
@@ -48,10 +51,11 @@ def plain_attend(cache: DynamicCache, num_heads: int):
     return attend
 
 
-@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["qwen3", "qwen2", "llama", "llama-dynamic-rope"])
 @torch.no_grad()
 def test_decode_step_logits_equal_the_model_forward(kind):
     model = build(kind)
+    assert FusedDecoder(model).rope_table == (kind != "llama-dynamic-rope")
     ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(1))
     cache = DynamicCache(config=model.config)
     model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)

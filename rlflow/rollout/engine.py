@@ -96,7 +96,6 @@ class DecodeState:
         self.bias: torch.Tensor | None = None  # [groups, n, prompt_width + n * capacity]
         self.fed: int | None = 0  # tokens fed by every group when all agree (uniform mode), else None
         self.group_len: torch.Tensor | None = None  # per-group tokens fed (per-group mode only)
-        self.alive: torch.Tensor | None = None  # finished rows stay (masked out of the bookkeeping) until compaction
         self.group_prompt: list[int] = []  # prompt index of each group
         self.step_bias: torch.Tensor | None = None
         self.step_width = 0
@@ -104,10 +103,6 @@ class DecodeState:
     @property
     def num_groups(self) -> int:
         return len(self.group_prompt)
-
-    @property
-    def num_rows(self) -> int:
-        return self.num_groups * self.n
 
     # -------------------------------------------------------------------- transformers' cache protocol
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -178,7 +173,6 @@ class DecodeState:
         new_v = [self._group_cache(h, v, width, behind) for h, v in zip(heads_v, values)]
         if self.prompt_bias is None:
             self.k, self.v, self.prompt_bias = new_k, new_v, bias
-            self.alive = torch.ones(g_new * self.n, dtype=torch.bool, device=device)
             self.fed, self.group_len = 0, None
         else:
             old = self.prompt_width
@@ -193,7 +187,6 @@ class DecodeState:
             self.v = [torch.cat([widen(a), b]) for a, b in zip(self.v, new_v)]
             self.prompt_bias = torch.cat([
                 torch.nn.functional.pad(self.prompt_bias, (0, width - old), value=float("-inf")), bias])
-            self.alive = torch.cat([self.alive, self.alive.new_ones(g_new * self.n)])
             if self.fed != 0:  # the new groups start behind the running ones: per-group lengths from now on
                 lens = self.group_len if self.fed is None else torch.full((self.num_groups,), self.fed, device=device)
                 self.group_len, self.fed = torch.cat([lens, lens.new_zeros(g_new)]), None
@@ -205,14 +198,14 @@ class DecodeState:
         """Keep rows ``keep`` (in order), which must be whole groups; free the caches of the other groups."""
         n = self.n
         rows = keep.view(-1, n) if keep.numel() % n == 0 else None
-        if rows is None or not torch.equal(rows, rows[:, :1] + torch.arange(n, device=keep.device)) or bool((rows[:, 0] % n).any()):
+        whole = rows is not None and torch.equal(rows, rows[:, :1] + torch.arange(n, device=keep.device))
+        if not whole or bool((rows[:, 0] % n).any()):
             raise ValueError(f"DecodeState.keep_rows keeps whole groups of {n} rows in order; got rows {keep.tolist()}")
         live = rows[:, 0] // n
         self.k = [t[live] for t in self.k]
         self.v = [t[live] for t in self.v]
         self.prompt_bias = self.prompt_bias[live]
         self.bias = self.bias[live]
-        self.alive = self.alive[keep]
         self.group_prompt = [self.group_prompt[g] for g in live.tolist()]
         if self.fed is None:
             self.group_len = self.group_len[live]
@@ -523,7 +516,6 @@ class EngineRollout(RolloutBackend):
                     reason = "stop" if row.tokens[-1] in stop_ids else "length"
                     done[row.prompt].append((row.sample, Completion(row.tokens, row.logprobs, reason)))
                 if finished:
-                    state.alive[torch.tensor(sorted(finished), dtype=torch.long, device=device)] = False
                     for prompt in [p for p, group in done.items() if len(group) == n]:
                         yield prompt, [c for _, c in sorted(done.pop(prompt), key=lambda sc: sc[0])]
                 # compact by whole groups (the rows of a group whose completions are all done): the batch stays
