@@ -97,7 +97,7 @@ def varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=Non
         q, k, v = (t[0].unflatten(1, (seqs, width)).transpose(0, 1) for t in (query, key, value))
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
                                                                dropout_p=dropout_p, enable_gqa=gqa)
-        return out.transpose(1, 2).reshape(1, -1, *out.shape[1:2], out.shape[3]), None  # [1, tokens, heads, dim]
+        return out.transpose(1, 2).reshape(1, -1, out.shape[1], out.shape[3]), None  # [1, tokens, heads, dim]
     outs = []
     for s in (0, 1):
         if f"attn{s}_q" not in layout:
