@@ -73,10 +73,10 @@ def attention_layout(rows: list[tuple[list[int], int]]) -> dict[str, torch.Tenso
         layout.update({f"attn{s}_q": q_index, f"attn{s}_k": k_index, f"attn{s}_mask": mask.unsqueeze(1), f"attn{s}_take": take})
         order.append(q_index.reshape(-1)[take])
     positions = torch.cat(order)
-    inv = torch.empty_like(positions)
-    inv[positions] = torch.arange(positions.numel())
     if positions.numel() != int(positions.max()) + 1 or torch.unique(positions).numel() != positions.numel():
         raise ValueError("attention_layout: every pack position must be the query of exactly one row")
+    inv = torch.empty_like(positions)
+    inv[positions] = torch.arange(positions.numel())
     layout["attn_inv"] = inv
     return layout
 
