@@ -70,6 +70,16 @@ def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> tuple[floa
     return stat, int(support.sum()) - 1
 
 
+def assert_logprobs_match_a_full_forward(model, prompts, groups, temperature: float) -> None:
+    """Each completion's returned log-probs equal log_softmax(logits / T) of one plain forward over the sequence."""
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1: -1].double()
+            ref = torch.log_softmax(logits / temperature, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
+            torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), ref, atol=2e-5, rtol=0)
+
+
 def test_registered_as_engine():
     assert isinstance(registry.build("rlflow.rollout", "engine"), EngineRollout)
 
@@ -159,13 +169,9 @@ def test_logprobs_match_a_full_forward_pass(model, tokenizer, max_tokens, fused)
     e = engine(model, tokenizer, max_batch_size=4, prefill_batch_size=1, fused=fused)  # prompts join mid-run
     params = SamplingParams(0.8, 0.9, 20, max_tokens=max_tokens)
     groups = e.generate(prompts, params, n=2)
-    for prompt, group in zip(prompts, groups):
+    for group in groups:
         assert len(group) == 2
-        for c in group:
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1: -1].double()
-            ref = torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
-            torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), ref, atol=2e-5, rtol=0)
+    assert_logprobs_match_a_full_forward(model, prompts, groups, temperature=0.8)
 
 
 def test_uninitialised_cache_memory_is_never_read(model, tokenizer, monkeypatch):
@@ -186,12 +192,7 @@ def test_uninitialised_cache_memory_is_never_read(model, tokenizer, monkeypatch)
     e = engine(model, tokenizer, max_batch_size=4, prefill_batch_size=1, seed=0)
     groups = e.generate(prompts, SamplingParams(0.8, max_tokens=24, stop_token_ids=stops), n=2)
     assert any(fed != 0 for fed in joins), joins  # some group joined behind running ones
-    for prompt, group in zip(prompts, groups):
-        for c in group:
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1: -1].double()
-            ref = torch.log_softmax(logits / 0.8, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
-            torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), ref, atol=2e-5, rtol=0)
+    assert_logprobs_match_a_full_forward(model, prompts, groups, temperature=0.8)
 
 
 def test_stop_tokens_and_max_tokens_are_exact(model, tokenizer):
