@@ -218,10 +218,9 @@ def sharded_completion_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rlflow.logprobs.completion_logprobs` for an FSDP2-sharded model.
 
-    The root's parameters (embeddings, final norm, LM head) are unsharded only by the root's own forward, so
-    the decoder is run through ``model(...)`` (keeping one position of logits) with a hook catching the base
-    model's last hidden state; the LM head is then applied chunk by chunk to the unsharded head weight, which
-    the root keeps until its backward (FSDP2 does not reshard the root after forward).
+    The decoder runs through the root's forward (:func:`root_hidden_states`); the LM head is then applied chunk
+    by chunk to the unsharded head weight, which the root keeps until its backward (FSDP2 does not reshard the
+    root after forward).
     """
     from rlflow.logprobs import naive_token_stats, token_stats_from_hidden
 
@@ -234,17 +233,33 @@ def sharded_completion_logprobs(
     if base is None or model.get_output_embeddings() is None or postprocessed:
         logits = model(**inputs, logits_to_keep=width + 1).logits[:, :-1]
         return naive_token_stats(logits, targets, temperature)
+    hidden = root_hidden_states(model, inputs)[:, -width - 1: -1]
+    stats = token_stats_from_hidden(hidden, targets, model.get_output_embeddings(), temperature, chunk_size)
+    reshard_root_without_grad(model)
+    return stats
+
+
+def root_hidden_states(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    """The base model's last hidden state, from a forward of the whole (FSDP2 root) ``model``.
+
+    The root's parameters (embeddings, final norm, LM head) are unsharded only by the root's own forward, so
+    the decoder is run through ``model(**inputs)`` (keeping one position of logits) with a hook catching the
+    base model's output; the LM head's unsharded weight then stays until the root's backward.
+    """
+    base = getattr(model, getattr(model, "base_model_prefix", ""))
     caught: dict[str, torch.Tensor] = {}
     hook = base.register_forward_hook(lambda _m, _a, out: caught.__setitem__("hidden", out.last_hidden_state))
     try:
         model(**inputs, use_cache=False, logits_to_keep=1)
     finally:
         hook.remove()
-    hidden = caught["hidden"][:, -width - 1: -1]
-    stats = token_stats_from_hidden(hidden, targets, model.get_output_embeddings(), temperature, chunk_size)
+    return caught["hidden"]
+
+
+def reshard_root_without_grad(model: torch.nn.Module) -> None:
+    """Outside autograd no backward will free the root's unsharded weights (old/reference log-probs): free them."""
     if not torch.is_grad_enabled() and hasattr(model, "reshard"):
-        model.reshard()  # no backward will free the root's unsharded weights (old/reference log-probs): free them now
-    return stats
+        model.reshard()
 
 
 def gather_full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -287,6 +302,15 @@ def all_sum(values: list[float]) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return t.tolist()
+
+
+def all_max(value: int) -> int:
+    """The largest ``value`` over ranks (the value itself on one process)."""
+    if world_size() == 1:
+        return int(value)
+    t = torch.tensor([int(value)], dtype=torch.long, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
 
 
 def all_true(flag: bool) -> bool:
@@ -350,6 +374,7 @@ def reduce_metrics(
 
 __all__ = [
     "FSDP2Strategy", "STRATEGY_ALIASES", "register_strategies", "resolve_strategy_alias", "is_sharded", "shard_model",
-    "data_parallel_mesh", "decoder_layers", "full_weights", "sharded_completion_logprobs", "gather_full_state_dict",
+    "data_parallel_mesh", "decoder_layers", "full_weights", "sharded_completion_logprobs", "root_hidden_states",
+    "reshard_root_without_grad", "gather_full_state_dict", "all_max",
     "full_tensor", "all_gather", "all_sum", "all_true", "combine_metrics", "reduce_metrics", "world_size",
 ]

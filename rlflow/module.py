@@ -15,14 +15,18 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from rlflow import registry
 from rlflow.checkpointing import gather_rng_states, restore_rng_state
 from rlflow.data.experience import Experience, collate
-from rlflow.data.packing import collate_packed, pack_experiences, packed_completion_logprobs, varlen_supported
+from rlflow.data.packing import (
+    balance_pack_count, collate_packed, pack_experiences, packed_completion_logprobs, varlen_supported,
+)
+from rlflow.data.packing_support import packing_unsupported_reason
 from rlflow.distributed import (
-    FSDP2Strategy, all_true, data_parallel_mesh, full_tensor, full_weights, gather_full_state_dict, is_sharded,
-    reduce_metrics, shard_model, sharded_completion_logprobs, world_size,
+    FSDP2Strategy, all_max, all_true, data_parallel_mesh, full_tensor, full_weights, gather_full_state_dict,
+    is_sharded, reduce_metrics, shard_model, sharded_completion_logprobs, world_size,
 )
 from rlflow.correction import RolloutCorrection
 from rlflow.evaluation import EvalAccumulator, eval_seed
@@ -84,7 +88,7 @@ class GRPOModule(L.LightningModule):
         attn_implementation: str | None = None,
         gradient_checkpointing: bool = False,
         logprob_chunk_size: int = 1024,
-        packing: bool = False,
+        packing: bool = True,
         pack_max_length: int = 4096,
         max_consecutive_skipped_steps: int = 3,
         export_hf: bool = True,
@@ -118,7 +122,9 @@ class GRPOModule(L.LightningModule):
             gradient_checkpointing: Recompute activations in the backward pass to save memory.
             logprob_chunk_size: Positions per chunk when turning hidden states into log-probs (bounds the logits memory).
             packing: Padding-free training: pack prompt + completion sequences end to end into micro-batches of at most
-                ``pack_max_length`` tokens (attention kept per sequence); replaces ``micro_batch_size``.
+                ``pack_max_length`` tokens (attention kept per sequence); replaces ``micro_batch_size``. Checked once
+                at the start of ``fit`` (:mod:`rlflow.data.packing_support`): a model whose packed log-probs would
+                differ from padded ones trains on padded micro-batches instead, with a warning saying why.
             pack_max_length: Token budget of one packed micro-batch (a longer single sequence gets its own).
             max_consecutive_skipped_steps: Stop the run after this many optimizer steps in a row with a NaN/inf loss or gradient.
             export_hf: At the end of ``fit``, write the policy and tokenizer with ``save_pretrained`` to ``<log_dir>/hf``.
@@ -143,6 +149,7 @@ class GRPOModule(L.LightningModule):
         self.skipped_steps = 0
         self.consecutive_skips = 0
         self.trained_versions: list[tuple[int, int]] = []  # (policy_version at the update, versions sampled)
+        self.packing_checked: bool | None = None  # model.packing after the check at fit start (None: not checked)
 
     # --------------------------------------------------------------------------------------------- models
     @property
@@ -188,6 +195,27 @@ class GRPOModule(L.LightningModule):
         if self.ref_model is not None and not self.sharded:  # a sharded reference already sits on its devices
             self.ref_model.to(self.device)
         self.trainer.datamodule.bind(self.policy)
+        self.packing_checked = self.check_packing()
+
+    def check_packing(self) -> bool:
+        """``model.packing``, unless packed forwards of the policy (or reference) would not be exact: then padded
+        micro-batches, with a warning giving the reason. Logged once, on rank 0."""
+        if not self.hparams.get("packing"):
+            return False
+        models = [m for m in (self.policy, self.ref_model) if m is not None]
+        reason = next((r for r in (packing_unsupported_reason(m, self.sharded) for m in models) if r), None)
+        if reason:
+            rank_zero_warn(f"model.packing: training on padded micro-batches of model.micro_batch_size sequences, "
+                           f"not packs, because {reason}")
+            return False
+        share = "a group's prompt once per pack" if varlen_supported(self.policy) else "every sequence its own prompt"
+        rank_zero_info(f"model.packing: micro-batches are packs of at most {self.hparams.pack_max_length} tokens ({share})")
+        return True
+
+    @property
+    def packing(self) -> bool:
+        """Whether micro-batches are packs: ``model.packing`` as checked at fit start (as configured before it)."""
+        return self.packing_checked if self.packing_checked is not None else bool(self.hparams.get("packing"))
 
     def on_validation_start(self) -> None:
         self.trainer.datamodule.bind(self.policy)
@@ -212,20 +240,24 @@ class GRPOModule(L.LightningModule):
 
     # ------------------------------------------------------------------------------------------ log-probs
     def micro_batches(self, experiences: list[Experience]) -> list[list[Experience]]:
-        """Split into micro-batches: token-budget packs with ``packing``, else ``micro_batch_size`` sequences."""
-        if self.hparams.get("packing"):
-            return pack_experiences(experiences, self.hparams.pack_max_length, share_prompts=varlen_supported(self.policy))
+        """Split into micro-batches: token-budget packs with ``packing``, else ``micro_batch_size`` sequences.
+
+        Sharded, every rank splits its packs until all have as many as the rank with the most: each micro-batch
+        is an FSDP2 forward (and backward), collectives every rank must join. (Padded micro-batches need no such
+        step: every rank holds the same number of sequences.)
+        """
+        if self.packing:
+            packs = pack_experiences(experiences, self.hparams.pack_max_length, share_prompts=varlen_supported(self.policy))
+            return balance_pack_count(packs, all_max(len(packs))) if self.sharded else packs
         mb = self.hparams.micro_batch_size
         return [experiences[start: start + mb] for start in range(0, len(experiences), mb)]
 
     def logprobs_of(self, model: torch.nn.Module, experiences: list[Experience]) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        if self.hparams.get("packing"):
-            if self.sharded:
-                raise ValueError("model.packing is not supported with FSDP2 sharding yet; set model.packing=false")
+        if self.packing:
             packed = collate_packed(experiences, share_prompts=varlen_supported(model))  # a group's prompt once
             batch = {k: v.to(self.device) for k, v in packed.items()}
             logprobs, entropy = packed_completion_logprobs(
-                model, batch, self.hparams.temperature, self.hparams.logprob_chunk_size)
+                model, batch, self.hparams.temperature, self.hparams.logprob_chunk_size, sharded=self.sharded)
             return logprobs, entropy, batch
         batch = {k: v.to(self.device) for k, v in collate(experiences, self.pad_id).items()}
         stats = sharded_completion_logprobs if self.sharded else completion_logprobs

@@ -192,6 +192,68 @@ def test_sharded_generation_logprobs_grads_and_export_on_two_gloo_ranks(tiny_mod
     assert r1["full_keys"] == 0  # full weights are assembled on rank 0 only
 
 
+# ------------------------------------------------------------------------------ packing on 2 sharded ranks
+def _packed_sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import AutoModelForCausalLM
+
+    from rlflow.data.experience import Experience, collate
+    from rlflow.data.packing import balance_pack_count, collate_packed, pack_experiences, packed_completion_logprobs
+    from rlflow.data.packing_support import packing_unsupported_reason
+    from rlflow.distributed import all_max, full_tensor, shard_model
+    from rlflow.logprobs import completion_logprobs
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        plain = AutoModelForCausalLM.from_pretrained(model_dir)
+        sharded = shard_model(AutoModelForCausalLM.from_pretrained(model_dir), init_device_mesh("cpu", (2,)))
+        exps = [Experience([5, 9, 17], [23, 42, 11, 7], [0.0] * 4, 1.0, 1.0, 0, "stop", 0),
+                Experience([5, 9, 17], [30, 8], [0.0] * 2, 1.0, -1.0, 0, "stop", 0),
+                Experience([8, 3], [4, 4, 30], [0.0] * 3, 0.0, 1.0, 1, "stop", 0)]
+        results = {"probe": packing_unsupported_reason(sharded, sharded=True)}
+        whole = collate_packed(exps, share_prompts=True)  # one pack, the group's prompt once
+        with torch.no_grad():
+            nograd_lp, _ = packed_completion_logprobs(sharded, whole, 0.7, chunk_size=3, sharded=True)
+            plain_lp, plain_ent = packed_completion_logprobs(plain, whole, 0.7, chunk_size=3)
+            padded_lp, _ = completion_logprobs(plain, collate(exps, pad_id=0), 0.7, chunk_size=3)
+        results["root_resharded_after_no_grad"] = type(sharded.lm_head.weight).__name__ == "DTensor"
+        mask = whole["completion_mask"]
+        results["vs_plain_packed"] = float((nograd_lp - plain_lp)[mask].abs().max())
+        results["vs_plain_padded"] = float((nograd_lp - padded_lp)[mask].abs().max())
+        # uneven pack counts (rank 0: one pack, rank 1: one per sequence), levelled as GRPOModule.micro_batches does;
+        # each rank's packs together hold every sequence, so FSDP's mean gradient is the plain gradient
+        packs = pack_experiences(exps, 1000 if rank == 0 else 1, share_prompts=True)
+        packs = balance_pack_count(packs, all_max(len(packs)))
+        results["packs"] = len(packs)
+        for pack in packs:
+            batch = collate_packed(pack, share_prompts=True)
+            lp, ent = packed_completion_logprobs(sharded, batch, 0.7, chunk_size=3, sharded=True)
+            (lp[batch["completion_mask"]].sum() + ent[batch["completion_mask"]].sum()).backward()
+        ref_lp, ref_ent = packed_completion_logprobs(plain, whole, 0.7, chunk_size=3)
+        (ref_lp[mask].sum() + ref_ent[mask].sum()).backward()
+        results["grad_err"] = max(float((full_tensor(p.grad) - q.grad).abs().max())
+                                  for p, q in zip(sharded.parameters(), plain.parameters()))
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_packed_logprobs_and_grads_under_fsdp_equal_the_unsharded_ones(tiny_model, tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_packed_sharded_worker, args=(str(tmp_path / "init"), str(tiny_model), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        assert r["probe"] is None  # the fit-start check finds packing exact under FSDP
+        assert r["root_resharded_after_no_grad"]
+        assert r["vs_plain_packed"] < 1e-5 and r["vs_plain_padded"] < 1e-5
+        assert r["packs"] == 3  # rank 0's single pack was split to match rank 1's three
+        assert r["grad_err"] < 1e-5
+
+
 # ------------------------------------------------------------------------------- end to end through Lightning
 SEEDED = [
     '--data.rollout={"class_path": "test_distributed.SeededGroupRollout"}',
@@ -217,23 +279,30 @@ def run_two_ranks(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def two_rank_run(tiny_model, tiny_data, tmp_path_factory):
-    """4 steps on 2 gloo ranks under ``trainer.strategy=fsdp``, a sharded checkpoint after every step."""
+    """4 steps on 2 gloo ranks under ``trainer.strategy=fsdp``, a sharded checkpoint after every step; packed
+    micro-batches (the default) of at most 120 tokens, so the ranks' pack counts differ (prompts are 100 tokens)."""
     root = tmp_path_factory.mktemp("fsdp2")
-    args = fit_args(tiny_model, tiny_data, root, *SEEDED, "--trainer.strategy=fsdp",
+    args = fit_args(tiny_model, tiny_data, root, *SEEDED, "--trainer.strategy=fsdp", "--model.pack_max_length=120",
                     "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
                     "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_top_k=-1", steps=4)
     args = [a.replace("--trainer.devices=1", "--trainer.devices=2") for a in args]
-    run_two_ranks(args, root)
+    out = run_two_ranks(args, root)
+    (root / "output.txt").write_text(out.stdout + out.stderr)
     return root, root / "lightning_logs" / "version_0", args
 
 
 @pytest.mark.slow
-def test_two_ranks_give_the_same_step_one_loss_and_rewards_as_one(two_rank_run, tiny_model, tiny_data, tmp_path):
+def test_two_packed_ranks_give_the_same_step_one_loss_and_rewards_as_one_padded_process(
+        two_rank_run, tiny_model, tiny_data, tmp_path):
+    """Sharding and packing together change nothing but the speed: 2 FSDP ranks training on packs (the default)
+    take the step one process takes on padded micro-batches."""
     from rlflow.cli import cli_main
 
-    _, log_dir, _ = two_rank_run
+    root, log_dir, _ = two_rank_run
+    assert "model.packing: micro-batches are packs" in (root / "output.txt").read_text()
     two = read_metrics(log_dir)[0]
-    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, *SEEDED, steps=1))
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, *SEEDED, "--model.packing=false", steps=1))
+    assert not cli.model.packing
     one = read_metrics(Path(cli.trainer.log_dir))[0]
     assert one["reward_std"] > 0 and abs(one["loss"]) > 1e-6  # a non-trivial step
     for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",

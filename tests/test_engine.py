@@ -174,6 +174,22 @@ def test_logprobs_match_a_full_forward_pass(model, tokenizer, max_tokens, fused)
     assert_logprobs_match_a_full_forward(model, prompts, groups, temperature=0.8)
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral", "gpt2"])
+def test_decode_through_other_architectures_forward_matches_a_full_forward_pass(name):
+    """The unfused path (FSDP-sharded weights, or architectures without a fused forward) hands the decode state to
+    the attention function as a keyword argument, so it works for models that rebuild their own attention mask
+    (Llama, Mistral) or never take a mask mapping (GPT-2), with a shared head and prompts joining mid-run."""
+    from tiny_archs import IdTokenizer, tiny_causal_lm
+
+    torch.manual_seed(0)
+    model = tiny_causal_lm(name)
+    head = prompts_of([6], seed=3)[0]
+    prompts = [head + p for p in prompts_of([2, 9, 4], seed=2)]
+    e = engine(model, IdTokenizer(), max_batch_size=4, prefill_batch_size=1, fused=False, min_shared_prefix=4)
+    groups = e.generate(prompts, SamplingParams(0.8, max_tokens=9), n=2)
+    assert_logprobs_match_a_full_forward(model, prompts, groups, temperature=0.8)
+
+
 def test_uninitialised_cache_memory_is_never_read(model, tokenizer, monkeypatch):
     """The caches are allocated uninitialised where every slot is written before it is read; poisoned with NaN,
     a rollout whose groups join behind running ones (per-group lengths, masked unwritten slots) stays exact."""

@@ -12,7 +12,9 @@ from conftest import fit_args
 from transformers import AutoModelForCausalLM
 
 from rlflow.data.experience import Experience
-from rlflow.data.packing import collate_packed, pack_experiences, pack_indices, packed_completion_logprobs, segment_layout
+from rlflow.data.packing import (
+    balance_pack_count, collate_packed, pack_experiences, pack_indices, packed_completion_logprobs, segment_layout,
+)
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +145,18 @@ def test_equal_length_pack_takes_the_reshape_path_and_stays_exact(model):
         refs = padded_reference(model, exps, 1.0)
     for row, ref in zip(logprobs, refs):
         torch.testing.assert_close(row, ref, atol=1e-5, rtol=0)
+
+
+def test_balance_pack_count_splits_the_largest_packs_until_ranks_agree():
+    exps = [Experience([1] * 10, [2] * n, [0.0] * n, 0.0, 0.0, i // 2, "stop", 0) for i, n in enumerate((1, 5, 2, 9, 3))]
+    packs = [exps[:4], exps[4:]]  # 57 and 13 tokens
+    balanced = balance_pack_count(packs, 4)
+    assert [e for p in balanced for e in p] == exps  # every sequence once, in order
+    # the 4-sequence pack is halved (26 + 31 tokens), then the larger half (31) again
+    assert balanced == [exps[:2], [exps[2]], [exps[3]], [exps[4]]]
+    assert balance_pack_count(packs, 2) == packs
+    with pytest.raises(ValueError, match="cannot split"):
+        balance_pack_count([[exps[0]]], 2)
 
 
 @pytest.mark.slow

@@ -168,6 +168,24 @@ def pack_indices(lengths: list[int], pack_max_length: int) -> list[list[int]]:
     return [sorted(p) for p in packs]
 
 
+def balance_pack_count(packs: list[list[Experience]], count: int) -> list[list[Experience]]:
+    """Split packs until there are ``count`` of them (FSDP2 ranks must run the same number of forward passes).
+
+    The pack with the most tokens among those of two or more sequences is halved (by sequences, keeping their
+    order) each time; a split group simply gets its prompt in both halves. Splitting never changes a log-prob,
+    only how many tokens one forward pass holds.
+    """
+    packs = [list(p) for p in packs]
+    while len(packs) < count:
+        splittable = [i for i, p in enumerate(packs) if len(p) > 1]
+        if not splittable:
+            raise ValueError(f"cannot split {len(packs)} packs of one sequence each into {count} micro-batches")
+        i = max(splittable, key=lambda j: sum(len(e.prompt_ids) + len(e.completion_ids) for e in packs[j]))
+        half = len(packs[i]) // 2
+        packs[i: i + 1] = [packs[i][:half], packs[i][half:]]
+    return packs
+
+
 def prompt_units(experiences: list[Experience], pack_max_length: int, share_prompts: bool) -> list[list[int]]:
     """Indices of experiences laid out together behind one copy of their prompt (one each without sharing).
 
@@ -250,12 +268,17 @@ def collate_packed(experiences: list[Experience], share_prompts: bool = False) -
 
 
 def packed_completion_logprobs(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0, chunk_size: int = 1024
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0, chunk_size: int = 1024,
+    sharded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies ``[sequences, completion_width]`` of a packed batch's completion tokens.
 
     Zero where ``completion_mask`` is false, like the padded path's values there are ignored by the loss.
+    ``sharded``: ``model`` is FSDP2-sharded, so the decoder runs through the root's forward
+    (:func:`rlflow.distributed.root_hidden_states`), which unshards the embeddings and LM head.
     """
+    from rlflow.distributed import reshard_root_without_grad, root_hidden_states
+
     mask = batch["completion_mask"]
     targets = batch["completion_ids"][mask]
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "attention_mask": None}
@@ -265,12 +288,16 @@ def packed_completion_logprobs(
         if lm_head is None or base is None or _has_logit_postprocessing(model):
             hidden = None
             logits = model(**inputs, use_cache=False, **extra).logits[0, batch["logit_index"]]
+        elif sharded:
+            hidden = root_hidden_states(model, {**inputs, **extra})[0, batch["logit_index"]]
         else:
             hidden = base(**inputs, use_cache=False, **extra).last_hidden_state[0, batch["logit_index"]]
     if hidden is None:
         flat_lp, flat_ent = naive_token_stats(logits, targets, temperature)
     else:
         flat_lp, flat_ent = token_stats_from_hidden(hidden, targets, lm_head, temperature, chunk_size)
+    if sharded:
+        reshard_root_without_grad(model)
     logprobs = flat_lp.new_zeros(mask.shape).masked_scatter(mask, flat_lp)
     entropy = flat_ent.new_zeros(mask.shape).masked_scatter(mask, flat_ent)
     return logprobs, entropy

@@ -52,10 +52,20 @@ class Completion:
     finish_reason: str
 
 
+class UnsupportedModelError(ValueError):
+    """A backend cannot run this model; ``reason`` says why (``data.rollout=auto`` falls back to ``hf`` on it)."""
+
+    def __init__(self, backend: str, reason: str) -> None:
+        super().__init__(f"the {backend} rollout backend cannot run this model: {reason}; "
+                         "use data.rollout=auto (or hf), which falls back to the hf backend")
+        self.backend, self.reason = backend, reason
+
+
 class RolloutBackend:
     """Base class of rollout backends."""
 
     def bind(self, model: Any, tokenizer: Any) -> None:
+        """Point the backend at the live policy; raise :class:`UnsupportedModelError` if it cannot run it."""
         self.model = model
         self.tokenizer = tokenizer
 

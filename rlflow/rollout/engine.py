@@ -29,8 +29,10 @@ meets its group's other rows' tokens (masked: ``n`` times the arithmetic of that
 per-operator cost at rollout sizes on a CPU); only the prefix common to *all* prompts of a call is shared
 across groups (no radix tree). The prefill without the fused forward uses the model's own attention.
 Decoding through the model's forward (architectures the fused path does not cover) needs attention modules
-that call ``past_key_values.update(k, v, layer_idx)`` and take the layer's mask from a
-``{"full_attention": ...}`` mapping; sliding-window and hybrid linear-attention models are refused.
+that go through transformers' attention interface, pass extra keyword arguments down to it (the engine hands
+its :class:`DecodeState` over as ``rlflow_decode_state``) and call ``cache.update(k, v, layer_idx)``;
+sliding-window and hybrid linear-attention models are refused. :meth:`EngineRollout.bind` checks this once per
+model (:mod:`rlflow.rollout.engine_support`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
-from rlflow.rollout.base import Completion, RolloutBackend, SamplingParams
+from rlflow.rollout.base import Completion, RolloutBackend, SamplingParams, UnsupportedModelError
+from rlflow.rollout.engine_support import probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder
 
 ATTENTION_NAME = "rlflow_shared_prefix"
@@ -65,7 +68,8 @@ class DecodeState:
     """The KV cache of a decode batch: one cache per group holding its prompt and its rows' generated tokens.
 
     It stands in for transformers' ``Cache`` during decode steps (the model calls :meth:`update`) and is passed
-    as the attention mask, so :func:`shared_prefix_attention` finds everything it needs in one object.
+    down to the attention function as ``rlflow_decode_state``, so :func:`shared_prefix_attention` finds everything
+    it needs in one object.
 
     The batch is whole groups in order (row ``g * n + s`` is sample ``s`` of group ``g``; rows leave by whole
     groups). Layout, per layer: ``k/v[layer]`` ``[groups, kv_heads, prompt_width + n * capacity, head_dim]``.
@@ -239,13 +243,16 @@ class DecodeState:
 
 
 def shared_prefix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: Any, scaling: float | None = None, **kwargs: Any):
+                            attention_mask: Any, scaling: float | None = None, rlflow_decode_state: Any = None,
+                            **kwargs: Any):
     """Decode-step attention over a group's shared prompt cache plus each row's own generated tokens.
 
-    ``query`` is ``[rows, heads, 1, dim]``; ``attention_mask`` is the :class:`DecodeState`. Returns
-    ``([rows, 1, heads, dim], None)`` as transformers' attention functions do.
+    ``query`` is ``[rows, heads, 1, dim]``; the :class:`DecodeState` comes as the ``rlflow_decode_state`` keyword
+    argument (the model's forward passes extra keyword arguments down to its attention function; the attention
+    mask is not used for it, because many models rebuild their mask instead of passing a given one through).
+    Returns ``([rows, 1, heads, dim], None)`` as transformers' attention functions do.
     """
-    return attend_cached(attention_mask, module.layer_idx, query, scaling), None
+    return attend_cached(rlflow_decode_state, module.layer_idx, query, scaling), None
 
 
 def attend_cached(state: DecodeState, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
@@ -345,16 +352,22 @@ class EngineRollout(RolloutBackend):
         self.min_shared_prefix = min_shared_prefix
         self.generator: torch.Generator | None = None
         self._decoder: FusedDecoder | None = None  # the fused decoder of the rollout call in progress, if any
+        self._checked_model: Any = None  # the model bind() last found supported (checked once per model)
+        self.decode_path = ""  # how bind()'s probe decoded: "fused decode" or why through the model's forward
 
     def bind(self, model: Any, tokenizer: Any) -> None:
+        """Point the engine at ``model``; the first time for a model, check that the engine can run it.
+
+        Raises :class:`~rlflow.rollout.base.UnsupportedModelError` naming what the engine does not implement
+        (:func:`~rlflow.rollout.engine_support.static_unsupported_reason`) or how a two-prompt probe decode
+        failed (:func:`~rlflow.rollout.engine_support.probe_error`).
+        """
         super().bind(model, tokenizer)
-        config = model.config
-        types = set(getattr(config, "layer_types", None) or ["full_attention"])
-        if types != {"full_attention"}:
-            raise ValueError(
-                f"the engine rollout backend supports full-attention decoders only; this model's layer types are "
-                f"{sorted(types)}; use data.rollout=hf"
-            )
+        if model is not self._checked_model:
+            reason = static_unsupported_reason(model) or probe_error(self, model)
+            if reason:
+                raise UnsupportedModelError("engine", reason)
+            self._checked_model = model
         if self.seed is not None and self.generator is None:
             self.generator = torch.Generator(device=next(model.parameters()).device).manual_seed(self.seed)
 
@@ -457,7 +470,7 @@ class EngineRollout(RolloutBackend):
             config._attn_implementation = ATTENTION_NAME
             try:
                 logits = self.model(
-                    input_ids=pending[:, None], position_ids=pos[:, None], attention_mask={"full_attention": state},
+                    input_ids=pending[:, None], position_ids=pos[:, None], attention_mask=None, rlflow_decode_state=state,
                     past_key_values=state, use_cache=True,
                 ).logits[:, -1]
             finally:

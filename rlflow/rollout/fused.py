@@ -147,12 +147,33 @@ class FusedDecoder:
             return f"model type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
         if not isinstance(getattr(model, "lm_head", None), torch.nn.Linear):
             return "the model has no plain nn.Linear lm_head"
+        layout = FusedDecoder._layout_problem(model)
+        if layout:
+            return layout
         try:
             from torch.distributed.tensor import DTensor
         except ImportError:  # pragma: no cover - torch without distributed
             return None
         if any(isinstance(p, DTensor) for p in model.parameters()):
             return "the weights are sharded (DTensor); the model's own forward gathers them"
+        return None
+
+    @staticmethod
+    def _layout_problem(model: Any) -> str | None:
+        """What in ``model``'s modules this class would read wrongly: it reads the weights of plain ``nn.Linear``
+        projections and RMSNorms directly, so an adapter (LoRA) or quantised wrapper around them must not pass."""
+        inner = getattr(model, "model", None)
+        if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+            return "the model has no model.embed_tokens/layers/norm/rotary_emb"
+        for layer in inner.layers:
+            attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+            linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+            linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+            if any(type(lin) is not torch.nn.Linear for lin in linears):
+                return "a decoder layer's projections are not all plain nn.Linear (adapters or quantisation)"
+            norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
+            if not all(hasattr(n, "weight") and hasattr(n, "variance_epsilon") for n in norms):
+                return "a decoder layer's norms are not RMSNorms with weight and variance_epsilon"
         return None
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, attend, select: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""Whether packed micro-batches (:mod:`rlflow.data.packing`) are exact for a model: a check, then a probe.
+
+Why a probe: packing relies on the model's forward honouring restarting ``position_ids`` as sequence boundaries.
+With ``sdpa``/``eager`` attention rlflow swaps in its own var-len attention, which needs the attention to go
+through transformers' attention interface with extra keyword arguments passed down; with flash-attention (or
+gradient checkpointing) transformers' own packed-sequence detection must see the position ids. Neither can be
+read from a config, so three tiny sequences (two sharing a prompt) are scored packed and padded and compared:
+it costs two forward passes of ~20 tokens, once per run.
+
+Simplifications: a probe, not a proof; the 16-bit tolerance is loose (the two layouts round differently).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlflow.data.experience import Experience, collate
+from rlflow.data.packing import collate_packed, packed_completion_logprobs, varlen_supported
+
+TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # max |packed - padded| log-prob; 16-bit dtypes: 0.1
+HALF_TOLERANCE = 0.1
+
+
+def static_unsupported_reason(model: Any) -> str | None:
+    """What in ``model``'s configuration rlflow's var-len attention does not implement (sliding windows), or None."""
+    config = model.config
+    types = set(getattr(config, "layer_types", None) or [])
+    sliding = (types and types != {"full_attention"}) or (not types and getattr(config, "sliding_window", None))
+    if sliding and varlen_supported(model):
+        return "rlflow's packed attention is full causal attention, and this model has sliding-window or hybrid layers"
+    return None
+
+
+def probe_experiences(vocab_size: int) -> list[Experience]:
+    """Two completions of one prompt and one of another, of different lengths (fixed pseudo-random ids)."""
+    gen = torch.Generator().manual_seed(4321)
+    ids = torch.randint(0, vocab_size, (20,), generator=gen).tolist()
+    made = [(ids[:5], ids[5:9], 0), (ids[:5], ids[9:11], 0), (ids[11:14], ids[14:20], 1)]
+    return [Experience(p, c, [0.0] * len(c), 0.0, 0.0, g, "stop", 0) for p, c, g in made]
+
+
+@torch.no_grad()
+def probe_error(model: Any, sharded: bool = False) -> str | None:
+    """None if ``model``'s packed log-probs equal its padded ones on :func:`probe_experiences`, else why not.
+
+    ``sharded``: ``model`` is FSDP2-sharded; every rank must call this (the forwards are collectives).
+    """
+    from rlflow.distributed import sharded_completion_logprobs
+    from rlflow.logprobs import completion_logprobs
+
+    device = next(model.parameters()).device
+    exps = probe_experiences(model.get_input_embeddings().num_embeddings)
+    was_training = model.training
+    model.eval()
+    try:
+        padded_batch = {k: v.to(device) for k, v in collate(exps, pad_id=0).items()}
+        padded, _ = (sharded_completion_logprobs if sharded else completion_logprobs)(model, padded_batch)
+        packed_batch = {k: v.to(device) for k, v in collate_packed(exps, share_prompts=varlen_supported(model)).items()}
+        packed, _ = packed_completion_logprobs(model, packed_batch, sharded=sharded)
+    except Exception as exc:  # a forward that cannot take a packed batch: not this model
+        return f"a packed forward of this model fails ({type(exc).__name__}: {exc})"
+    finally:
+        model.train(was_training)
+    mask = padded_batch["completion_mask"]
+    worst = float((packed.float() - padded.float())[mask].abs().max())
+    tolerance = TOLERANCE.get(next(model.parameters()).dtype, HALF_TOLERANCE)
+    if not worst <= tolerance:
+        return f"packed log-probs differ from padded ones by {worst:.3g} (> {tolerance:g}): sequences leak into each other"
+    return None
+
+
+def packing_unsupported_reason(model: Any, sharded: bool = False) -> str | None:
+    """Why packed micro-batches would be wrong for ``model`` (None: they are exact)."""
+    return static_unsupported_reason(model) or probe_error(model, sharded)
