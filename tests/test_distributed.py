@@ -203,6 +203,8 @@ def _packed_sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: s
     from rlflow.data.packing_support import packing_unsupported_reason
     from rlflow.distributed import all_max, full_tensor, shard_model
     from rlflow.logprobs import completion_logprobs
+    from rlflow.rollout.select import resolve_backend
+    from tiny_archs import IdTokenizer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -213,6 +215,9 @@ def _packed_sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: s
                 Experience([5, 9, 17], [30, 8], [0.0] * 2, 1.0, -1.0, 0, "stop", 0),
                 Experience([8, 3], [4, 4, 30], [0.0] * 3, 0.0, 1.0, 1, "stop", 0)]
         results = {"probe": packing_unsupported_reason(sharded, sharded=True)}
+        # data.rollout=auto on the sharded policy: the engine's probe decodes inside full_weights (no collectives)
+        backend = resolve_backend("auto", sharded, IdTokenizer())
+        results["backend"] = (type(backend).__name__, getattr(backend, "decode_path", ""))
         whole = collate_packed(exps, share_prompts=True)  # one pack, the group's prompt once
         with torch.no_grad():
             nograd_lp, _ = packed_completion_logprobs(sharded, whole, 0.7, chunk_size=3, sharded=True)
@@ -241,13 +246,14 @@ def _packed_sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: s
 
 
 @pytest.mark.slow
-def test_packed_logprobs_and_grads_under_fsdp_equal_the_unsharded_ones(tiny_model, tmp_path):
+def test_packed_logprobs_grads_and_auto_rollout_under_fsdp(tiny_model, tmp_path):
     import torch.multiprocessing as mp
 
     mp.spawn(_packed_sharded_worker, args=(str(tmp_path / "init"), str(tiny_model), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         r = torch.load(tmp_path / f"rank{rank}.pt")
         assert r["probe"] is None  # the fit-start check finds packing exact under FSDP
+        assert r["backend"] == ("EngineRollout", "fused decode")  # weights unsharded for the rollout: fused
         assert r["root_resharded_after_no_grad"]
         assert r["vs_plain_packed"] < 1e-5 and r["vs_plain_padded"] < 1e-5
         assert r["packs"] == 3  # rank 0's single pack was split to match rank 1's three

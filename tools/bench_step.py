@@ -12,8 +12,16 @@ are left out. The last line is the ratio of median step times::
     ...
     step rlflow/trl speedup: 3.57x (rlflow 0.20 s/step 14470 tok/s, trl 0.72 s/step 3778 tok/s; tok/s ratio 3.83x; median of 3 runs x 5 steps)
 
-``--rlflow-args`` passes extra ``rlflow fit`` flags (default: the ``engine`` rollout and packing);
-``--only-packing`` instead times one training forward/backward of padded vs packed micro-batches.
+``--config configs/demo_cpu.yaml`` runs rlflow with that config as shipped (only paths, step count, logging,
+checkpointing and evaluation overridden), so the figure is what users of the config get, and takes the settings
+TRL mirrors (prompts, group, max tokens, temperature, lr, warm-up, loss, epsilons, KL coefficient, micro-batch)
+from it; explicit flags still win::
+
+    PYTHONPATH=/tmp/trl-site python tools/bench_step.py --config configs/demo_cpu.yaml --threads 2 --repeats 3 --steps 6
+
+``--rlflow-args`` passes extra ``rlflow fit`` flags (default: the ``engine`` rollout and packing without
+``--config``, nothing with it); ``--only-packing`` instead times one training forward/backward of padded vs
+packed micro-batches.
 
 Simplifications: CPU (or whatever device each framework picks by default); TRL's step time is measured by a
 ``TrainerCallback`` (``on_step_begin`` to ``on_step_end``, which includes its generation), rlflow's is its own
@@ -38,20 +46,30 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # ------------------------------------------------------------------------------------------------ workers
+def rlflow_settings(args) -> list[str]:
+    """``rlflow fit`` flags of the compared settings: the config as shipped, or the benchmark's own flags."""
+    if args.config:
+        return ["--config", args.config]
+    return [
+        f"--model.lr={args.lr}", f"--model.warmup_steps={args.warmup_steps}", f"--model.loss={args.loss}",
+        f"--model.epsilon_low={args.epsilon}", f"--model.epsilon_high={args.epsilon_high}",
+        f"--model.kl_coef={args.kl_coef}", f"--model.micro_batch_size={args.micro_batch}",
+        f"--data.prompt_repeat_k={args.group}", f"--data.global_batch_size={args.prompts}",
+        f"--data.max_tokens={args.max_tokens}", f"--data.temperature={args.temperature}",
+    ]
+
+
 def rlflow_worker(args) -> dict:
     from rlflow.cli import cli_main
 
     with tempfile.TemporaryDirectory() as root:
         cli_main([
-            "fit", f"--model.model_path={args.model}", f"--model.lr={args.lr}", "--model.loss=bnpo",
-            f"--model.micro_batch_size={args.micro_batch}", "--model.export_hf=false",
-            f"--data.train_data_path={args.data}", f"--data.prompt_repeat_k={args.group}",
-            f"--data.global_batch_size={args.prompts}", f"--data.max_tokens={args.max_tokens}",
-            "--data.log_trajectories=false", "--trainer.accelerator=cpu", "--trainer.devices=1",
-            f"--trainer.max_steps={args.steps}", f"--trainer.default_root_dir={root}",
-            "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={root}",
-            "--trainer.enable_progress_bar=false",
-            f"--seed_everything={args.seed}", *args.rlflow_args.split(),
+            "fit", *rlflow_settings(args), f"--model.model_path={args.model}", "--model.export_hf=false",
+            f"--data.train_data_path={args.data}", "--data.eval_data_path=null", "--data.log_trajectories=false",
+            "--trainer.accelerator=cpu", "--trainer.devices=1", f"--trainer.max_steps={args.steps}",
+            f"--trainer.default_root_dir={root}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.save_dir={root}", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_checkpointing=false", f"--seed_everything={args.seed}", *args.rlflow_args.split(),
         ])
         (metrics,) = Path(root).rglob("metrics.csv")
         with open(metrics) as f:
@@ -103,10 +121,11 @@ def trl_worker(args) -> dict:
         per_step = args.prompts * args.group
         config = GRPOConfig(
             output_dir=out, use_cpu=True, bf16=False, learning_rate=args.lr, lr_scheduler_type="constant",
-            warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999,
+            warmup_steps=args.warmup_steps, weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999,
             per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=per_step // args.micro_batch,
-            num_generations=args.group, max_completion_length=args.max_tokens, temperature=1.0, top_p=1.0,
-            top_k=0, beta=0.0, loss_type="bnpo", epsilon=0.2, num_iterations=1, max_steps=args.steps,
+            num_generations=args.group, max_completion_length=args.max_tokens, temperature=args.temperature, top_p=1.0,
+            top_k=0, beta=args.kl_coef, loss_type=args.loss, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+            num_iterations=1, max_steps=args.steps,
             logging_steps=1, report_to="none", save_strategy="no", seed=args.seed, disable_dropout=True,
             dataloader_num_workers=0, log_completions=False,
         )
@@ -181,6 +200,30 @@ def summarise(runs: list[dict], warmup: int) -> dict:
             "steps_timed": len(times)}
 
 
+#: bench_step argument <- (section, key) of an rlflow config
+CONFIG_KEYS = {
+    "prompts": ("data", "global_batch_size"), "group": ("data", "prompt_repeat_k"), "max_tokens": ("data", "max_tokens"),
+    "temperature": ("data", "temperature"), "lr": ("model", "lr"), "warmup_steps": ("model", "warmup_steps"),
+    "loss": ("model", "loss"), "epsilon": ("model", "epsilon_low"), "epsilon_high": ("model", "epsilon_high"),
+    "kl_coef": ("model", "kl_coef"), "micro_batch": ("model", "micro_batch_size"), "model": ("model", "model_path"),
+    "data": ("data", "train_data_path"),
+}
+
+
+def config_settings(path: str) -> dict:
+    """The benchmark arguments an rlflow config sets (what it leaves out keeps the benchmark's default)."""
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        config = yaml.safe_load(f)
+    out = {}
+    for arg, (section, key) in CONFIG_KEYS.items():
+        value = (config.get(section) or {}).get(key)
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            out[arg] = value
+    return out
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="checkpoints/tiny-qwen3")
@@ -195,11 +238,25 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of both runs")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rlflow-args", default="--data.rollout=engine --model.packing=true")
+    ap.add_argument("--warmup-steps", type=int, default=0)
+    ap.add_argument("--loss", default="bnpo", help="rlflow loss / TRL loss_type (bnpo, grpo, dr_grpo, dapo)")
+    ap.add_argument("--epsilon", type=float, default=0.2)
+    ap.add_argument("--epsilon-high", type=float, default=0.2)
+    ap.add_argument("--kl-coef", type=float, default=0.0, help="rlflow model.kl_coef / TRL beta")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--config", default=None, help="rlflow config to run as shipped (e.g. configs/demo_cpu.yaml); "
+                    "TRL mirrors its settings")
+    ap.add_argument("--rlflow-args", default=None,
+                    help="extra rlflow fit flags (default: '--data.rollout=engine --model.packing=true' without --config)")
     ap.add_argument("--only", choices=["rlflow", "trl"], default=None, help="run one framework and print its figures")
     ap.add_argument("--only-packing", action="store_true", help="time padded vs packed forward/backward instead")
     ap.add_argument("--worker", choices=["rlflow", "trl"], default=None, help=argparse.SUPPRESS)
     args, _ = ap.parse_known_args(argv)
+    if args.config:  # the config's values become the defaults: explicit flags still win
+        ap.set_defaults(**config_settings(args.config))
+        args, _ = ap.parse_known_args(argv)
+    if args.rlflow_args is None:
+        args.rlflow_args = "" if args.config else "--data.rollout=engine --model.packing=true"
     if args.worker:
         result = rlflow_worker(args) if args.worker == "rlflow" else trl_worker(args)
         print(json.dumps(result))
@@ -211,6 +268,10 @@ def main(argv=None) -> None:
             torch.set_num_threads(args.threads)
         packing_bench(args)
         return
+    print(f"settings: {args.prompts} prompts x {args.group} completions, {args.max_tokens} max tokens, T={args.temperature}, "
+          f"lr {args.lr} (warm-up {args.warmup_steps}), loss {args.loss}, epsilon {args.epsilon}/{args.epsilon_high}, "
+          f"kl {args.kl_coef}, TRL micro-batch {args.micro_batch}; rlflow: "
+          f"{' '.join(rlflow_settings(args)) if args.config else 'the flags above'} {args.rlflow_args}", flush=True)
     forward = [a for a in (argv if argv is not None else sys.argv[1:])]
     names = [args.only] if args.only else ["rlflow", "trl"]
     if "trl" in names:
