@@ -6,9 +6,9 @@ one). The tokenizer, temperature and completion budget are linked from one place
 
 rlflow adds to Lightning's CLI: ``--checkpoint.*`` (an atomic ``ModelCheckpoint`` writing ``last.ckpt`` every
 step, so ``--ckpt_path last`` resumes after a kill), ``--evaluate_every_n_steps N`` (Lightning's
-``val_check_interval`` counted in rollout steps across epochs), ``--summary.*``, ``--rollout_progress.*`` and
-``--samples.*`` (see :mod:`rlflow.callbacks`), the logger short names ``--trainer.logger wandb|csv|tensorboard``,
-and the full resolved config logged to every logger. Errors a user can fix (bad data, a missing model, a full
+``val_check_interval`` counted in rollout steps across epochs), ``--summary.*``, ``--rollout_progress.*``,
+``--samples.*`` and ``--trajectories.*`` (see :mod:`rlflow.callbacks`), the logger short names ``--trainer.logger
+wandb|csv|tensorboard``, and the full resolved config logged to every logger. Errors a user can fix (bad data, a missing model, a full
 disk, a diverged run) end the command with one ``rlflow: error:`` line instead of a traceback.
 """
 
@@ -19,7 +19,7 @@ import sys
 
 from lightning.pytorch.cli import LightningCLI
 
-from rlflow.callbacks import LoggerSaveConfigCallback, RolloutProgressBar, SampleTable, StepSummary
+from rlflow.callbacks import LoggerSaveConfigCallback, RolloutProgressBar, SampleTable, StepSummary, TrajectoryWriter
 from rlflow.checkpointing import CheckpointDiskFullError, RLFlowCheckpoint
 from rlflow.data.datamodule import RolloutDataModule
 from rlflow.distributed import resolve_strategy_alias
@@ -65,6 +65,7 @@ class RLFlowCLI(LightningCLI):
         parser.add_lightning_class_args(StepSummary, "summary")
         parser.add_lightning_class_args(RolloutProgressBar, "rollout_progress")
         parser.add_lightning_class_args(SampleTable, "samples")
+        parser.add_lightning_class_args(TrajectoryWriter, "trajectories")
         parser.add_argument(
             "--evaluate_every_n_steps", type=int | None, default=None,
             help="Evaluate on data.eval_data_path every this many rollout steps (default: once per epoch).",

@@ -25,7 +25,9 @@ from rlflow.distributed import (
     reduce_metrics, shard_model, sharded_completion_logprobs, world_size,
 )
 from rlflow.correction import RolloutCorrection
-from rlflow.evaluation import EvalAccumulator, eval_seed
+from rlflow.data.protocol import ExperienceSource
+from rlflow.evaluation import EvalMetrics
+from rlflow.log import info
 from rlflow.logprobs import completion_logprobs
 from rlflow.losses.base import LossContext, masked_mean
 
@@ -187,10 +189,10 @@ class GRPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if self.ref_model is not None and not self.sharded:  # a sharded reference already sits on its devices
             self.ref_model.to(self.device)
-        self.trainer.datamodule.bind(self.policy)
+        self.experience.bind(self.policy)
 
     def on_validation_start(self) -> None:
-        self.trainer.datamodule.bind(self.policy)
+        self.experience.bind(self.policy)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
@@ -247,21 +249,28 @@ class GRPOModule(L.LightningModule):
 
     @property
     def pad_id(self) -> int:
-        tok = self.trainer.datamodule.load_tokenizer()
+        tok = self.experience.tokenizer
         return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     # ----------------------------------------------------------------------------------------- training
+    @property
+    def experience(self) -> ExperienceSource:
+        """The datamodule, through the one interface a GRPO step uses (:class:`~rlflow.data.protocol.ExperienceSource`)."""
+        return self.trainer.datamodule
+
     def training_step(self, batch: list, batch_idx: int) -> None:
+        """One rollout step: sample and score fresh experience, fix old/reference log-probs, take the updates."""
         start = time.perf_counter()
         hp = self.hparams
-        dm = self.trainer.datamodule
-        with full_weights(self.policy if getattr(dm.backend, "reads_policy_weights", True) else None):
-            metrics = dm.make_experience(batch, policy_version=self.policy_version, step=self.global_step)
-        minibatches = dm.buffer.drain(hp.optimizer_steps)
+        # 1. generate k completions per prompt with the current weights, judge them, compute group advantages
+        with full_weights(self.policy if self.experience.reads_policy_weights else None):
+            rollout = self.experience.make_experience(batch, policy_version=self.policy_version, step=self.global_step)
+        metrics = dict(rollout.metrics)
+        minibatches = self.experience.minibatches(hp.optimizer_steps)
         everything = [e for mb in minibatches for e in mb]
+        # 2. the ratio's denominator (needed once later updates are off-policy, or to compare with the rollout
+        #    engine's log-probs) and the reference log-probs, both fixed before any update
         if hp.optimizer_steps > 1 or hp.num_iterations > 1 or self.correction is not None:
-            # later updates are off-policy, and the correction compares the sampling weights with the rollout
-            # engine: compute the ratio's denominator once, now, before any update
             self.fill_logprobs(everything, "old_logprobs", self.policy)
         if self.ref_model is not None:
             self.fill_logprobs(everything, "ref_logprobs", self.ref_model)
@@ -269,14 +278,15 @@ class GRPOModule(L.LightningModule):
             batch_all = collate(everything, self.pad_id)
             metrics.update(self.correction.metrics(
                 batch_all["old_logprobs"], batch_all["rollout_logprobs"], batch_all["completion_mask"]))
+        # 3. num_iterations passes (GRPO's mu) over optimizer_steps mini-batches, one optimizer step each
         generation_seqs, generation_tokens = self.global_counts([len(everything), self.loss_tokens(everything)])
         sums: dict[str, float] = {}
-        for _ in range(hp.num_iterations):  # GRPO's mu: the same mini-batches, old log-probs fixed above
+        for _ in range(hp.num_iterations):
             for minibatch in minibatches:
                 sums = self.optimizer_step_on(minibatch, generation_tokens, generation_seqs, sums)
+        # 4. metrics: global values under data parallelism; "loss" is each rank's share, so it adds up
         n = len(minibatches) * hp.num_iterations
         metrics.update({key: value / n for key, value in sums.items()})
-        # global values under data parallelism; "loss" is each rank's share of the global loss, so it adds up
         metrics = reduce_metrics(metrics, samples_per_rank=len(everything), sum_keys={"loss"})
         self.num_tokens += metrics.pop("num_prompt_tokens") + metrics.pop("num_completion_tokens")
         metrics["num_tokens"] = self.num_tokens
@@ -285,6 +295,7 @@ class GRPOModule(L.LightningModule):
         metrics["step_time"] = time.perf_counter() - start
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(everything))
         self.last_metrics = metrics
+        self.last_rollout = rollout
 
     def optimizer_step_on(self, minibatch: list[Experience], generation_tokens: int, generation_seqs: int, sums: dict) -> dict:
         """One optimizer step over ``minibatch``, accumulated over micro-batches; adds its metrics to ``sums``."""
@@ -345,7 +356,7 @@ class GRPOModule(L.LightningModule):
         opt.step()
         sched.step()
         self.policy_version += 1
-        self.trainer.datamodule.backend.sync_weights()
+        self.experience.sync_weights()
         step["grad_norm"] = float(grad_norm)
         for key, value in step.items():
             sums[key] = sums.get(key, 0.0) + value
@@ -378,8 +389,8 @@ class GRPOModule(L.LightningModule):
         opt.zero_grad(set_to_none=True)
         self.skipped_steps += 1
         self.consecutive_skips += 1
-        print(f"[rlflow] step {self.global_step}: non-finite loss or gradient, optimizer step skipped "
-              f"({self.consecutive_skips} in a row, {self.skipped_steps} in all)")
+        info(f"step {self.global_step}: non-finite loss or gradient, optimizer step skipped "
+             f"({self.consecutive_skips} in a row, {self.skipped_steps} in all)")
         if self.consecutive_skips >= self.hparams.max_consecutive_skipped_steps:
             raise NonFiniteLossError(
                 f"{self.consecutive_skips} optimizer steps in a row had a NaN or infinite loss or gradient "
@@ -388,22 +399,22 @@ class GRPOModule(L.LightningModule):
             )
 
     # ---------------------------------------------------------------------------------------- evaluation
-    def validation_step(self, batch: list, batch_idx: int) -> None:
-        dm = self.trainer.datamodule
-        seed = eval_seed(dm.seed, self.global_step, batch_idx)
-        with full_weights(self.policy if getattr(dm.backend, "reads_policy_weights", True) else None):
-            out = dm.evaluate_batch(batch, seed=seed)
-        self.evaluator.add(out["data_sources"], out["correct"], out["rewards"], out["lengths"])
-
     def on_validation_epoch_start(self) -> None:
-        self.evaluator = EvalAccumulator(self.trainer.datamodule.eval_k)
+        self.eval_metrics = EvalMetrics(self.experience.eval_k, self.experience.eval_data_sources).to(self.device)
+
+    def validation_step(self, batch: list, batch_idx: int) -> None:
+        with full_weights(self.policy if self.experience.reads_policy_weights else None):
+            out = self.experience.evaluate(batch, step=self.global_step, batch_idx=batch_idx)
+        self.eval_metrics.update(out["data_sources"], out["correct"], out["rewards"], out["lengths"])
 
     def on_validation_epoch_end(self) -> None:
-        """Log ``eval/accuracy``, ``eval/pass@k`` and the rest, overall and per ``data_source`` (rlflow.evaluation)."""
-        metrics = self.evaluator.compute()
+        """Log ``eval/accuracy``, ``eval/pass@k`` and the rest, overall and per ``data_source``, over every rank's
+        prompts (:class:`rlflow.evaluation.EvalMetrics` gathers them)."""
+        metrics = self.eval_metrics.compute() if self.eval_metrics.update_count else {}
         if metrics:
-            self.log("eval/accuracy", metrics.pop("eval/accuracy"), on_epoch=True, prog_bar=True)
-            self.log_dict(metrics, on_epoch=True)
+            self.log("eval/accuracy", metrics.pop("eval/accuracy"), on_epoch=True, prog_bar=True, rank_zero_only=True)
+            self.log_dict(metrics, on_epoch=True, rank_zero_only=True)
+        self.eval_metrics.reset()
 
     # --------------------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -428,9 +439,9 @@ class GRPOModule(L.LightningModule):
             rank = self.trainer.global_rank
             if len(states) == self.trainer.world_size:
                 restore_rng_state(states[rank])
-            elif rank == 0:
-                print(f"[rlflow] the checkpoint holds RNG states of {len(states)} rank(s), this run has "
-                      f"{self.trainer.world_size}: sampling continues from a fresh seed, not bit-exactly")
+            else:
+                info(f"the checkpoint holds RNG states of {len(states)} rank(s), this run has "
+                     f"{self.trainer.world_size}: sampling continues from a fresh seed, not bit-exactly")
 
     def on_fit_end(self) -> None:
         if not self.hparams.export_hf:
@@ -444,6 +455,6 @@ class GRPOModule(L.LightningModule):
         """Write the policy (or ``state_dict``, its gathered full weights) and tokenizer with ``save_pretrained``."""
         out_dir.mkdir(parents=True, exist_ok=True)
         self.policy.save_pretrained(out_dir, state_dict=state_dict)
-        self.trainer.datamodule.load_tokenizer().save_pretrained(out_dir)
-        print(f"[rlflow] exported the policy to {out_dir}")
+        self.experience.tokenizer.save_pretrained(out_dir)
+        info(f"exported the policy to {out_dir}")
         return out_dir

@@ -30,7 +30,7 @@ class SeededGroupRollout(HFRollout):
     """``hf`` generation one group at a time, the torch RNG seeded from the prompt's tokens: the same samples
     whichever rank a prompt lands on."""
 
-    def generate(self, prompts, params, n=1):
+    def generate(self, prompts, params, n=1, progress=None):
         out = []
         for prompt in prompts:
             torch.manual_seed(zlib.crc32(repr(prompt).encode()))

@@ -47,7 +47,7 @@ def rlflow_worker(args) -> dict:
             f"--model.micro_batch_size={args.micro_batch}", "--model.export_hf=false",
             f"--data.train_data_path={args.data}", f"--data.prompt_repeat_k={args.group}",
             f"--data.global_batch_size={args.prompts}", f"--data.max_tokens={args.max_tokens}",
-            "--data.log_trajectories=false", "--trainer.accelerator=cpu", "--trainer.devices=1",
+            "--trajectories.enabled=false", "--trainer.accelerator=cpu", "--trainer.devices=1",
             f"--trainer.max_steps={args.steps}", f"--trainer.default_root_dir={root}",
             "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={root}",
             "--trainer.enable_progress_bar=false",

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
-from rlflow.rollout.base import Completion, RolloutBackend, SamplingParams
+from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams
 from rlflow.rollout.fused import FusedDecoder
 
 ATTENTION_NAME = "rlflow_shared_prefix"
@@ -322,6 +322,8 @@ def sample_tokens(
 class EngineRollout(RolloutBackend):
     """Rollout with a shared prompt cache per group and continuous batching on the live policy (faster than ``hf``)."""
 
+    streams = True  # groups are yielded as they finish, so judging overlaps generation
+
     def __init__(self, max_batch_size: int = 256, prefill_batch_size: int = 16, seed: int | None = None,
                  fused: bool = True, min_shared_prefix: int = 16) -> None:
         """
@@ -466,8 +468,10 @@ class EngineRollout(RolloutBackend):
         return logits
 
     @torch.no_grad()
-    def stream(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Iterator[tuple[int, list[Completion]]]:
-        """Yield ``(prompt_index, its n completions)`` as each group finishes (in finishing order)."""
+    def stream(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
+               progress: Progress | None = None) -> Iterator[tuple[int, list[Completion]]]:
+        """Yield ``(prompt_index, its n completions)`` as each group finishes (in finishing order); ``progress``
+        is called per finished group."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         for i, p in enumerate(prompts):
@@ -517,7 +521,10 @@ class EngineRollout(RolloutBackend):
                     done[row.prompt].append((row.sample, Completion(row.tokens, row.logprobs, reason)))
                 if finished:
                     for prompt in [p for p, group in done.items() if len(group) == n]:
-                        yield prompt, [c for _, c in sorted(done.pop(prompt), key=lambda sc: sc[0])]
+                        group = [c for _, c in sorted(done.pop(prompt), key=lambda sc: sc[0])]
+                        if progress is not None:
+                            progress(len(group), sum(len(c.token_ids) for c in group))
+                        yield prompt, group
                 # compact by whole groups (the rows of a group whose completions are all done): the batch stays
                 # whole groups in order, so attention needs no scatter; and lazily, since dropping rows copies
                 # the caches: when a quarter of the rows are done groups' or room is needed
@@ -551,11 +558,10 @@ class EngineRollout(RolloutBackend):
                 finished.add(offset + j)
         return finished
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1, progress: Any = None) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
+                 progress: Progress | None = None) -> list[list[Completion]]:
         """``n`` completions per prompt in prompt order; ``progress(completions, tokens)`` is called per finished group."""
         groups: list[list[Completion] | None] = [None] * len(prompts)
-        for i, group in self.stream(prompts, params, n):
+        for i, group in self.stream(prompts, params, n, progress=progress):
             groups[i] = group
-            if progress is not None:
-                progress(len(group), sum(len(c.token_ids) for c in group))
         return groups  # type: ignore[return-value]
