@@ -30,6 +30,7 @@ from rlflow.evaluation import EvalMetrics
 from rlflow.log import info
 from rlflow.logprobs import completion_logprobs
 from rlflow.losses.base import LossContext, masked_mean
+from rlflow.optim import UpdateFraction, build_lr_scheduler, build_optimizer, check_optimizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -63,6 +64,7 @@ class GRPOModule(L.LightningModule):
         self,
         model_path: str,
         lr: float = 1e-6,
+        optimizer: str = "adamw",
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         warmup_steps: int = 0,
@@ -95,10 +97,15 @@ class GRPOModule(L.LightningModule):
         Args:
             model_path: Policy to train: a local Hugging Face model directory (or a hub id where the hub is reachable).
             lr: Peak learning rate of AdamW.
+            optimizer: ``adamw`` (torch; for float32 parameters), or for bfloat16 parameters ``adamw_bf16_sr``
+                (torchao, stochastic rounding) or ``adamw_kahan`` (torch-optimi, Kahan summation), which keep
+                updates far below bf16 resolution; the latter two need ``pip install 'rlflow[precision]'``.
             weight_decay: AdamW weight decay.
             betas: AdamW betas.
-            warmup_steps: Optimizer steps of linear warm-up from 0 to ``lr``.
-            lr_schedule: After warm-up: ``constant``, ``linear`` (to 0 at the last step) or ``cosine``.
+            warmup_steps: Optimizer steps of linear warm-up to ``lr`` (step ``i`` at ``lr * (i + 1) / warmup_steps``).
+            lr_schedule: After warm-up: ``constant``, ``linear`` (to 0 at the end) or ``cosine``; the
+                schedule spans ``trainer.estimated_stepping_batches x optimizer_steps x num_iterations``
+                optimizer steps (torch's ``LinearLR``/``CosineAnnealingLR``).
             max_grad_norm: Gradient clipping by global norm; None disables it.
             loss: Policy loss: a short name of the ``rlflow.losses`` group or ``class_path``/``init_args``.
             epsilon_low: Lower clip range of the importance ratio (``1 - epsilon_low``).
@@ -115,7 +122,10 @@ class GRPOModule(L.LightningModule):
             micro_batch_size: Sequences per forward/backward pass; gradients accumulate over a mini-batch.
             temperature: Temperature the log-probs are computed at; linked to ``data.temperature``.
             max_tokens: Most completion tokens; linked to ``data.max_tokens`` (used by normalisers such as Dr. GRPO's).
-            dtype: Parameter dtype: ``float32``, ``bfloat16`` or ``float16``.
+            dtype: Parameter dtype: ``float32``, ``bfloat16`` or ``float16``. Keep ``float32`` (master weights) and
+                get bf16 compute from ``trainer.precision: bf16-mixed`` or FSDP2's ``param_dtype``; with
+                ``bfloat16`` use ``optimizer: adamw_kahan``/``adamw_bf16_sr`` (``optim/update_fraction`` shows
+                the share of weights each step changed).
             attn_implementation: transformers attention implementation (``sdpa``, ``eager``, ``flash_attention_2``...).
             gradient_checkpointing: Recompute activations in the backward pass to save memory.
             logprob_chunk_size: Positions per chunk when turning hidden states into log-probs (bounds the logits memory).
@@ -134,6 +144,7 @@ class GRPOModule(L.LightningModule):
             raise ValueError(f"model.pack_max_length must be >= 1, got {pack_max_length}")
         if lr_schedule not in ("constant", "linear", "cosine"):
             raise ValueError(f"model.lr_schedule must be constant, linear or cosine, got {lr_schedule!r}")
+        check_optimizer(optimizer)
         self.loss_fn = registry.build(
             "rlflow.losses", loss, epsilon_low=epsilon_low, epsilon_high=epsilon_high, kl_coef=kl_coef,
             kl_type=kl_type, max_tokens=max_tokens,
@@ -197,19 +208,12 @@ class GRPOModule(L.LightningModule):
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
-        total = max(int(self.trainer.estimated_stepping_batches), 1) if self.trainer is not None else 1
-        warmup = hp.warmup_steps
-
-        def factor(step: int) -> float:
-            if warmup and step < warmup:
-                return (step + 1) / warmup
-            if hp.lr_schedule == "constant":
-                return 1.0
-            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-            return 1.0 - progress if hp.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        optimizer = build_optimizer(hp.get("optimizer", "adamw"), params, hp.lr, hp.betas, hp.weight_decay)
+        # the trainer counts rollout steps (training_step calls); the schedule counts optimizer steps
+        rollout_steps = max(int(self.trainer.estimated_stepping_batches), 1) if self._trainer is not None else 1
+        total = rollout_steps * hp.optimizer_steps * hp.num_iterations
+        scheduler = build_lr_scheduler(optimizer, hp.lr_schedule, hp.warmup_steps, total)
+        self.update_fraction = UpdateFraction(params, hp.get("optimizer", "adamw"))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------------------------------ log-probs
@@ -291,7 +295,7 @@ class GRPOModule(L.LightningModule):
         self.num_tokens += metrics.pop("num_prompt_tokens") + metrics.pop("num_completion_tokens")
         metrics["num_tokens"] = self.num_tokens
         metrics["train/skipped_steps"] = float(self.skipped_steps)
-        metrics["lr"] = self.optimizers().param_groups[0]["lr"]
+        metrics["lr"] = float(self.optimizers().param_groups[0]["lr"])  # a tensor in torchao's optimizers
         metrics["step_time"] = time.perf_counter() - start
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(everything))
         self.last_metrics = metrics
@@ -353,8 +357,12 @@ class GRPOModule(L.LightningModule):
             self.skip_step(opt)
             return sums
         self.consecutive_skips = 0
+        self.update_fraction.before_step()
         opt.step()
         sched.step()
+        fraction = self.update_fraction.after_step(self.policy_version)
+        if fraction is not None:
+            step["optim/update_fraction"] = fraction
         self.policy_version += 1
         self.experience.sync_weights()
         step["grad_norm"] = float(grad_norm)
