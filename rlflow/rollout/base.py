@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from rlflow.config_error import ConfigError
+
 
 @dataclass
 class SamplingParams:
@@ -24,13 +26,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
     @property
     def greedy(self) -> bool:
