@@ -4,6 +4,11 @@ One ``training_step`` is one rollout step: ask the datamodule for fresh experien
 weights, compute old and reference log-probs where they are needed, then take ``optimizer_steps`` optimizer
 steps over shuffled mini-batches, each accumulated over micro-batches (manual optimization). Metrics use
 TRL's names so dashboards compare.
+
+The loss owns its hyper-parameters (``model.loss.init_args``). ``model.epsilon_low``, ``epsilon_high``,
+``kl_coef`` and ``kl_type`` are shortcuts into them: None (the default) leaves the loss's value, a value is
+given to the loss, and a loss whose own setting differs is one :class:`~rlflow.config_error.ConfigError`
+naming both keys. A reference model is loaded iff the loss that results has ``kl_coef > 0``.
 """
 
 from __future__ import annotations
@@ -18,43 +23,77 @@ import torch
 
 from rlflow import registry
 from rlflow.checkpointing import gather_rng_states, restore_rng_state
+from rlflow.config_checks import ConfigError, check_model_args
+from rlflow.correction import RolloutCorrection
 from rlflow.data.experience import Experience, collate
 from rlflow.data.packing import collate_packed, pack_experiences, packed_completion_logprobs, varlen_supported
 from rlflow.distributed import (
-    FSDP2Strategy, all_true, data_parallel_mesh, full_tensor, full_weights, gather_full_state_dict, is_sharded,
-    reduce_metrics, shard_model, sharded_completion_logprobs, world_size,
+    FSDP2Strategy,
+    all_true,
+    data_parallel_mesh,
+    full_tensor,
+    full_weights,
+    gather_full_state_dict,
+    is_sharded,
+    reduce_metrics,
+    shard_model,
+    sharded_completion_logprobs,
+    world_size,
 )
-from rlflow.correction import RolloutCorrection
 from rlflow.data.protocol import ExperienceSource
 from rlflow.evaluation import EvalMetrics
 from rlflow.log import info
 from rlflow.logprobs import completion_logprobs
-from rlflow.losses.base import LossContext, masked_mean
+from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
+from rlflow.model_path import check_model_path
 from rlflow.optim import UpdateFraction, build_lr_scheduler, build_optimizer, check_optimizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``model.*`` settings that are shortcuts into the loss's own init_args of the same name.
+LOSS_SETTINGS = ("epsilon_low", "epsilon_high", "kl_coef", "kl_type")
+_MISSING = object()
 
 
 class NonFiniteLossError(RuntimeError):
     """Too many optimizer steps in a row had a NaN or infinite loss or gradient."""
 
 
-def load_causal_lm(path: str, dtype: str = "float32", attn_implementation: str | None = None) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_pretrained`` with a clear message for a path that does not exist."""
+def load_causal_lm(
+    path: str, dtype: str = "float32", attn_implementation: str | None = None, key: str = "model.model_path"
+) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` with a fast, clear error (naming ``key``) for a path that is
+    neither on disk nor loadable from the hub (see :mod:`rlflow.model_path`)."""
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
-        raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_model_path(path, key)
     local = Path(path).expanduser()
-    if not local.exists() and (path.startswith((".", "/", "~")) or path.count("/") != 1):
-        raise FileNotFoundError(
-            f"model.model_path {path!r} does not exist; build the demo model with "
-            "'python tools/make_tiny_model.py --out checkpoints/tiny-qwen3' or point it at a Hugging Face model directory"
-        )
     kwargs: dict[str, Any] = {"dtype": DTYPES[dtype]}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     return AutoModelForCausalLM.from_pretrained(str(local) if local.exists() else path, **kwargs)
+
+
+def build_loss(loss: Any, settings: dict[str, Any], max_tokens: int) -> Any:
+    """The loss object, with the ``model.*`` shortcut ``settings`` (None: not set) applied; see the module docstring.
+
+    A name or mapping is built with the settings as defaults of what its config leaves unset; an object (what
+    jsonargparse instantiates from ``class_path``/``init_args``, after ``rlflow.cli`` applied the settings) is
+    then checked: each set setting must equal the loss's own value, else one ConfigError naming both keys.
+    """
+    given = {key: value for key, value in settings.items() if value is not None}
+    loss_fn = registry.build("rlflow.losses", loss, **given, max_tokens=max_tokens)
+    for key, value in given.items():
+        have = getattr(loss_fn, key, _MISSING)
+        if have is _MISSING:
+            raise ConfigError(f"model.{key}={value!r} does not apply: the loss {type(loss_fn).__name__} has no {key}")
+        if have != value:
+            raise ConfigError(
+                f"model.{key}={value!r} conflicts with the loss's own {key}={have!r} (model.loss.init_args.{key}); "
+                f"set it in one place, preferably model.loss.init_args.{key}"
+            )
+    return loss_fn
 
 
 class GRPOModule(L.LightningModule):
@@ -70,11 +109,11 @@ class GRPOModule(L.LightningModule):
         warmup_steps: int = 0,
         lr_schedule: str = "constant",
         max_grad_norm: float | None = 1.0,
-        loss: Any = "bnpo",
-        epsilon_low: float = 0.2,
-        epsilon_high: float = 0.2,
-        kl_coef: float = 0.0,
-        kl_type: str = "k3",
+        loss: str | PolicyLoss = "bnpo",
+        epsilon_low: float | None = None,
+        epsilon_high: float | None = None,
+        kl_coef: float | None = None,
+        kl_type: str | None = None,
         ref_model_path: str | None = None,
         rollout_is: str | None = None,
         rollout_is_cap: float = 2.0,
@@ -107,18 +146,25 @@ class GRPOModule(L.LightningModule):
                 schedule spans ``trainer.estimated_stepping_batches x optimizer_steps x num_iterations``
                 optimizer steps (torch's ``LinearLR``/``CosineAnnealingLR``).
             max_grad_norm: Gradient clipping by global norm; None disables it.
-            loss: Policy loss: a short name of the ``rlflow.losses`` group or ``class_path``/``init_args``.
-            epsilon_low: Lower clip range of the importance ratio (``1 - epsilon_low``).
-            epsilon_high: Upper clip range of the importance ratio (``1 + epsilon_high``; DAPO's clip-higher uses 0.28).
-            kl_coef: Weight of the KL penalty to the reference model; 0 loads no reference model.
-            kl_type: KL estimator: ``k1``, ``k2``, ``k3`` (``low_var_kl``) or ``abs``.
+            loss: Policy loss: a short name of the ``rlflow.losses`` group (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``,
+                ``gspo``, ``cispo``, ``sapo``, or a plugin's), an import path, or ``class_path``/``init_args``
+                (``--model.loss.help grpo`` lists a loss's options). The loss owns its hyper-parameters.
+            epsilon_low: Shortcut for the loss's ``epsilon_low`` (lower clip range, ``1 - epsilon_low``); None keeps the
+                loss's own (0.2); setting both to different values is an error.
+            epsilon_high: Shortcut for the loss's ``epsilon_high`` (upper clip range, ``1 + epsilon_high``; DAPO's
+                clip-higher uses 0.28); None keeps the loss's own (``epsilon_low``).
+            kl_coef: Shortcut for the loss's ``kl_coef``, the weight of the KL penalty to the reference model; None
+                keeps the loss's own (0). A reference model is loaded iff the loss's ``kl_coef`` is > 0.
+            kl_type: Shortcut for the loss's ``kl_type``, the KL estimator: ``k1``, ``k2``, ``k3`` (``low_var_kl``) or
+                ``abs``; None keeps the loss's own (``k3``).
             ref_model_path: Reference model; defaults to ``model_path``.
             rollout_is: Rollout/training mismatch correction from the rollout engine's log-probs: ``token_truncate``,
                 ``sequence_truncate`` (TIS), ``token_mask``, ``sequence_mask`` (MIS); None disables it.
             rollout_is_cap: Upper bound of the rollout importance ratio (truncated to it, or masked above it).
             rollout_is_min: MIS only: also mask rollout importance ratios below this.
             optimizer_steps: Optimizer steps (mini-batches) per rollout step.
-            num_iterations: Passes over the rollout's mini-batches (GRPO's mu); old log-probs are computed once before them.
+            num_iterations: Passes over the rollout's mini-batches (GRPO's mu); old log-probs are computed once before
+                them.
             micro_batch_size: Sequences per forward/backward pass; gradients accumulate over a mini-batch.
             temperature: Temperature the log-probs are computed at; linked to ``data.temperature``.
             max_tokens: Most completion tokens; linked to ``data.max_tokens`` (used by normalisers such as Dr. GRPO's).
@@ -128,27 +174,26 @@ class GRPOModule(L.LightningModule):
                 the share of weights each step changed).
             attn_implementation: transformers attention implementation (``sdpa``, ``eager``, ``flash_attention_2``...).
             gradient_checkpointing: Recompute activations in the backward pass to save memory.
-            logprob_chunk_size: Positions per chunk when turning hidden states into log-probs (bounds the logits memory).
+            logprob_chunk_size: Positions per chunk when turning hidden states into log-probs (bounds the logits
+                memory).
             packing: Padding-free training: pack prompt + completion sequences end to end into micro-batches of at most
                 ``pack_max_length`` tokens (attention kept per sequence); replaces ``micro_batch_size``.
             pack_max_length: Token budget of one packed micro-batch (a longer single sequence gets its own).
-            max_consecutive_skipped_steps: Stop the run after this many optimizer steps in a row with a NaN/inf loss or gradient.
-            export_hf: At the end of ``fit``, write the policy and tokenizer with ``save_pretrained`` to ``<log_dir>/hf``.
+            max_consecutive_skipped_steps: Stop the run after this many optimizer steps in a row with a NaN/inf loss
+                or gradient.
+            export_hf: At the end of ``fit``, write the policy and tokenizer with ``save_pretrained`` to
+                ``<log_dir>/hf``.
         """
+        check_model_args(locals())
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
-        if optimizer_steps < 1 or micro_batch_size < 1 or num_iterations < 1:
-            raise ValueError("model.optimizer_steps, model.num_iterations and model.micro_batch_size must be >= 1")
-        if packing and pack_max_length < 1:
-            raise ValueError(f"model.pack_max_length must be >= 1, got {pack_max_length}")
-        if lr_schedule not in ("constant", "linear", "cosine"):
-            raise ValueError(f"model.lr_schedule must be constant, linear or cosine, got {lr_schedule!r}")
         check_optimizer(optimizer)
-        self.loss_fn = registry.build(
-            "rlflow.losses", loss, epsilon_low=epsilon_low, epsilon_high=epsilon_high, kl_coef=kl_coef,
-            kl_type=kl_type, max_tokens=max_tokens,
-        )
+        check_model_path(model_path, "model.model_path")  # before anything slow: a wrong path fails in a second
+        if ref_model_path is not None:
+            check_model_path(ref_model_path, "model.ref_model_path")
+        settings = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high, "kl_coef": kl_coef, "kl_type": kl_type}
+        self.loss_fn = build_loss(loss, settings, max_tokens)
         self.correction = RolloutCorrection(rollout_is, rollout_is_cap, rollout_is_min) if rollout_is else None
         self.policy: torch.nn.Module | None = None
         self.policy_version = 0  # optimizer steps taken: the version of the weights that sample next
@@ -158,6 +203,11 @@ class GRPOModule(L.LightningModule):
         self.trained_versions: list[tuple[int, int]] = []  # (policy_version at the update, versions sampled)
 
     # --------------------------------------------------------------------------------------------- models
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the loss has a KL term, so a frozen reference is loaded (its ``kl_coef`` is the one switch)."""
+        return float(getattr(self.loss_fn, "kl_coef", 0.0) or 0.0) > 0.0
+
     @property
     def ref_model(self) -> torch.nn.Module | None:
         """The frozen reference, kept out of ``state_dict`` (it never changes, so checkpoints need not hold it)."""
@@ -172,8 +222,9 @@ class GRPOModule(L.LightningModule):
         if hp.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
             self.policy.config.use_cache = False
-        if hp.kl_coef > 0.0:
-            ref = load_causal_lm(hp.ref_model_path or hp.model_path, hp.dtype, hp.attn_implementation)
+        if self.uses_reference:
+            key = "model.ref_model_path" if hp.ref_model_path else "model.model_path"
+            ref = load_causal_lm(hp.ref_model_path or hp.model_path, hp.dtype, hp.attn_implementation, key)
             ref.eval().requires_grad_(False)
             self.__dict__["_ref_model"] = ref
         self.shard_models()
@@ -184,7 +235,7 @@ class GRPOModule(L.LightningModule):
         return self._trainer is not None and is_sharded(self.trainer.strategy)
 
     def shard_models(self) -> None:
-        """Under ``trainer.strategy=fsdp``: ``fully_shard`` the policy and the reference, layer by layer, then the root."""
+        """Under ``trainer.strategy=fsdp``: ``fully_shard`` the policy and the reference, layer by layer, then root."""
         if not self.sharded:
             return
         strategy = self.trainer.strategy
@@ -220,11 +271,14 @@ class GRPOModule(L.LightningModule):
     def micro_batches(self, experiences: list[Experience]) -> list[list[Experience]]:
         """Split into micro-batches: token-budget packs with ``packing``, else ``micro_batch_size`` sequences."""
         if self.hparams.get("packing"):
-            return pack_experiences(experiences, self.hparams.pack_max_length, share_prompts=varlen_supported(self.policy))
+            share = varlen_supported(self.policy)
+            return pack_experiences(experiences, self.hparams.pack_max_length, share_prompts=share)
         mb = self.hparams.micro_batch_size
         return [experiences[start: start + mb] for start in range(0, len(experiences), mb)]
 
-    def logprobs_of(self, model: torch.nn.Module, experiences: list[Experience]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def logprobs_of(
+        self, model: torch.nn.Module, experiences: list[Experience]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
         if self.hparams.get("packing"):
             if self.sharded:
                 raise ValueError("model.packing is not supported with FSDP2 sharding yet; set model.packing=false")
@@ -301,7 +355,9 @@ class GRPOModule(L.LightningModule):
         self.last_metrics = metrics
         self.last_rollout = rollout
 
-    def optimizer_step_on(self, minibatch: list[Experience], generation_tokens: int, generation_seqs: int, sums: dict) -> dict:
+    def optimizer_step_on(
+        self, minibatch: list[Experience], generation_tokens: int, generation_seqs: int, sums: dict
+    ) -> dict:
         """One optimizer step over ``minibatch``, accumulated over micro-batches; adds its metrics to ``sums``."""
         hp = self.hparams
         opt = self.optimizers()
@@ -379,7 +435,8 @@ class GRPOModule(L.LightningModule):
         """``values`` summed over ranks: the batch sizes the loss normalisers divide by."""
         if self.trainer is None or self.trainer.world_size == 1:
             return [int(v) for v in values]
-        summed = self.trainer.strategy.reduce(torch.tensor(values, dtype=torch.long, device=self.device), reduce_op="sum")
+        counts = torch.tensor(values, dtype=torch.long, device=self.device)
+        summed = self.trainer.strategy.reduce(counts, reduce_op="sum")
         return [int(v) for v in summed.tolist()]
 
     def clip_gradients_and_norm(self, max_norm: float | None) -> torch.Tensor:

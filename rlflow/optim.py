@@ -35,6 +35,8 @@ from collections.abc import Iterable
 import torch
 from torch.optim import lr_scheduler
 
+from rlflow.config_error import ConfigError
+
 #: ``model.optimizer`` values -> (module, pip package) they need, ``None`` for torch's own.
 OPTIMIZERS: dict[str, tuple[str, str] | None] = {
     "adamw": None,
@@ -52,10 +54,10 @@ class LostUpdatesWarning(UserWarning):
 def check_optimizer(name: str) -> None:
     """Refuse an unknown ``model.optimizer``, or one whose package is missing, before any model is loaded."""
     if name not in OPTIMIZERS:
-        raise ValueError(f"model.optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+        raise ConfigError(f"model.optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
     need = OPTIMIZERS[name]
     if need is not None and importlib.util.find_spec(need[0]) is None:
-        raise ImportError(f"model.optimizer={name} needs the {need[1]} package: pip install 'rlflow[precision]' "
+        raise ConfigError(f"model.optimizer={name} needs the {need[1]} package: pip install 'rlflow[precision]' "
                           f"(or pip install {need[1]})")
 
 
@@ -80,7 +82,7 @@ def build_lr_scheduler(
     ``linear`` (``1 - progress``) or ``cosine`` (``0.5 * (1 + cos(pi * progress))``), ``progress`` going from 0
     after warm-up to 1 at ``total_steps`` (and staying there); ``step`` counts optimizer steps from 0."""
     if schedule not in SCHEDULES:
-        raise ValueError(f"model.lr_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        raise ConfigError(f"model.lr_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     decay = max(total_steps - warmup_steps, 1)
     schedulers: list[lr_scheduler.LRScheduler] = []
     milestones: list[int] = []

@@ -308,7 +308,7 @@ def test_lmdeploy_recipe_config_resolves(tiny_model):
     strategy = cfg["trainer"]["strategy"]
     assert strategy["class_path"] == "rlflow.distributed.FSDP2Strategy"
     assert (strategy["init_args"]["param_dtype"], strategy["init_args"]["reduce_dtype"]) == ("bfloat16", "float32")
-    assert cfg["trainer"]["devices"] == 8 and cfg["data"]["rollout"]["class_path"] == "lmdeploy"
+    assert cfg["trainer"]["devices"] == 8 and cfg["data"]["rollout"]["class_path"] == "rlflow.rollout.lmdeploy.LMDeployRollout"
     m, d = cfg["model"], cfg["data"]
     assert (d["prompt_repeat_k"], m["lr"], m["epsilon_low"], m["epsilon_high"], m["kl_coef"], m["kl_type"]) == \
         (5, 1e-6, 0.2, 0.28, 0.001, "low_var_kl")

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from conftest import fit_args
+from rlflow.config_error import ConfigError
 from rlflow.optim import LostUpdatesWarning, UpdateFraction, build_optimizer, check_optimizer
 
 HAVE = {"adamw": True, "adamw_kahan": importlib.util.find_spec("optimi") is not None,
@@ -85,15 +86,15 @@ def test_bf16_optimizers_track_a_float32_adamw_run(name):
 
 
 def test_unknown_or_missing_optimizer_is_one_clear_error(monkeypatch):
-    with pytest.raises(ValueError, match="adamw, adamw_bf16_sr, adamw_kahan"):
+    with pytest.raises(ConfigError, match="adamw, adamw_bf16_sr, adamw_kahan"):
         check_optimizer("sgd")
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optimi" else real(name, *a))
-    with pytest.raises(ImportError, match=r"pip install 'rlflow\[precision\]' \(or pip install torch-optimi\)"):
+    with pytest.raises(ConfigError, match=r"pip install 'rlflow\[precision\]' \(or pip install torch-optimi\)"):
         check_optimizer("adamw_kahan")
     from rlflow.module import GRPOModule
 
-    with pytest.raises(ImportError, match="torch-optimi"):
+    with pytest.raises(ConfigError, match="torch-optimi"):
         GRPOModule(model_path="unused", optimizer="adamw_kahan")
 
 

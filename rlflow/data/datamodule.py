@@ -32,7 +32,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from rlflow import registry
-from rlflow.advantages.base import estimate_global
+from rlflow.advantages.base import AdvantageEstimator, estimate_global
+from rlflow.config_checks import check_data_args
 from rlflow.data.dataset import PromptRecord
 from rlflow.data.dynamic_sampling import DynamicSampling, Groups
 from rlflow.data.experience import Experience, RolloutStep
@@ -43,6 +44,7 @@ from rlflow.data.rollout_metrics import rollout_metrics
 from rlflow.data.sampler import PromptBatchSampler, PromptLoader
 from rlflow.data.sources import parse_sources, per_source_means
 from rlflow.evaluation import eval_seed, isolated_rng
+from rlflow.judgers.base import Judger
 from rlflow.judgers.overlap import generate_and_judge
 from rlflow.judgers.panel import JudgePanel
 from rlflow.rollout.base import RolloutBackend, SamplingParams, stop_token_ids
@@ -68,13 +70,13 @@ class RolloutDataModule(L.LightningDataModule):
         top_p: float = 1.0,
         top_k: int = 0,
         stop: list[str] | None = None,
-        judgers: dict[str, Any] | None = None,
+        judgers: dict[str, str | Judger | list[str | Judger]] | None = None,
         reward_weights: dict[str, float] | None = None,
         judger_timeout: float | None = 60.0,
-        advantage: Any = "grpo",
+        advantage: str | AdvantageEstimator = "grpo",
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 3,
-        rollout: Any = "hf",
+        rollout: str | RolloutBackend = "hf",
         system_prompt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         prompt_template: str | None = None,
@@ -101,16 +103,20 @@ class RolloutDataModule(L.LightningDataModule):
             top_p: Nucleus sampling threshold (1.0 disables it).
             top_k: Top-k sampling (0 disables it).
             stop: Extra stop strings, each a single token of the tokenizer; the tokenizer's EOS always stops.
-            judgers: Judgers per ``data_source``: a short name, ``class_path``/``init_args``, or a list; ``*`` catches every source.
+            judgers: Judgers per ``data_source``: a short name, an import path (a TRL-style reward function),
+                ``class_path``/``init_args`` (``--data.judgers.help gsm8k`` lists a judger's options), or a list of
+                these; ``*`` catches every source.
             reward_weights: Weight of each judger (by name) in the summed reward; default 1.0.
             judger_timeout: Seconds one judger may take on one batch; past it (or if it raises) its samples get no
                 reward from it and are counted in ``judger/failures``. None waits forever.
-            advantage: Advantage estimator: a short name of the ``rlflow.advantages`` group or ``class_path``/``init_args``.
+            advantage: Advantage estimator: a short name of the ``rlflow.advantages`` group, an import path or
+                ``class_path``/``init_args`` (``--data.advantage.help grpo`` lists its options).
             dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards all agree (no learning signal) and
                 sample more prompts until the batch is full again.
             max_sampling_rounds: With dynamic sampling, most generation rounds per rollout step (the first included);
                 a batch still short after them is topped up with dropped groups (advantage 0).
-            rollout: Rollout backend: a short name of the ``rlflow.rollout`` group or ``class_path``/``init_args``.
+            rollout: Rollout backend: a short name of the ``rlflow.rollout`` group, an import path or
+                ``class_path``/``init_args`` (``--data.rollout.help hf`` lists its options).
             system_prompt: If set, replaces (or adds) the system message of every chat prompt.
             chat_template_kwargs: Extra keyword arguments for the chat template (e.g. ``enable_thinking: false``).
             prompt_template: If set, plain-string prompts become ``prompt_template.format(prompt=..., **columns)``.
@@ -124,6 +130,7 @@ class RolloutDataModule(L.LightningDataModule):
                 thread while the rest of the batch is still generating (same rewards and metrics as judging the
                 whole batch at once); see :mod:`rlflow.judgers.overlap`.
         """
+        check_data_args(locals())  # every invalid value is one ConfigError naming its option
         super().__init__()
         if prompt_repeat_k < 2:
             raise ValueError(

@@ -21,6 +21,8 @@ from typing import Any, Callable, Iterator
 Progress = Callable[[int, int], None]
 """``progress(completions, tokens)``: called as completions finish, with how many and their token count."""
 
+from rlflow.config_error import ConfigError
+
 
 @dataclass
 class SamplingParams:
@@ -34,13 +36,13 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
     @property
     def greedy(self) -> bool:
