@@ -114,7 +114,7 @@ def test_shortcut_settings_and_max_tokens_reach_the_plugin_specs(tiny_model, tin
     loss_fn = cli.model.loss_fn
     assert type(loss_fn).__name__ == "DAPOLoss" and loss_fn.epsilon_high == 0.28 and loss_fn.clip_ratio_c == 3.0
     assert loss_fn.max_tokens == 12 and not cli.model.uses_reference
-    assert cli.datamodule.judger_runner.judgers["overlong"].max_tokens == 12  # from data.max_tokens
+    assert cli.datamodule.judges.default.judgers["overlong"].max_tokens == 12  # from data.max_tokens
     assert cli.datamodule.rollout_spec.batch_size == 2
 
 

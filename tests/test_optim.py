@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import fit_args
+from conftest import ROOT, fit_args
 from rlflow.config_error import ConfigError
 from rlflow.optim import LostUpdatesWarning, UpdateFraction, build_optimizer, check_optimizer
 
@@ -95,7 +95,7 @@ def test_unknown_or_missing_optimizer_is_one_clear_error(monkeypatch):
     from rlflow.module import GRPOModule
 
     with pytest.raises(ConfigError, match="torch-optimi"):
-        GRPOModule(model_path="unused", optimizer="adamw_kahan")
+        GRPOModule(model_path=str(ROOT), optimizer="adamw_kahan")
 
 
 # ---------------------------------------------------------------- (c) the metric against a recomputation
@@ -202,7 +202,7 @@ def test_lr_schedule_spans_the_rollout_steps_optimizer_steps(optimizer_steps, nu
     from rlflow.module import GRPOModule
 
     rollout_steps = 5
-    module = GRPOModule(model_path="unused", lr=2e-3, lr_schedule=schedule, warmup_steps=warmup, optimizer=optimizer,
+    module = GRPOModule(model_path=str(ROOT), lr=2e-3, lr_schedule=schedule, warmup_steps=warmup, optimizer=optimizer,
                         optimizer_steps=optimizer_steps, num_iterations=num_iterations)
     module.policy = torch.nn.Linear(4, 4)
     module._trainer = SimpleNamespace(estimated_stepping_batches=rollout_steps)  # counted in rollout steps

@@ -33,7 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
-from rlflow.judgers.base import completion_text
+from rlflow.judgers.base import Judger, completion_text
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -70,7 +70,7 @@ def missing_local_path(path: str) -> bool:
     return path.startswith((".", "/", "~")) or path.count("/") > 1
 
 
-class RewardModelJudger:
+class RewardModelJudger(Judger):
     """Scores each prompt + completion with ``AutoModelForSequenceClassification`` (``num_labels == 1``).
 
     Args:
