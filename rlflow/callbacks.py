@@ -8,6 +8,11 @@
   time.
 * :class:`SampleTable`: every N steps, a W&B table of sample completions with their prompts, rewards and
   advantages (only for a ``WandbLogger``; the CSV and TensorBoard loggers have ``trajectories.jsonl`` instead).
+* :class:`TrajectoryWriter`: every rollout step's samples appended to ``<log_dir>/trajectories.jsonl`` (one file
+  per rank).
+
+The step's samples and metrics come from the :class:`~rlflow.data.experience.RolloutStep` the module keeps as
+``pl_module.last_rollout``.
 * :class:`LoggerSaveConfigCallback`: LightningCLI's config writer that also sends the full resolved config
   (``rlflow fit --print_config``'s output) to every logger, so a W&B run shows it under *Config*.
 
@@ -17,7 +22,9 @@ samples table shows the first ``num_samples`` samples of rank 0's rollout step.
 
 from __future__ import annotations
 
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -27,6 +34,12 @@ from lightning.pytorch.cli import SaveConfigCallback
 
 SAMPLE_COLUMNS = ["step", "data_source", "prompt", "completion", "ground_truth", "reward", "advantage", "num_tokens",
                   "finish_reason"]
+
+
+def _samples(pl_module: Any) -> list[dict]:
+    """The latest rollout step's sample rows (none before the first step)."""
+    rollout = getattr(pl_module, "last_rollout", None)
+    return rollout.samples if rollout is not None else []
 
 
 def _say(trainer: Any, line: str) -> None:
@@ -121,10 +134,9 @@ class StepSummary(L.Callback):
         self.enabled = enabled
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        dm = trainer.datamodule
         m = getattr(pl_module, "last_metrics", None) or {}
-        samples = getattr(dm, "last_samples", None) or []
-        threshold = getattr(dm, "eval_pass_threshold", 1.0)
+        samples = _samples(pl_module)
+        threshold = getattr(trainer.datamodule, "eval_pass_threshold", 1.0)
         accuracy = sum(s["reward"] >= threshold for s in samples) / len(samples) if samples else float("nan")
         pl_module.log("train/accuracy", accuracy, on_step=True, on_epoch=False, batch_size=max(len(samples), 1))
         if not self.enabled or not trainer.is_global_zero:
@@ -164,7 +176,7 @@ class SampleTable(L.Callback):
             return
         from lightning.pytorch.loggers import WandbLogger
 
-        samples = (getattr(trainer.datamodule, "last_samples", None) or [])[: self.num_samples]
+        samples = _samples(pl_module)[: self.num_samples]
         loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
         if not samples or not loggers:
             return
@@ -172,6 +184,30 @@ class SampleTable(L.Callback):
         rows = [[s.get(c) for c in SAMPLE_COLUMNS] for s in samples]
         for logger in loggers:
             logger.log_table(key="samples", columns=SAMPLE_COLUMNS, data=rows, step=step)
+
+
+class TrajectoryWriter(L.Callback):
+    """Appends every rollout step's samples (prompt, completion, reward, advantage, ...) to
+    ``<log_dir>/trajectories.jsonl`` (rank r > 0 writes ``trajectories.rank<r>.jsonl``)."""
+
+    def __init__(self, enabled: bool = True) -> None:
+        """
+        Args:
+            enabled: Write the file.
+        """
+        self.enabled = enabled
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        rows = _samples(pl_module)
+        log_dir = trainer.log_dir
+        if not self.enabled or not rows or not log_dir:
+            return
+        rank = trainer.global_rank
+        path = Path(log_dir) / ("trajectories.jsonl" if rank == 0 else f"trajectories.rank{rank}.jsonl")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 class LoggerSaveConfigCallback(SaveConfigCallback):

@@ -6,24 +6,37 @@ one). The tokenizer, temperature and completion budget are linked from one place
 
 rlflow adds to Lightning's CLI: ``--checkpoint.*`` (an atomic ``ModelCheckpoint`` writing ``last.ckpt`` every
 step, so ``--ckpt_path last`` resumes after a kill), ``--evaluate_every_n_steps N`` (Lightning's
-``val_check_interval`` counted in rollout steps across epochs), ``--summary.*``, ``--rollout_progress.*`` and
-``--samples.*`` (see :mod:`rlflow.callbacks`), the logger short names ``--trainer.logger wandb|csv|tensorboard``,
-and the full resolved config logged to every logger. Errors a user can fix (bad data, a missing model, a full
-disk, a diverged run) end the command with one ``rlflow: error:`` line instead of a traceback.
+``val_check_interval`` counted in rollout steps across epochs), ``--summary.*``, ``--rollout_progress.*``,
+``--samples.*`` and ``--trajectories.*`` (see :mod:`rlflow.callbacks`), the logger short names ``--trainer.logger
+wandb|csv|tensorboard``, and the full resolved config logged to every logger. Errors a user can fix (an invalid value, bad data, a missing
+model, a full disk, a diverged run) end the command with one ``rlflow: error:`` line instead of a traceback.
+
+Plugin arguments (``model.loss``, ``data.rollout``, ``data.advantage``, ``data.judgers``) are typed, so
+``class_path``/``init_args`` are validated and ``--model.loss.help grpo`` documents a plugin; registry short
+names work as ``class_path`` (see :mod:`rlflow.registry`). Before the classes are instantiated, settings that
+live elsewhere in the config go into the plugins' ``init_args`` where those leave them unset: ``model.kl_coef``,
+``epsilon_low``, ``epsilon_high`` and ``kl_type`` into the loss (a differing explicit value is a config error
+naming both keys), ``data.max_tokens`` into the loss and the judgers that take ``max_tokens``.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from typing import Any
 
+from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
 
-from rlflow.callbacks import LoggerSaveConfigCallback, RolloutProgressBar, SampleTable, StepSummary
+from rlflow import registry
+from rlflow.callbacks import LoggerSaveConfigCallback, RolloutProgressBar, SampleTable, StepSummary, TrajectoryWriter
 from rlflow.checkpointing import CheckpointDiskFullError, RLFlowCheckpoint
+from rlflow.config_checks import check_data_args, check_model_args
+from rlflow.config_error import ConfigError
 from rlflow.data.datamodule import RolloutDataModule
 from rlflow.distributed import resolve_strategy_alias
-from rlflow.module import GRPOModule
+from rlflow.model_path import check_model_path
+from rlflow.module import LOSS_SETTINGS, GRPOModule
 
 TRAINER_DEFAULTS = {
     "log_every_n_steps": 1,
@@ -54,8 +67,68 @@ def expand_logger_aliases(args: list[str]) -> list[str]:
     return out
 
 
+def is_class_spec(value: Any) -> bool:
+    """Whether a parsed config value is a ``class_path``/``init_args`` spec (not a plain string)."""
+    return isinstance(value, Namespace) and isinstance(value.get("class_path"), str)
+
+
+def plugin_specs(value: Any) -> list[Namespace]:
+    """The class specs in a parsed ``data.judgers`` value (a mapping of specs or lists of specs)."""
+    if is_class_spec(value):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [spec for item in value for spec in plugin_specs(item)]
+    if isinstance(value, (dict, Namespace)):
+        return [spec for item in value.values() for spec in plugin_specs(item)]
+    return []
+
+
+def _init_args(spec: Namespace) -> Namespace:
+    if spec.get("init_args") is None:
+        spec["init_args"] = Namespace()
+    return spec["init_args"]
+
+
+def apply_plugin_settings(config: Namespace) -> None:
+    """Put ``model.kl_coef`` & co. and ``data.max_tokens`` into the plugin specs' ``init_args`` (see the module
+    docstring); a conflict between ``model.<key>`` and ``model.loss.init_args.<key>`` is one ConfigError."""
+    model, data = config.get("model"), config.get("data")
+    if model is not None and is_class_spec(model.get("loss")):
+        loss = model["loss"]
+        cls = registry.import_path(loss["class_path"])
+        settings = {key: model.get(key) for key in LOSS_SETTINGS}
+        for key, (given, value) in registry.apply_settings(cls, _init_args(loss), settings).items():
+            raise ConfigError(
+                f"model.{key}={value!r} conflicts with model.loss.init_args.{key}={given!r}; "
+                f"set it in one place, preferably model.loss.init_args.{key}"
+            )
+        # max_tokens only fills an unset value, never conflicts (the trainer passes the budget in LossContext)
+        registry.apply_settings(cls, _init_args(loss), {"max_tokens": model.get("max_tokens")})
+    if data is not None:
+        for spec in plugin_specs(data.get("judgers")):
+            cls = registry.import_path(spec["class_path"])
+            registry.apply_settings(cls, _init_args(spec), {"max_tokens": data.get("max_tokens")})
+
+
+def check_config(config: Namespace) -> None:
+    """The value checks of both classes, before either is instantiated, so each error names the key the user set
+    (``data.max_tokens``, not the ``model.max_tokens`` it is linked to; ``model.model_path``, not the linked
+    ``data.tokenizer_path``). The classes check again when built from Python."""
+    model, data = config.get("model"), config.get("data")
+    if model is not None and isinstance(model.get("model_path"), str):
+        check_model_path(model["model_path"], "model.model_path")
+    if data is not None:
+        check_data_args(data)
+    if model is not None:
+        check_model_args(model)
+
+
 class RLFlowCLI(LightningCLI):
     """LightningCLI with rlflow's argument links and defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        registry.install_jsonargparse_resolver()  # class_path: <registry short name>, see rlflow.registry
+        super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.model_path", "data.tokenizer_path")
@@ -65,6 +138,7 @@ class RLFlowCLI(LightningCLI):
         parser.add_lightning_class_args(StepSummary, "summary")
         parser.add_lightning_class_args(RolloutProgressBar, "rollout_progress")
         parser.add_lightning_class_args(SampleTable, "samples")
+        parser.add_lightning_class_args(TrajectoryWriter, "trajectories")
         parser.add_argument(
             "--evaluate_every_n_steps", type=int | None, default=None,
             help="Evaluate on data.eval_data_path every this many rollout steps (default: once per epoch).",
@@ -83,15 +157,17 @@ class RLFlowCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
+        check_config(config)
+        apply_plugin_settings(config)
         every = config.get("evaluate_every_n_steps")
         trainer = config.get("trainer")
         if trainer is None:
             return
         if every is not None:
             if every < 1:
-                raise ValueError(f"evaluate_every_n_steps must be >= 1, got {every}")
+                raise ConfigError(f"evaluate_every_n_steps must be >= 1, got {every}")
             if not config["data"].get("eval_data_path"):
-                raise ValueError(f"evaluate_every_n_steps={every} needs an eval set: set data.eval_data_path")
+                raise ConfigError(f"evaluate_every_n_steps={every} needs an eval set: set data.eval_data_path")
             trainer["val_check_interval"] = every  # counted in training batches = rollout steps...
             trainer["check_val_every_n_epoch"] = None  # ...across epoch boundaries
         logger = trainer.get("logger")
@@ -143,13 +219,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rlflow.module import NonFiniteLossError
     from rlflow.registry import PluginError
 
-    return (DataError, PluginError, NonFiniteLossError, CheckpointDiskFullError, FileNotFoundError)
+    return (ConfigError, DataError, PluginError, NonFiniteLossError, CheckpointDiskFullError, FileNotFoundError)
 
 
 USER_ERRORS = _user_errors()
-
-
-if __name__ == "__main__":
-    from rlflow.entry import main as entry_main
-
-    sys.exit(entry_main())

@@ -10,16 +10,18 @@ correct), ``eval/reward``, ``eval/mean_length``, and ``eval/<data_source>/<metri
 Evaluation sampling runs under its own seed, on a forked RNG, so evaluating never changes the random stream of
 training: a run with evaluation resumes exactly, and the same weights always get the same score.
 
-Simplifications: every rank evaluates the prompts its eval loader gives it and logs its own result.
+Every rank evaluates the prompts its eval loader gives it; :class:`EvalMetrics` (a torchmetrics ``Metric``)
+gathers the per-prompt counts of every rank before it computes, so the logged figures are the whole eval set's.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
+from torchmetrics import Metric
+from torchmetrics.utilities import dim_zero_cat
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -43,45 +45,61 @@ def isolated_rng(seed: int) -> Iterator[None]:
         yield
 
 
-class EvalAccumulator:
-    """Collects judged eval samples batch by batch and turns them into the ``eval/*`` metrics."""
+class EvalMetrics(Metric):
+    """The ``eval/*`` metrics as a torchmetrics ``Metric``: per-prompt counts, concatenated across ranks on compute.
 
-    def __init__(self, k: int = 1) -> None:
-        """
-        Args:
-            k: Samples per prompt; pass@k is reported when it is above 1.
-        """
+    Each prompt adds its source, its number of samples ``n`` and correct samples ``c``, and the sums of its rewards
+    and lengths; :meth:`compute` gathers every rank's prompts (torchmetrics' ``cat`` reduction), so the metrics are
+    the whole eval set's, not one rank's.
+
+    Args:
+        k: Samples per prompt; pass@k is reported when it is above 1.
+        sources: Every ``data_source`` the eval set holds (the same list on every rank); others count as ``unknown``.
+    """
+
+    full_state_update = False
+
+    def __init__(self, k: int = 1, sources: list[str | None] | None = None) -> None:
+        super().__init__()
         self.k = k
-        self.prompts: list[tuple[str, list[bool], list[float], list[int]]] = []
+        self.sources = sorted({s or "unknown" for s in (sources or [])} | {"unknown"})
+        for name in ("source", "samples", "correct", "reward", "length"):
+            self.add_state(name, default=[], dist_reduce_fx="cat")
 
-    def add(self, data_sources: list[str | None], correct: list[list[bool]], rewards: list[list[float]],
-            lengths: list[list[int]]) -> None:
+    def update(self, data_sources: list[str | None], correct: list[list[bool]], rewards: list[list[float]],
+               lengths: list[list[int]]) -> None:
         """Add one batch: per prompt, its source and the correctness, reward and length of each of its samples."""
+        index = {name: i for i, name in enumerate(self.sources)}
         for source, c, r, n in zip(data_sources, correct, rewards, lengths, strict=True):
-            self.prompts.append((source or "unknown", list(c), list(r), list(n)))
+            self.source.append(torch.tensor([index.get(source or "unknown", index["unknown"])]))
+            self.samples.append(torch.tensor([len(c)], dtype=torch.float64))
+            self.correct.append(torch.tensor([sum(c)], dtype=torch.float64))
+            self.reward.append(torch.tensor([sum(r)], dtype=torch.float64))
+            self.length.append(torch.tensor([sum(n)], dtype=torch.float64))
 
     def compute(self) -> dict[str, float]:
         """``eval/accuracy``, ``eval/pass@k``, ``eval/reward``, ``eval/mean_length``, overall and per source."""
-        groups: dict[str, list] = defaultdict(list)
-        for item in self.prompts:
-            groups[item[0]].append(item)
-        metrics = self._metrics(self.prompts, "eval")
-        if len(groups) > 1 or (groups and next(iter(groups)) != "unknown"):
-            for source, items in sorted(groups.items()):
-                metrics.update(self._metrics(items, f"eval/{source}"))
+        if not self.samples:
+            return {}
+        state = {name: dim_zero_cat(getattr(self, name)) for name in ("source", "samples", "correct", "reward", "length")}
+        metrics = self._metrics(state, torch.ones_like(state["samples"], dtype=torch.bool), "eval")
+        present = sorted(set(state["source"].tolist()))
+        if len(present) > 1 or self.sources[present[0]] != "unknown":
+            for i in present:
+                metrics.update(self._metrics(state, state["source"] == i, f"eval/{self.sources[i]}"))
         return metrics
 
-    def _metrics(self, items: list, prefix: str) -> dict[str, float]:
-        if not items:
-            return {}
-        samples = [(c, r, n) for _, cs, rs, ns in items for c, r, n in zip(cs, rs, ns)]
+    def _metrics(self, state: dict[str, torch.Tensor], rows: torch.Tensor, prefix: str) -> dict[str, float]:
+        n, c = state["samples"][rows], state["correct"][rows]
+        total = n.sum().item()
         out = {
-            f"{prefix}/accuracy": sum(c for c, _, _ in samples) / len(samples),
-            f"{prefix}/reward": sum(r for _, r, _ in samples) / len(samples),
-            f"{prefix}/mean_length": sum(n for _, _, n in samples) / len(samples),
+            f"{prefix}/accuracy": c.sum().item() / total,
+            f"{prefix}/reward": state["reward"][rows].sum().item() / total,
+            f"{prefix}/mean_length": state["length"][rows].sum().item() / total,
         }
         if self.k > 1:
-            out[f"{prefix}/pass@{self.k}"] = sum(pass_at_k(len(cs), sum(cs), self.k) for _, cs, _, _ in items) / len(items)
+            out[f"{prefix}/pass@{self.k}"] = sum(pass_at_k(int(a), int(b), self.k)
+                                                 for a, b in zip(n.tolist(), c.tolist())) / len(n)
         return out
 
 

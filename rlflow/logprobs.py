@@ -4,21 +4,44 @@ The decoder runs once to its last hidden state; the LM head is then applied to `
 time, each chunk's float32 logits turned into the log-prob of the taken token and the entropy and dropped.
 Under autograd each chunk is recomputed in the backward pass, whose gradient is written out by hand (so the
 peak holds about two chunks of logits instead of every position's, and fewer than generic activation
-checkpointing would keep). Simplification: the LM head is applied as the model's output
+checkpointing would keep). Under autocast (``trainer.precision: bf16-mixed``) the LM head's matmul runs in the
+autocast dtype, in forward and in the recomputing backward alike, while the log-softmax, the taken log-prob and
+the entropy are float32. Simplification: the LM head is applied as the model's output
 embedding layer alone, so models with a final logit soft-cap or scale fall back to the model's own logits.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+
+def _autocast_state(device_type: str) -> tuple[bool, torch.dtype] | None:
+    """Whether autocast is on for ``device_type`` and its dtype (None where autocast does not exist)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return None
+    return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def _autocast(device_type: str, state: tuple[bool, torch.dtype] | None):
+    """Re-enter an autocast state recorded by :func:`_autocast_state` (a no-op for None)."""
+    if state is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=state[1], enabled=state[0])
+
+
+def _entropy(p: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
+    """``-sum(p * logp)`` as a batched dot product (no third ``[rows, vocab]`` temporary), in float32 even
+    under autocast (which would run einsum in bf16)."""
+    with _autocast(p.device.type, (False, torch.float32) if _autocast_state(p.device.type) else None):
+        return -torch.einsum("...v,...v->...", p, logp)
 
 
 def _stats_from_logp(logp: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Taken-token log-prob and entropy from log-softmax output, with one more ``[rows, vocab]`` tensor at most."""
     taken = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    # -sum(p * logp) as a batched dot product: no third [rows, vocab] temporary
-    entropy = -torch.einsum("...v,...v->...", logp.exp(), logp)
-    return taken, entropy
+    return taken, _entropy(logp.exp(), logp)
 
 
 def _chunk_stats(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, bias, temperature: float):
@@ -46,10 +69,16 @@ class _ChunkedTokenStats(torch.autograd.Function):
                 for s in range(0, targets.numel(), chunk_size)]
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.autocast = _autocast_state(hidden.device.type)  # backward recomputes the logits under the same state
         return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
+        with _autocast(ctx.saved_tensors[0].device.type, ctx.autocast):
+            return _ChunkedTokenStats._backward(ctx, grad_logp, grad_entropy)
+
+    @staticmethod
+    def _backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         temperature, chunk = ctx.temperature, ctx.chunk_size
@@ -67,7 +96,7 @@ class _ChunkedTokenStats(torch.autograd.Function):
             logp = torch.log_softmax(z, dim=-1)
             del z
             p = logp.exp()
-            entropy = -torch.einsum("...v,...v->...", p, logp)
+            entropy = _entropy(p, logp)
             # grad_z = g_lp * (onehot - p) - g_ent * p * (logp + H), built in place in p's storage
             logp.add_(entropy.unsqueeze(-1)).mul_(g_ent.unsqueeze(-1)).add_(g_lp.unsqueeze(-1))
             grad_z = p.mul_(logp).neg_()

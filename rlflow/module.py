@@ -4,6 +4,11 @@ One ``training_step`` is one rollout step: ask the datamodule for fresh experien
 weights, compute old and reference log-probs where they are needed, then take ``optimizer_steps`` optimizer
 steps over shuffled mini-batches, each accumulated over micro-batches (manual optimization). Metrics use
 TRL's names so dashboards compare.
+
+The loss owns its hyper-parameters (``model.loss.init_args``). ``model.epsilon_low``, ``epsilon_high``,
+``kl_coef`` and ``kl_type`` are shortcuts into them: None (the default) leaves the loss's value, a value is
+given to the loss, and a loss whose own setting differs is one :class:`~rlflow.config_error.ConfigError`
+naming both keys. A reference model is loaded iff the loss that results has ``kl_coef > 0``.
 """
 
 from __future__ import annotations
@@ -15,47 +20,88 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from rlflow import registry
 from rlflow.checkpointing import gather_rng_states, restore_rng_state
+from rlflow.config_checks import ConfigError, check_model_args
+from rlflow.correction import RolloutCorrection
 from rlflow.data.experience import Experience, collate
 from rlflow.data.packing import (
-    balance_pack_count, collate_packed, pack_experiences, packed_completion_logprobs, varlen_supported,
+    balance_pack_count,
+    collate_packed,
+    pack_experiences,
+    packed_completion_logprobs,
+    varlen_supported,
 )
-from rlflow.data.packing_support import packing_unsupported_reason
+from rlflow.data.packing_support import resolve_packing
 from rlflow.distributed import (
-    FSDP2Strategy, all_max, all_true, data_parallel_mesh, full_tensor, full_weights, gather_full_state_dict,
-    is_sharded, reduce_metrics, shard_model, sharded_completion_logprobs, world_size,
+    FSDP2Strategy,
+    all_max,
+    all_true,
+    data_parallel_mesh,
+    full_tensor,
+    full_weights,
+    gather_full_state_dict,
+    is_sharded,
+    reduce_metrics,
+    shard_model,
+    sharded_completion_logprobs,
+    world_size,
 )
-from rlflow.correction import RolloutCorrection
-from rlflow.evaluation import EvalAccumulator, eval_seed
+from rlflow.data.protocol import ExperienceSource
+from rlflow.evaluation import EvalMetrics
+from rlflow.log import info
 from rlflow.logprobs import completion_logprobs
-from rlflow.losses.base import LossContext, masked_mean
+from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
+from rlflow.model_path import check_model_path
+from rlflow.optim import UpdateFraction, build_lr_scheduler, build_optimizer, check_optimizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: ``model.*`` settings that are shortcuts into the loss's own init_args of the same name.
+LOSS_SETTINGS = ("epsilon_low", "epsilon_high", "kl_coef", "kl_type")
+_MISSING = object()
 
 
 class NonFiniteLossError(RuntimeError):
     """Too many optimizer steps in a row had a NaN or infinite loss or gradient."""
 
 
-def load_causal_lm(path: str, dtype: str = "float32", attn_implementation: str | None = None) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_pretrained`` with a clear message for a path that does not exist."""
+def load_causal_lm(
+    path: str, dtype: str = "float32", attn_implementation: str | None = None, key: str = "model.model_path"
+) -> torch.nn.Module:
+    """``AutoModelForCausalLM.from_pretrained`` with a fast, clear error (naming ``key``) for a path that is
+    neither on disk nor loadable from the hub (see :mod:`rlflow.model_path`)."""
     from transformers import AutoModelForCausalLM
 
     if dtype not in DTYPES:
-        raise ValueError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_model_path(path, key)
     local = Path(path).expanduser()
-    if not local.exists() and (path.startswith((".", "/", "~")) or path.count("/") != 1):
-        raise FileNotFoundError(
-            f"model.model_path {path!r} does not exist; build the demo model with "
-            "'python tools/make_tiny_model.py --out checkpoints/tiny-qwen3' or point it at a Hugging Face model directory"
-        )
     kwargs: dict[str, Any] = {"dtype": DTYPES[dtype]}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     return AutoModelForCausalLM.from_pretrained(str(local) if local.exists() else path, **kwargs)
+
+
+def build_loss(loss: Any, settings: dict[str, Any], max_tokens: int) -> Any:
+    """The loss object, with the ``model.*`` shortcut ``settings`` (None: not set) applied; see the module docstring.
+
+    A name or mapping is built with the settings as defaults of what its config leaves unset; an object (what
+    jsonargparse instantiates from ``class_path``/``init_args``, after ``rlflow.cli`` applied the settings) is
+    then checked: each set setting must equal the loss's own value, else one ConfigError naming both keys.
+    """
+    given = {key: value for key, value in settings.items() if value is not None}
+    loss_fn = registry.build("rlflow.losses", loss, **given, max_tokens=max_tokens)
+    for key, value in given.items():
+        have = getattr(loss_fn, key, _MISSING)
+        if have is _MISSING:
+            raise ConfigError(f"model.{key}={value!r} does not apply: the loss {type(loss_fn).__name__} has no {key}")
+        if have != value:
+            raise ConfigError(
+                f"model.{key}={value!r} conflicts with the loss's own {key}={have!r} (model.loss.init_args.{key}); "
+                f"set it in one place, preferably model.loss.init_args.{key}"
+            )
+    return loss_fn
 
 
 class GRPOModule(L.LightningModule):
@@ -65,16 +111,17 @@ class GRPOModule(L.LightningModule):
         self,
         model_path: str,
         lr: float = 1e-6,
+        optimizer: str = "adamw",
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.999),
         warmup_steps: int = 0,
         lr_schedule: str = "constant",
         max_grad_norm: float | None = 1.0,
-        loss: Any = "bnpo",
-        epsilon_low: float = 0.2,
-        epsilon_high: float = 0.2,
-        kl_coef: float = 0.0,
-        kl_type: str = "k3",
+        loss: str | PolicyLoss = "bnpo",
+        epsilon_low: float | None = None,
+        epsilon_high: float | None = None,
+        kl_coef: float | None = None,
+        kl_type: str | None = None,
         ref_model_path: str | None = None,
         rollout_is: str | None = None,
         rollout_is_cap: float = 2.0,
@@ -97,51 +144,66 @@ class GRPOModule(L.LightningModule):
         Args:
             model_path: Policy to train: a local Hugging Face model directory (or a hub id where the hub is reachable).
             lr: Peak learning rate of AdamW.
+            optimizer: ``adamw`` (torch; for float32 parameters), or for bfloat16 parameters ``adamw_bf16_sr``
+                (torchao, stochastic rounding) or ``adamw_kahan`` (torch-optimi, Kahan summation), which keep
+                updates far below bf16 resolution; the latter two need ``pip install 'rlflow[precision]'``.
             weight_decay: AdamW weight decay.
             betas: AdamW betas.
-            warmup_steps: Optimizer steps of linear warm-up from 0 to ``lr``.
-            lr_schedule: After warm-up: ``constant``, ``linear`` (to 0 at the last step) or ``cosine``.
+            warmup_steps: Optimizer steps of linear warm-up to ``lr`` (step ``i`` at ``lr * (i + 1) / warmup_steps``).
+            lr_schedule: After warm-up: ``constant``, ``linear`` (to 0 at the end) or ``cosine``; the
+                schedule spans ``trainer.estimated_stepping_batches x optimizer_steps x num_iterations``
+                optimizer steps (torch's ``LinearLR``/``CosineAnnealingLR``).
             max_grad_norm: Gradient clipping by global norm; None disables it.
-            loss: Policy loss: a short name of the ``rlflow.losses`` group or ``class_path``/``init_args``.
-            epsilon_low: Lower clip range of the importance ratio (``1 - epsilon_low``).
-            epsilon_high: Upper clip range of the importance ratio (``1 + epsilon_high``; DAPO's clip-higher uses 0.28).
-            kl_coef: Weight of the KL penalty to the reference model; 0 loads no reference model.
-            kl_type: KL estimator: ``k1``, ``k2``, ``k3`` (``low_var_kl``) or ``abs``.
+            loss: Policy loss: a short name of the ``rlflow.losses`` group (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``,
+                ``gspo``, ``cispo``, ``sapo``, or a plugin's), an import path, or ``class_path``/``init_args``
+                (``--model.loss.help grpo`` lists a loss's options). The loss owns its hyper-parameters.
+            epsilon_low: Shortcut for the loss's ``epsilon_low`` (lower clip range, ``1 - epsilon_low``); None keeps the
+                loss's own (0.2); setting both to different values is an error.
+            epsilon_high: Shortcut for the loss's ``epsilon_high`` (upper clip range, ``1 + epsilon_high``; DAPO's
+                clip-higher uses 0.28); None keeps the loss's own (``epsilon_low``).
+            kl_coef: Shortcut for the loss's ``kl_coef``, the weight of the KL penalty to the reference model; None
+                keeps the loss's own (0). A reference model is loaded iff the loss's ``kl_coef`` is > 0.
+            kl_type: Shortcut for the loss's ``kl_type``, the KL estimator: ``k1``, ``k2``, ``k3`` (``low_var_kl``) or
+                ``abs``; None keeps the loss's own (``k3``).
             ref_model_path: Reference model; defaults to ``model_path``.
             rollout_is: Rollout/training mismatch correction from the rollout engine's log-probs: ``token_truncate``,
                 ``sequence_truncate`` (TIS), ``token_mask``, ``sequence_mask`` (MIS); None disables it.
             rollout_is_cap: Upper bound of the rollout importance ratio (truncated to it, or masked above it).
             rollout_is_min: MIS only: also mask rollout importance ratios below this.
             optimizer_steps: Optimizer steps (mini-batches) per rollout step.
-            num_iterations: Passes over the rollout's mini-batches (GRPO's mu); old log-probs are computed once before them.
+            num_iterations: Passes over the rollout's mini-batches (GRPO's mu); old log-probs are computed once before
+                them.
             micro_batch_size: Sequences per forward/backward pass; gradients accumulate over a mini-batch.
             temperature: Temperature the log-probs are computed at; linked to ``data.temperature``.
             max_tokens: Most completion tokens; linked to ``data.max_tokens`` (used by normalisers such as Dr. GRPO's).
-            dtype: Parameter dtype: ``float32``, ``bfloat16`` or ``float16``.
+            dtype: Parameter dtype: ``float32``, ``bfloat16`` or ``float16``. Keep ``float32`` (master weights) and
+                get bf16 compute from ``trainer.precision: bf16-mixed`` or FSDP2's ``param_dtype``; with
+                ``bfloat16`` use ``optimizer: adamw_kahan``/``adamw_bf16_sr`` (``optim/update_fraction`` shows
+                the share of weights each step changed).
             attn_implementation: transformers attention implementation (``sdpa``, ``eager``, ``flash_attention_2``...).
             gradient_checkpointing: Recompute activations in the backward pass to save memory.
-            logprob_chunk_size: Positions per chunk when turning hidden states into log-probs (bounds the logits memory).
+            logprob_chunk_size: Positions per chunk when turning hidden states into log-probs (bounds the logits
+                memory).
             packing: Padding-free training: pack prompt + completion sequences end to end into micro-batches of at most
                 ``pack_max_length`` tokens (attention kept per sequence); replaces ``micro_batch_size``. Checked once
                 at the start of ``fit`` (:mod:`rlflow.data.packing_support`): a model whose packed log-probs would
                 differ from padded ones trains on padded micro-batches instead, with a warning saying why.
             pack_max_length: Token budget of one packed micro-batch (a longer single sequence gets its own).
-            max_consecutive_skipped_steps: Stop the run after this many optimizer steps in a row with a NaN/inf loss or gradient.
-            export_hf: At the end of ``fit``, write the policy and tokenizer with ``save_pretrained`` to ``<log_dir>/hf``.
+            max_consecutive_skipped_steps: Stop the run after this many optimizer steps in a row with a NaN/inf loss
+                or gradient.
+            export_hf: At the end of ``fit``, write the policy and tokenizer with ``save_pretrained`` to
+                ``<log_dir>/hf``.
         """
+        check_model_args(locals())
         super().__init__()
         self.save_hyperparameters()
         self.automatic_optimization = False
-        if optimizer_steps < 1 or micro_batch_size < 1 or num_iterations < 1:
-            raise ValueError("model.optimizer_steps, model.num_iterations and model.micro_batch_size must be >= 1")
-        if packing and pack_max_length < 1:
-            raise ValueError(f"model.pack_max_length must be >= 1, got {pack_max_length}")
-        if lr_schedule not in ("constant", "linear", "cosine"):
-            raise ValueError(f"model.lr_schedule must be constant, linear or cosine, got {lr_schedule!r}")
-        self.loss_fn = registry.build(
-            "rlflow.losses", loss, epsilon_low=epsilon_low, epsilon_high=epsilon_high, kl_coef=kl_coef,
-            kl_type=kl_type, max_tokens=max_tokens,
-        )
+        check_optimizer(optimizer)
+        check_model_path(model_path, "model.model_path")  # before anything slow: a wrong path fails in a second
+        if ref_model_path is not None:
+            check_model_path(ref_model_path, "model.ref_model_path")
+        settings = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high, "kl_coef": kl_coef, "kl_type": kl_type}
+        self.loss_fn = build_loss(loss, settings, max_tokens)
         self.correction = RolloutCorrection(rollout_is, rollout_is_cap, rollout_is_min) if rollout_is else None
         self.policy: torch.nn.Module | None = None
         self.policy_version = 0  # optimizer steps taken: the version of the weights that sample next
@@ -152,6 +214,11 @@ class GRPOModule(L.LightningModule):
         self.packing_checked: bool | None = None  # model.packing after the check at fit start (None: not checked)
 
     # --------------------------------------------------------------------------------------------- models
+    @property
+    def uses_reference(self) -> bool:
+        """Whether the loss has a KL term, so a frozen reference is loaded (its ``kl_coef`` is the one switch)."""
+        return float(getattr(self.loss_fn, "kl_coef", 0.0) or 0.0) > 0.0
+
     @property
     def ref_model(self) -> torch.nn.Module | None:
         """The frozen reference, kept out of ``state_dict`` (it never changes, so checkpoints need not hold it)."""
@@ -166,8 +233,9 @@ class GRPOModule(L.LightningModule):
         if hp.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
             self.policy.config.use_cache = False
-        if hp.kl_coef > 0.0:
-            ref = load_causal_lm(hp.ref_model_path or hp.model_path, hp.dtype, hp.attn_implementation)
+        if self.uses_reference:
+            key = "model.ref_model_path" if hp.ref_model_path else "model.model_path"
+            ref = load_causal_lm(hp.ref_model_path or hp.model_path, hp.dtype, hp.attn_implementation, key)
             ref.eval().requires_grad_(False)
             self.__dict__["_ref_model"] = ref
         self.shard_models()
@@ -178,7 +246,7 @@ class GRPOModule(L.LightningModule):
         return self._trainer is not None and is_sharded(self.trainer.strategy)
 
     def shard_models(self) -> None:
-        """Under ``trainer.strategy=fsdp``: ``fully_shard`` the policy and the reference, layer by layer, then the root."""
+        """Under ``trainer.strategy=fsdp``: ``fully_shard`` the policy and the reference, layer by layer, then root."""
         if not self.sharded:
             return
         strategy = self.trainer.strategy
@@ -194,23 +262,9 @@ class GRPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if self.ref_model is not None and not self.sharded:  # a sharded reference already sits on its devices
             self.ref_model.to(self.device)
-        self.trainer.datamodule.bind(self.policy)
-        self.packing_checked = self.check_packing()
-
-    def check_packing(self) -> bool:
-        """``model.packing``, unless packed forwards of the policy (or reference) would not be exact: then padded
-        micro-batches, with a warning giving the reason. Logged once, on rank 0."""
-        if not self.hparams.get("packing"):
-            return False
-        models = [m for m in (self.policy, self.ref_model) if m is not None]
-        reason = next((r for r in (packing_unsupported_reason(m, self.sharded) for m in models) if r), None)
-        if reason:
-            rank_zero_warn(f"model.packing: training on padded micro-batches of model.micro_batch_size sequences, "
-                           f"not packs, because {reason}")
-            return False
-        share = "a group's prompt once per pack" if varlen_supported(self.policy) else "every sequence its own prompt"
-        rank_zero_info(f"model.packing: micro-batches are packs of at most {self.hparams.pack_max_length} tokens ({share})")
-        return True
+        self.experience.bind(self.policy)
+        self.packing_checked = resolve_packing(bool(self.hparams.get("packing")), [self.policy, self.ref_model],
+                                               self.sharded, self.hparams.pack_max_length)
 
     @property
     def packing(self) -> bool:
@@ -218,24 +272,17 @@ class GRPOModule(L.LightningModule):
         return self.packing_checked if self.packing_checked is not None else bool(self.hparams.get("packing"))
 
     def on_validation_start(self) -> None:
-        self.trainer.datamodule.bind(self.policy)
+        self.experience.bind(self.policy)
 
     def configure_optimizers(self) -> Any:
         hp = self.hparams
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(params, lr=hp.lr, betas=tuple(hp.betas), weight_decay=hp.weight_decay)
-        total = max(int(self.trainer.estimated_stepping_batches), 1) if self.trainer is not None else 1
-        warmup = hp.warmup_steps
-
-        def factor(step: int) -> float:
-            if warmup and step < warmup:
-                return (step + 1) / warmup
-            if hp.lr_schedule == "constant":
-                return 1.0
-            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-            return 1.0 - progress if hp.lr_schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        optimizer = build_optimizer(hp.get("optimizer", "adamw"), params, hp.lr, hp.betas, hp.weight_decay)
+        # the trainer counts rollout steps (training_step calls); the schedule counts optimizer steps
+        rollout_steps = max(int(self.trainer.estimated_stepping_batches), 1) if self._trainer is not None else 1
+        total = rollout_steps * hp.optimizer_steps * hp.num_iterations
+        scheduler = build_lr_scheduler(optimizer, hp.lr_schedule, hp.warmup_steps, total)
+        self.update_fraction = UpdateFraction(params, hp.get("optimizer", "adamw"))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------------------------------ log-probs
@@ -247,12 +294,15 @@ class GRPOModule(L.LightningModule):
         step: every rank holds the same number of sequences.)
         """
         if self.packing:
-            packs = pack_experiences(experiences, self.hparams.pack_max_length, share_prompts=varlen_supported(self.policy))
+            share = varlen_supported(self.policy)
+            packs = pack_experiences(experiences, self.hparams.pack_max_length, share_prompts=share)
             return balance_pack_count(packs, all_max(len(packs))) if self.sharded else packs
         mb = self.hparams.micro_batch_size
         return [experiences[start: start + mb] for start in range(0, len(experiences), mb)]
 
-    def logprobs_of(self, model: torch.nn.Module, experiences: list[Experience]) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def logprobs_of(
+        self, model: torch.nn.Module, experiences: list[Experience]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict]:
         if self.packing:
             packed = collate_packed(experiences, share_prompts=varlen_supported(model))  # a group's prompt once
             batch = {k: v.to(self.device) for k, v in packed.items()}
@@ -279,21 +329,28 @@ class GRPOModule(L.LightningModule):
 
     @property
     def pad_id(self) -> int:
-        tok = self.trainer.datamodule.load_tokenizer()
+        tok = self.experience.tokenizer
         return tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
 
     # ----------------------------------------------------------------------------------------- training
+    @property
+    def experience(self) -> ExperienceSource:
+        """The datamodule, through the one interface a GRPO step uses (:class:`~rlflow.data.protocol.ExperienceSource`)."""
+        return self.trainer.datamodule
+
     def training_step(self, batch: list, batch_idx: int) -> None:
+        """One rollout step: sample and score fresh experience, fix old/reference log-probs, take the updates."""
         start = time.perf_counter()
         hp = self.hparams
-        dm = self.trainer.datamodule
-        with full_weights(self.policy if getattr(dm.backend, "reads_policy_weights", True) else None):
-            metrics = dm.make_experience(batch, policy_version=self.policy_version, step=self.global_step)
-        minibatches = dm.buffer.drain(hp.optimizer_steps)
+        # 1. generate k completions per prompt with the current weights, judge them, compute group advantages
+        with full_weights(self.policy if self.experience.reads_policy_weights else None):
+            rollout = self.experience.make_experience(batch, policy_version=self.policy_version, step=self.global_step)
+        metrics = dict(rollout.metrics)
+        minibatches = self.experience.minibatches(hp.optimizer_steps)
         everything = [e for mb in minibatches for e in mb]
+        # 2. the ratio's denominator (needed once later updates are off-policy, or to compare with the rollout
+        #    engine's log-probs) and the reference log-probs, both fixed before any update
         if hp.optimizer_steps > 1 or hp.num_iterations > 1 or self.correction is not None:
-            # later updates are off-policy, and the correction compares the sampling weights with the rollout
-            # engine: compute the ratio's denominator once, now, before any update
             self.fill_logprobs(everything, "old_logprobs", self.policy)
         if self.ref_model is not None:
             self.fill_logprobs(everything, "ref_logprobs", self.ref_model)
@@ -301,24 +358,28 @@ class GRPOModule(L.LightningModule):
             batch_all = collate(everything, self.pad_id)
             metrics.update(self.correction.metrics(
                 batch_all["old_logprobs"], batch_all["rollout_logprobs"], batch_all["completion_mask"]))
+        # 3. num_iterations passes (GRPO's mu) over optimizer_steps mini-batches, one optimizer step each
         generation_seqs, generation_tokens = self.global_counts([len(everything), self.loss_tokens(everything)])
         sums: dict[str, float] = {}
-        for _ in range(hp.num_iterations):  # GRPO's mu: the same mini-batches, old log-probs fixed above
+        for _ in range(hp.num_iterations):
             for minibatch in minibatches:
                 sums = self.optimizer_step_on(minibatch, generation_tokens, generation_seqs, sums)
+        # 4. metrics: global values under data parallelism; "loss" is each rank's share, so it adds up
         n = len(minibatches) * hp.num_iterations
         metrics.update({key: value / n for key, value in sums.items()})
-        # global values under data parallelism; "loss" is each rank's share of the global loss, so it adds up
         metrics = reduce_metrics(metrics, samples_per_rank=len(everything), sum_keys={"loss"})
         self.num_tokens += metrics.pop("num_prompt_tokens") + metrics.pop("num_completion_tokens")
         metrics["num_tokens"] = self.num_tokens
         metrics["train/skipped_steps"] = float(self.skipped_steps)
-        metrics["lr"] = self.optimizers().param_groups[0]["lr"]
+        metrics["lr"] = float(self.optimizers().param_groups[0]["lr"])  # a tensor in torchao's optimizers
         metrics["step_time"] = time.perf_counter() - start
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(everything))
         self.last_metrics = metrics
+        self.last_rollout = rollout
 
-    def optimizer_step_on(self, minibatch: list[Experience], generation_tokens: int, generation_seqs: int, sums: dict) -> dict:
+    def optimizer_step_on(
+        self, minibatch: list[Experience], generation_tokens: int, generation_seqs: int, sums: dict
+    ) -> dict:
         """One optimizer step over ``minibatch``, accumulated over micro-batches; adds its metrics to ``sums``."""
         hp = self.hparams
         opt = self.optimizers()
@@ -374,10 +435,14 @@ class GRPOModule(L.LightningModule):
             self.skip_step(opt)
             return sums
         self.consecutive_skips = 0
+        self.update_fraction.before_step()
         opt.step()
         sched.step()
+        fraction = self.update_fraction.after_step(self.policy_version)
+        if fraction is not None:
+            step["optim/update_fraction"] = fraction
         self.policy_version += 1
-        self.trainer.datamodule.backend.sync_weights()
+        self.experience.sync_weights()
         step["grad_norm"] = float(grad_norm)
         for key, value in step.items():
             sums[key] = sums.get(key, 0.0) + value
@@ -392,7 +457,8 @@ class GRPOModule(L.LightningModule):
         """``values`` summed over ranks: the batch sizes the loss normalisers divide by."""
         if self.trainer is None or self.trainer.world_size == 1:
             return [int(v) for v in values]
-        summed = self.trainer.strategy.reduce(torch.tensor(values, dtype=torch.long, device=self.device), reduce_op="sum")
+        counts = torch.tensor(values, dtype=torch.long, device=self.device)
+        summed = self.trainer.strategy.reduce(counts, reduce_op="sum")
         return [int(v) for v in summed.tolist()]
 
     def clip_gradients_and_norm(self, max_norm: float | None) -> torch.Tensor:
@@ -410,8 +476,8 @@ class GRPOModule(L.LightningModule):
         opt.zero_grad(set_to_none=True)
         self.skipped_steps += 1
         self.consecutive_skips += 1
-        print(f"[rlflow] step {self.global_step}: non-finite loss or gradient, optimizer step skipped "
-              f"({self.consecutive_skips} in a row, {self.skipped_steps} in all)")
+        info(f"step {self.global_step}: non-finite loss or gradient, optimizer step skipped "
+             f"({self.consecutive_skips} in a row, {self.skipped_steps} in all)")
         if self.consecutive_skips >= self.hparams.max_consecutive_skipped_steps:
             raise NonFiniteLossError(
                 f"{self.consecutive_skips} optimizer steps in a row had a NaN or infinite loss or gradient "
@@ -420,22 +486,22 @@ class GRPOModule(L.LightningModule):
             )
 
     # ---------------------------------------------------------------------------------------- evaluation
-    def validation_step(self, batch: list, batch_idx: int) -> None:
-        dm = self.trainer.datamodule
-        seed = eval_seed(dm.seed, self.global_step, batch_idx)
-        with full_weights(self.policy if getattr(dm.backend, "reads_policy_weights", True) else None):
-            out = dm.evaluate_batch(batch, seed=seed)
-        self.evaluator.add(out["data_sources"], out["correct"], out["rewards"], out["lengths"])
-
     def on_validation_epoch_start(self) -> None:
-        self.evaluator = EvalAccumulator(self.trainer.datamodule.eval_k)
+        self.eval_metrics = EvalMetrics(self.experience.eval_k, self.experience.eval_data_sources).to(self.device)
+
+    def validation_step(self, batch: list, batch_idx: int) -> None:
+        with full_weights(self.policy if self.experience.reads_policy_weights else None):
+            out = self.experience.evaluate(batch, step=self.global_step, batch_idx=batch_idx)
+        self.eval_metrics.update(out["data_sources"], out["correct"], out["rewards"], out["lengths"])
 
     def on_validation_epoch_end(self) -> None:
-        """Log ``eval/accuracy``, ``eval/pass@k`` and the rest, overall and per ``data_source`` (rlflow.evaluation)."""
-        metrics = self.evaluator.compute()
+        """Log ``eval/accuracy``, ``eval/pass@k`` and the rest, overall and per ``data_source``, over every rank's
+        prompts (:class:`rlflow.evaluation.EvalMetrics` gathers them)."""
+        metrics = self.eval_metrics.compute() if self.eval_metrics.update_count else {}
         if metrics:
-            self.log("eval/accuracy", metrics.pop("eval/accuracy"), on_epoch=True, prog_bar=True)
-            self.log_dict(metrics, on_epoch=True)
+            self.log("eval/accuracy", metrics.pop("eval/accuracy"), on_epoch=True, prog_bar=True, rank_zero_only=True)
+            self.log_dict(metrics, on_epoch=True, rank_zero_only=True)
+        self.eval_metrics.reset()
 
     # --------------------------------------------------------------------------------------- checkpoints
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -460,9 +526,9 @@ class GRPOModule(L.LightningModule):
             rank = self.trainer.global_rank
             if len(states) == self.trainer.world_size:
                 restore_rng_state(states[rank])
-            elif rank == 0:
-                print(f"[rlflow] the checkpoint holds RNG states of {len(states)} rank(s), this run has "
-                      f"{self.trainer.world_size}: sampling continues from a fresh seed, not bit-exactly")
+            else:
+                info(f"the checkpoint holds RNG states of {len(states)} rank(s), this run has "
+                     f"{self.trainer.world_size}: sampling continues from a fresh seed, not bit-exactly")
 
     def on_fit_end(self) -> None:
         if not self.hparams.export_hf:
@@ -476,6 +542,6 @@ class GRPOModule(L.LightningModule):
         """Write the policy (or ``state_dict``, its gathered full weights) and tokenizer with ``save_pretrained``."""
         out_dir.mkdir(parents=True, exist_ok=True)
         self.policy.save_pretrained(out_dir, state_dict=state_dict)
-        self.trainer.datamodule.load_tokenizer().save_pretrained(out_dir)
-        print(f"[rlflow] exported the policy to {out_dir}")
+        self.experience.tokenizer.save_pretrained(out_dir)
+        info(f"exported the policy to {out_dir}")
         return out_dir

@@ -4,10 +4,26 @@ Built-ins register through rlflow's own ``pyproject.toml``, the same path a thir
 ``pip install`` of a plugin package plus one YAML line is all it takes to use it. Each group is read once per
 process (every distributed rank reads it; reading is idempotent) and cached.
 
-A plugin is named in a config by its short name (``gsm8k``), by a ``{"class_path": ..., "init_args": {...}}``
-mapping, or, from Python, passed as a ready object. Errors are loud and specific: an unknown name lists what is
-available, a plugin whose import fails names its distribution and chains the exception, and two distributions
-claiming one name is an error naming both.
+A plugin is named in a config by its short name (``gsm8k``), by an import path (``pkg.mod:attr``), by a
+``{"class_path": ..., "init_args": {...}}`` mapping, or, from Python, passed as a ready object. Errors are loud
+and specific: an unknown name lists what is available, a plugin whose import fails names its distribution and
+chains the exception, and two distributions claiming one name is an error naming both.
+
+Typed plugin arguments. The plugin arguments of ``GRPOModule`` and ``RolloutDataModule`` are annotated
+``str | <base class>`` (``PolicyLoss``, ``AdvantageEstimator``, ``RolloutBackend``, ``Judger``; see
+:data:`PLUGIN_BASES`), Lightning's convention, so jsonargparse validates a ``class_path``/``init_args`` mapping
+against the class's signature, instantiates it, and ``rlflow fit --model.loss.help grpo`` prints its options.
+A plain string stays a string and :func:`build` resolves it (short name or import path, which keeps TRL-style
+reward functions given by import path working). jsonargparse resolves a ``class_path`` without a dot by the
+class *name* of a known subclass (``GRPOLoss``); :func:`install_jsonargparse_resolver` (called by
+``rlflow.cli``) wraps that one resolution step so that, for these four base classes, a registered short name
+(``class_path: grpo``, third-party entry points included) resolves to its entry point's import path first, and
+a dotless name that is neither a short name nor a subclass name fails with :func:`build`'s "unknown plugin"
+error listing what is available. It is the only jsonargparse internal rlflow touches
+(``jsonargparse._typehints.resolve_class_path_by_name``, stable since 4.20); ``tests/test_registry.py``
+fails if a jsonargparse release changes it. :func:`build` accepts the objects jsonargparse instantiates as
+they are; :func:`init_defaults` and :func:`apply_settings` let the CLI put settings that live elsewhere in the
+config (``data.max_tokens``, ``model.kl_coef``) into a mapping's ``init_args`` before it is instantiated.
 """
 
 from __future__ import annotations
@@ -20,6 +36,13 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 GROUPS = ("rlflow.judgers", "rlflow.losses", "rlflow.advantages", "rlflow.rollout")
+#: The base class (import path) a plugin argument of each group is typed with; see the module docstring.
+PLUGIN_BASES = {
+    "rlflow.judgers": "rlflow.judgers.base.Judger",
+    "rlflow.losses": "rlflow.losses.base.PolicyLoss",
+    "rlflow.advantages": "rlflow.advantages.base.AdvantageEstimator",
+    "rlflow.rollout": "rlflow.rollout.base.RolloutBackend",
+}
 
 
 class PluginError(RuntimeError):
@@ -133,11 +156,23 @@ def import_path(path: str) -> Any:
     return obj
 
 
+def _mapping_from_text(group: str, text: str) -> Any:
+    """A ``{class_path: ..., init_args: ...}`` given on the command line that jsonargparse did not accept reaches
+    the plugin argument as its text (the ``str`` of ``str | Base``); read it, so its error is the registry's."""
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PluginError(f"the {group} plugin {text!r} is neither a name nor a valid mapping: {exc}") from exc
+
+
 def build(group: str, spec: Any, **defaults: Any) -> Any:
     """Turn a config value into a plugin object.
 
     ``spec`` is a short name or an import path (``pkg.mod:attr``), a ``{"class_path", "init_args"}`` mapping
-    (``class_path`` is a short name or an import path), or an object that is already built (returned as is). A
+    (``class_path`` is a short name or an import path; also as YAML text), or an object that is already built,
+    such as one jsonargparse instantiated from the config (returned as is). A
     registered short name wins over an import path of the same spelling. A loaded class is called with
     ``init_args``; ``defaults`` fill arguments the config did not set and that the class accepts. A loaded
     function (a TRL-style reward function, say) is returned as is.
@@ -145,6 +180,8 @@ def build(group: str, spec: Any, **defaults: Any) -> Any:
     if spec is None:
         raise PluginError(f"no {group} plugin given; available: {', '.join(available(group)) or '(none)'}")
     init_args: dict[str, Any] = {}
+    if isinstance(spec, str) and spec.lstrip().startswith("{"):
+        spec = _mapping_from_text(group, spec)
     if isinstance(spec, str):
         target = load(group, spec) if spec in discover(group) or not looks_like_path(spec) else import_path(spec)
     elif isinstance(spec, dict):
@@ -182,3 +219,101 @@ def clear_cache() -> None:
     with _lock:
         _cache.clear()
         _loaded.clear()
+
+
+# ------------------------------------------------------------------------------------ typed plugin arguments
+def group_of_base(cls: Any) -> str | None:
+    """The plugin group whose arguments are typed with ``cls`` (one of :data:`PLUGIN_BASES`), else None."""
+    path = f"{getattr(cls, '__module__', '')}.{getattr(cls, '__qualname__', '')}"
+    return next((group for group, base in PLUGIN_BASES.items() if base == path), None)
+
+
+def class_path_of(group: str, name: str) -> str | None:
+    """The dotted import path of the plugin registered as ``name`` in ``group`` (None: not registered)."""
+    info = discover(group).get(name)
+    if info is None or not info.entry_point.attr:
+        return None
+    return f"{info.entry_point.module}.{info.entry_point.attr}"
+
+
+def resolve_short_name(cls: Any, name: str, fallback: Any) -> str:
+    """jsonargparse's class_path resolution for ``cls`` (a type or a tuple of types), registry short names first.
+
+    ``fallback`` is jsonargparse's own resolver (subclass class names). A dotless name that neither resolves
+    raises the registry's "unknown plugin" error for the group of ``cls``.
+    """
+    if "." in name:
+        return fallback(cls, name)
+    groups = [g for g in (group_of_base(c) for c in (cls if isinstance(cls, tuple) else (cls,))) if g]
+    for group in groups:
+        path = class_path_of(group, name)
+        if path:
+            return path
+    resolved = fallback(cls, name)
+    if groups and "." not in resolved:
+        raise _unknown(groups[0], name)
+    return resolved
+
+
+def install_jsonargparse_resolver() -> None:
+    """Make jsonargparse resolve registry short names in ``class_path`` (idempotent; see the module docstring)."""
+    from jsonargparse import _typehints
+
+    current = _typehints.resolve_class_path_by_name
+    if getattr(current, "rlflow_registry", False):
+        return
+    original = current
+
+    def resolve(cls: Any, name: str) -> str:
+        return resolve_short_name(cls, name, original)
+
+    resolve.rlflow_registry = True  # type: ignore[attr-defined]
+    _typehints.resolve_class_path_by_name = resolve
+    try:
+        from jsonargparse import _from_config
+    except ImportError:  # older jsonargparse: nothing else holds a reference
+        return
+    if getattr(_from_config, "resolve_class_path_by_name", None) is original:
+        _from_config.resolve_class_path_by_name = resolve
+
+
+def init_defaults(cls: type) -> tuple[dict[str, Any], bool]:
+    """The keyword parameters of ``cls``'s constructor with their defaults, and whether it takes any keyword.
+
+    A constructor with ``**kwargs`` is followed up the MRO (``GRPOLoss(delta, **kwargs)`` takes the options of
+    ``RatioPolicyLoss`` too), as jsonargparse does; ``object.__init__`` ends the walk.
+    """
+    params: dict[str, Any] = {}
+    for klass in cls.__mro__:
+        init = klass.__dict__.get("__init__")
+        if init is None:
+            continue
+        if klass is object:
+            return params, False
+        signature = inspect.signature(init)
+        for p in list(signature.parameters.values())[1:]:
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in params:
+                params[p.name] = None if p.default is p.empty else p.default
+        if not any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values()):
+            return params, False
+    return params, True
+
+
+def apply_settings(cls: type, init_args: dict[str, Any], settings: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Put each of ``settings`` (None: not set) into ``init_args`` where the class takes it and it is unset.
+
+    "Unset" means still the class's default (jsonargparse fills every default in, so an explicit value equal to
+    the default cannot be told apart, and means the same). Returns the conflicts, ``{key: (init_args value,
+    setting)}``, where ``init_args`` holds another explicit value; those are left as they are.
+    """
+    params, _ = init_defaults(cls)
+    conflicts: dict[str, tuple[Any, Any]] = {}
+    for key, value in settings.items():
+        if value is None or key not in params:
+            continue
+        given = init_args.get(key, params[key])
+        if given == params[key] or given == value:
+            init_args[key] = value
+        else:
+            conflicts[key] = (given, value)
+    return conflicts

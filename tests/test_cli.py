@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ROOT, fit_args
+
 from rlflow.cli import cli_main
 
 pytestmark = pytest.mark.slow
@@ -84,3 +84,43 @@ def test_validate_reports_eval_accuracy(tiny_model, tiny_data, tmp_path):
     cli = cli_main(args)
     metrics = cli.trainer.callback_metrics
     assert "eval/accuracy" in metrics and 0.0 <= float(metrics["eval/accuracy"]) <= 1.0
+
+
+def test_kl_coef_in_the_losss_init_args_loads_a_reference_and_trains_with_kl(tiny_model, tiny_data, tmp_path):
+    loss = '--model.loss={"class_path": "grpo", "init_args": {"kl_coef": 0.01}}'
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, loss, "--model.export_hf=false", steps=1))
+    assert cli.trainer.global_step == 1
+    assert type(cli.model.loss_fn).__name__ == "GRPOLoss" and cli.model.loss_fn.kl_coef == 0.01
+    assert cli.model.ref_model is not None
+    assert "kl" in read_metrics(__import__("pathlib").Path(cli.trainer.log_dir))[-1]
+
+
+def test_kl_coef_set_twice_differently_is_one_error_line(tiny_model, tiny_data, tmp_path, capsys):
+    from rlflow.cli import main
+
+    loss = '--model.loss={"class_path": "grpo", "init_args": {"kl_coef": 0.01}}'
+    code = main(fit_args(tiny_model, tiny_data, tmp_path, loss, "--model.kl_coef=0", steps=1))
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rlflow: error:")]
+    assert code == 1 and len(lines) == 1 and "Traceback" not in err
+    assert "model.kl_coef=0.0 conflicts with model.loss.init_args.kl_coef=0.01" in lines[0]
+
+
+def test_shortcut_settings_and_max_tokens_reach_the_plugin_specs(tiny_model, tiny_data, tmp_path):
+    judgers = '--data.judgers={"*": ["gsm8k", {"class_path": "overlong"}]}'
+    loss = '--model.loss={"class_path": "dapo", "init_args": {"clip_ratio_c": 3.0}}'
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, judgers, loss, "--model.epsilon_high=0.28",
+                            "--data.rollout={class_path: hf, init_args: {batch_size: 2}}")[1:], run=False)
+    loss_fn = cli.model.loss_fn
+    assert type(loss_fn).__name__ == "DAPOLoss" and loss_fn.epsilon_high == 0.28 and loss_fn.clip_ratio_c == 3.0
+    assert loss_fn.max_tokens == 12 and not cli.model.uses_reference
+    assert cli.datamodule.judges.default.judgers["overlong"].max_tokens == 12  # from data.max_tokens
+    assert cli.datamodule.rollout_spec.batch_size == 2
+
+
+def test_plugin_help_documents_the_options(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--model.loss.help", "grpo"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert "--model.loss.kl_coef" in out and "--model.loss.clip_ratio_c" in out

@@ -92,8 +92,8 @@ def test_datamodule_applies_chat_template_and_drops_long_prompts(tiny_model, tmp
     plain = {"prompt": "Q: 2 + 2 =", "reward_model": {"ground_truth": "4"}, "data_source": "openai/gsm8k"}
     path = write(tmp_path, [json.dumps(short), json.dumps(long), json.dumps(plain)])
     dm = RolloutDataModule(train_data_path=str(path), tokenizer_path=str(tiny_model), max_prompt_length=64, global_batch_size=1)
-    records = dm.prepare_records([str(path)], "train")
-    assert dm.dropped["train"] == 1
+    records = dm.train_prompts.load(dm.load_tokenizer())
+    assert dm.train_prompts.dropped == 1
     assert len(records) == 2
     chat, raw = records
     assert chat.prompt_text == "<|im_start|>user\nWhat is 1 + 1?<|im_end|>\n<|im_start|>assistant\n"
@@ -108,4 +108,4 @@ def test_all_prompts_too_long_is_an_error(tiny_model, tmp_path):
     path = write(tmp_path, [json.dumps({"prompt": "y" * 100})])
     dm = RolloutDataModule(train_data_path=str(path), tokenizer_path=str(tiny_model), max_prompt_length=10)
     with pytest.raises(DataError, match="max_prompt_length=10"):
-        dm.prepare_records([str(path)], "train")
+        dm.setup("fit")

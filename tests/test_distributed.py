@@ -30,7 +30,7 @@ class SeededGroupRollout(HFRollout):
     """``hf`` generation one group at a time, the torch RNG seeded from the prompt's tokens: the same samples
     whichever rank a prompt lands on."""
 
-    def generate(self, prompts, params, n=1):
+    def generate(self, prompts, params, n=1, progress=None):
         out = []
         for prompt in prompts:
             torch.manual_seed(zlib.crc32(repr(prompt).encode()))
@@ -195,6 +195,7 @@ def test_sharded_generation_logprobs_grads_and_export_on_two_gloo_ranks(tiny_mod
 # ------------------------------------------------------------------------------ packing on 2 sharded ranks
 def _packed_sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
+    from tiny_archs import IdTokenizer
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import AutoModelForCausalLM
 
@@ -204,7 +205,6 @@ def _packed_sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: s
     from rlflow.distributed import all_max, full_tensor, shard_model
     from rlflow.logprobs import completion_logprobs
     from rlflow.rollout.select import resolve_backend
-    from tiny_archs import IdTokenizer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -383,7 +383,7 @@ def test_lmdeploy_recipe_config_resolves(tiny_model):
     strategy = cfg["trainer"]["strategy"]
     assert strategy["class_path"] == "rlflow.distributed.FSDP2Strategy"
     assert (strategy["init_args"]["param_dtype"], strategy["init_args"]["reduce_dtype"]) == ("bfloat16", "float32")
-    assert cfg["trainer"]["devices"] == 8 and cfg["data"]["rollout"]["class_path"] == "lmdeploy"
+    assert cfg["trainer"]["devices"] == 8 and cfg["data"]["rollout"]["class_path"] == "rlflow.rollout.lmdeploy.LMDeployRollout"
     m, d = cfg["model"], cfg["data"]
     assert (d["prompt_repeat_k"], m["lr"], m["epsilon_low"], m["epsilon_high"], m["kl_coef"], m["kl_type"]) == \
         (5, 1e-6, 0.2, 0.28, 0.001, "low_var_kl")

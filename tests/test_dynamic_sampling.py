@@ -10,7 +10,8 @@ import pytest
 
 from conftest import fit_args
 from rlflow.data.datamodule import RolloutDataModule
-from rlflow.rollout.base import Completion
+from rlflow.judgers.runner import JudgeResult
+from rlflow.rollout.base import Completion, RolloutBackend
 
 K = 2
 
@@ -20,13 +21,13 @@ def uniform(record) -> bool:
     return sum(record.prompt_ids) % 3 == 0
 
 
-class FakeBackend:
+class FakeBackend(RolloutBackend):
     """Returns ``n`` one-token completions per prompt and records what it was asked for."""
 
     def __init__(self):
         self.prompts = []
 
-    def generate(self, prompts, params, n=1):
+    def generate(self, prompts, params, n=1, progress=None):
         self.prompts.append([tuple(p) for p in prompts])
         return [[Completion([1 + j], [-0.5], "stop") for j in range(n)] for _ in prompts]
 
@@ -34,16 +35,17 @@ class FakeBackend:
 def make_dm(tiny_model, tiny_data, **kw):
     dm = RolloutDataModule(
         train_data_path=str(tiny_data / "train.jsonl"), tokenizer_path=str(tiny_model), prompt_repeat_k=K,
-        global_batch_size=4, log_trajectories=False, **kw,
+        global_batch_size=4, **kw,
     )
     dm.setup("fit")
     dm.backend = FakeBackend()
 
     def judge(records, completions, k):
         rewards = [1.0 if uniform(r) else float(j % 2) for r in records for j in range(k)]
-        return rewards, {"rewards/fake/mean": sum(rewards) / len(rewards)}, ["x"] * len(completions)
+        metrics = {"rewards/fake/mean": sum(rewards) / len(rewards)}
+        return JudgeResult(rewards, {"fake": list(rewards)}, metrics), ["x"] * len(completions)
 
-    dm.judge = judge
+    dm.judges.judge = judge
     return dm
 
 
@@ -55,7 +57,7 @@ def first_batch(dm, n_uniform):
 
 def test_drops_agreeing_groups_and_refills(tiny_model, tiny_data):
     dm = make_dm(tiny_model, tiny_data, dynamic_sampling=True, max_sampling_rounds=20)
-    metrics = dm.make_experience(first_batch(dm, 2), policy_version=0, step=0)
+    metrics = dm.make_experience(first_batch(dm, 2), policy_version=0, step=0).metrics
     kept = dm.buffer.items
     assert len(kept) == 4 * K
     for g in range(4):  # every kept group has a learning signal
@@ -75,7 +77,7 @@ def test_drops_agreeing_groups_and_refills(tiny_model, tiny_data):
 
 def test_round_cap_tops_up_with_dropped_groups(tiny_model, tiny_data):
     dm = make_dm(tiny_model, tiny_data, dynamic_sampling=True, max_sampling_rounds=1)
-    metrics = dm.make_experience(first_batch(dm, 3), policy_version=0, step=0)
+    metrics = dm.make_experience(first_batch(dm, 3), policy_version=0, step=0).metrics
     assert metrics["sampling/rounds"] == 1 and metrics["sampling/groups_padded"] == 3
     assert metrics["sampling/groups_dropped"] == 3
     assert len(dm.buffer.items) == 4 * K  # every rank keeps the same batch size
@@ -89,7 +91,7 @@ def test_extra_prompts_are_reproducible_and_off_by_default(tiny_model, tiny_data
     b.make_experience(first_batch(b, 4), policy_version=0, step=5)
     assert a.backend.prompts == b.backend.prompts and len(a.backend.prompts) > 1
     off = make_dm(tiny_model, tiny_data)
-    metrics = off.make_experience(first_batch(off, 2), policy_version=0, step=0)
+    metrics = off.make_experience(first_batch(off, 2), policy_version=0, step=0).metrics
     assert len(off.backend.prompts) == 1 and "sampling/rounds" not in metrics
     assert len(off.buffer.items) == 4 * K
 
@@ -110,7 +112,7 @@ def test_ranks_run_the_same_number_of_rounds(tiny_model, tiny_data):
 
     dm = make_dm(tiny_model, tiny_data, dynamic_sampling=True, max_sampling_rounds=3)
     dm.trainer = Trainer()
-    metrics = dm.make_experience(first_batch(dm, 0), policy_version=0, step=0)  # this rank: full at once
+    metrics = dm.make_experience(first_batch(dm, 0), policy_version=0, step=0).metrics  # this rank: full at once
     assert metrics["sampling/rounds"] == 3 and len(dm.backend.prompts) == 3
     assert len(dm.buffer.items) == 2 * K  # this rank's share of the 4 prompts, still full-size
 

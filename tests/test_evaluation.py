@@ -13,7 +13,7 @@ import torch
 from conftest import fit_args
 from rlflow.cli import cli_main
 from rlflow.data.datamodule import RolloutDataModule
-from rlflow.evaluation import EvalAccumulator, pass_at_k
+from rlflow.evaluation import EvalMetrics, pass_at_k
 from rlflow.judgers.base import Judger
 
 
@@ -56,17 +56,37 @@ def test_pass_at_k_matches_binomial_formula(n):
         pass_at_k(3, 4, 1)
 
 
-def test_accumulator_per_source_by_hand():
-    acc = EvalAccumulator(k=2)
-    acc.add(["a", "b"], [[True, False], [False, False]], [[1.0, 0.0], [0.0, 0.5]], [[4, 6], [8, 10]])
-    acc.add(["a"], [[True, True]], [[1.0, 1.0]], [[2, 2]])
-    m = acc.compute()
+def by_hand_batches() -> list[tuple]:
+    return [(["a", "b"], [[True, False], [False, False]], [[1.0, 0.0], [0.0, 0.5]], [[4, 6], [8, 10]]),
+            (["a"], [[True, True]], [[1.0, 1.0]], [[2, 2]])]
+
+
+def check_by_hand(m: dict[str, float]) -> None:
     # a: samples T F T T -> 3/4; pass@2 per prompt: 1 - C(1,2)/C(2,2) = 1, and 1 -> 1.0
     assert m["eval/a/accuracy"] == 0.75 and m["eval/a/pass@2"] == 1.0
     assert m["eval/b/accuracy"] == 0.0 and m["eval/b/pass@2"] == 0.0 and m["eval/b/reward"] == 0.25
     assert m["eval/accuracy"] == 3 / 6 and m["eval/pass@2"] == pytest.approx(2 / 3)
     assert m["eval/mean_length"] == (4 + 6 + 8 + 10 + 2 + 2) / 6
     assert m["eval/a/mean_length"] == 3.5
+
+
+def test_eval_metrics_per_source_by_hand():
+    metrics = EvalMetrics(k=2, sources=["a", "b"])
+    for batch in by_hand_batches():
+        metrics.update(*batch)
+    check_by_hand(metrics.compute())
+
+
+def test_eval_metrics_merge_like_ranks():
+    """Two "ranks" each see one batch; merging their states (what torchmetrics' sync does across ranks, with the
+    same ``cat`` reduction) gives the metrics of the whole eval set."""
+    rank0, rank1 = EvalMetrics(k=2, sources=["a", "b"]), EvalMetrics(k=2, sources=["b", "a"])
+    first, second = by_hand_batches()
+    rank0.update(*first)
+    rank1.update(*second)
+    assert rank1.compute()["eval/accuracy"] == 1.0  # one rank alone is not the eval set
+    rank0.merge_state(rank1)
+    check_by_hand(rank0.compute())
 
 
 def write_eval_file(tiny_data: Path, out: Path) -> dict[str, float]:
@@ -122,12 +142,12 @@ def test_eval_sampling_is_seeded_and_leaves_training_rng_alone(tiny_model, tiny_
     torch.manual_seed(123)
     expected_next = torch.rand(4)
     torch.manual_seed(123)
-    first = dm.evaluate_batch(dm.eval_records, seed=7)
+    first = dm.evaluate(dm.eval_records, step=3, batch_idx=0)
     assert torch.equal(torch.rand(4), expected_next)  # evaluation did not move the global RNG
-    again = dm.evaluate_batch(dm.eval_records, seed=7)
+    again = dm.evaluate(dm.eval_records, step=3, batch_idx=0)
     assert first == again
     assert all(len(r) == 2 for r in first["rewards"]) and len(first["rewards"]) == 6
-    other = dm.evaluate_batch(dm.eval_records, seed=8)
+    other = dm.evaluate(dm.eval_records, step=4, batch_idx=0)
     assert other["lengths"] != first["lengths"] or other["rewards"] != first["rewards"]
 
 

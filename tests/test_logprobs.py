@@ -80,6 +80,32 @@ def test_gradients_with_one_output_unused_frozen_head_and_bfloat16():
     torch.testing.assert_close(bf_hidden.grad.float(), ref_h.grad, rtol=5e-2, atol=5e-2)
 
 
+def test_under_bf16_autocast_stats_are_float32_and_backward_recomputes_like_forward():
+    """trainer.precision=bf16-mixed: the LM head runs in bf16 (forward and the recomputing backward, even when
+    backward is called outside autocast), log-probs and entropy are float32 stats of those bf16 logits."""
+    torch.manual_seed(2)
+    head = torch.nn.Linear(16, 97, bias=True)
+    hidden = torch.randn(3, 11, 16, requires_grad=True)
+    targets = torch.randint(0, 97, (3, 11))
+    up, ue = torch.randn(3, 11), torch.randn(3, 11)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, ent = token_stats_from_hidden(hidden, targets, head, 0.7, 4)
+        logits = head(hidden)  # the reference: autograd through autocast's own bf16 linear
+    assert lp.dtype == ent.dtype == torch.float32 and logits.dtype == torch.bfloat16
+    (lp * up + ent * ue).sum().backward()
+    got = hidden.grad.clone(), head.weight.grad.clone(), head.bias.grad.clone()
+    hidden.grad = None
+    head.zero_grad()
+    lp2, ent2 = plain_stats(logits, targets, 0.7)
+    (lp2 * up + ent2 * ue).sum().backward()
+    torch.testing.assert_close(lp, lp2.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ent2.float(), rtol=1e-5, atol=1e-5)
+    # the hidden-state gradient is the same bf16 matmul as autograd's (a float32 recomputation is ~3e-3 off);
+    # the head's gradients are accumulated in float32 here, in bf16 by autograd
+    for mine, ref, tol in zip(got, (hidden.grad, head.weight.grad, head.bias.grad), (1e-3, 1e-2, 1e-2)):
+        assert (mine - ref).abs().max() <= tol * ref.abs().max()
+
+
 def test_the_lm_head_never_sees_more_than_a_chunk(monkeypatch):
     vocab, chunk = 101, 8
     head = torch.nn.Linear(12, vocab, bias=False)

@@ -32,9 +32,9 @@ class RecordingRollout(HFRollout):
         super().__init__()
         self.seen: list[float] = []
 
-    def generate(self, prompts, params, n=1):
+    def generate(self, prompts, params, n=1, progress=None):
         self.seen.append(fingerprint(self.model))
-        return super().generate(prompts, params, n)
+        return super().generate(prompts, params, n, progress=progress)
 
 
 class AfterStep(L.Callback):
@@ -54,7 +54,7 @@ def test_each_step_trains_on_completions_from_the_previous_steps_weights(tiny_mo
     cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, steps=4)[1:], run=False)
     rollout, probe = RecordingRollout(), AfterStep()
     cli.datamodule.backend = rollout
-    cli.datamodule.judger_runner = JudgerRunner({"*": length_reward})
+    cli.datamodule.judges.default = JudgerRunner({"*": length_reward})
     cli.trainer.callbacks.append(probe)
     cli.trainer.fit(cli.model, cli.datamodule)
 

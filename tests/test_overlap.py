@@ -1,4 +1,4 @@
-"""Judging overlapped with generation (rlflow.data.overlap): judging starts before generation ends (measured on the
+"""Judging overlapped with generation (rlflow.judgers.overlap): judging starts before generation ends (measured on the
 ``engine`` backend), results equal judging the whole batch at once, failures are counted and nothing hangs."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from rlflow.data.datamodule import RolloutDataModule
-from rlflow.data.overlap import OverlappedJudging, generate_and_judge
+from rlflow.judgers.overlap import OverlappedJudging, generate_and_judge
 from rlflow.judgers.runner import JudgerRunner, judge_metrics
-from rlflow.rollout.base import Completion
+from rlflow.rollout.base import Completion, RolloutBackend
 
 K = 4
 
@@ -22,11 +22,22 @@ K = 4
 def make_dm(tiny_model, tiny_data, judgers, **kw):
     dm = RolloutDataModule(
         train_data_path=str(tiny_data / "train.jsonl"), tokenizer_path=str(tiny_model), prompt_repeat_k=K,
-        global_batch_size=8, max_tokens=8, log_trajectories=False, **kw,
+        global_batch_size=8, max_tokens=8, **kw,
     )
     dm.setup("fit")
-    dm.judger_runner = JudgerRunner(judgers, timeout=10.0)
+    dm.judges.default = JudgerRunner(judgers, timeout=10.0)
     return dm
+
+
+def judge_whole(dm, records, completions):
+    """The reference: the whole batch judged at once by the judge panel: (rewards, metrics, texts)."""
+    result, texts = dm.judges.judge(records, completions, K)
+    return result.rewards, result.metrics, texts
+
+
+def run(dm, records):
+    """``generate_and_judge`` the way the datamodule calls it."""
+    return generate_and_judge(dm.backend, dm.judges.judge, records, dm.sampling, K, dm.overlap_judging)
 
 
 def half_none(completions, **kwargs):
@@ -41,8 +52,10 @@ def answered(completions, **kwargs):
     return [1.0 if "####" in t else None for t in texts]
 
 
-class ShuffledStream:
+class ShuffledStream(RolloutBackend):
     """A streaming backend with pre-made completions, finishing groups in a shuffled order (a pause after each)."""
+
+    streams = True
 
     def __init__(self, groups, seed=0, pause=0.01):
         self.groups, self.pause = groups, pause
@@ -50,14 +63,14 @@ class ShuffledStream:
         random.Random(seed).shuffle(self.order)
         self.generate_calls = self.stream_calls = 0
 
-    def stream(self, prompts, params, n=1):
+    def stream(self, prompts, params, n=1, progress=None):
         self.stream_calls += 1
         assert len(prompts) == len(self.groups) and n == K
         for i in self.order:
             time.sleep(self.pause)
             yield i, self.groups[i]
 
-    def generate(self, prompts, params, n=1):
+    def generate(self, prompts, params, n=1, progress=None):
         self.generate_calls += 1
         return self.groups
 
@@ -84,18 +97,18 @@ def test_judge_metrics_against_plain_statistics():
 
 def test_shuffled_stream_equals_whole_batch_judging(tiny_model, tiny_data, tokenizer, progress_recorder):
     dm = make_dm(tiny_model, tiny_data, {"*": ["gsm8k", half_none]})
-    dm.judger_runner = JudgerRunner({"*": [answered, half_none]}, reward_weights={"answered": 2.0})
+    dm.judges.default = JudgerRunner({"*": [answered, half_none]}, reward_weights={"answered": 2.0})
     records = dm.train_records[:8]
     groups = premade(dm, records, tokenizer)
     dm.backend, dm.rollout_progress = ShuffledStream(groups), progress_recorder
-    overlap = OverlappedJudging(dm.judge_result, K)
+    overlap = OverlappedJudging(dm.judges.judge, K)
     out_groups, rewards, metrics, texts = overlap.run(dm.backend.stream([r.prompt_ids for r in records], None, K),
                                                       records, dm.rollout_progress)
     assert len(overlap.jobs) > 1  # judged in several chunks, not once at the end
     assert all(sorted(chunk) == chunk for chunk, _ in overlap.jobs)
     assert out_groups == groups  # prompt order, not finishing order
     flat = [c for g in groups for c in g]
-    ref_rewards, ref_metrics, ref_texts = dm.judge(records, flat, K)
+    ref_rewards, ref_metrics, ref_texts = judge_whole(dm, records, flat)
     assert rewards == ref_rewards and texts == ref_texts and metrics == ref_metrics
     assert len(set(rewards)) > 2 and 0 < metrics["judger/unscored"] < len(flat)  # the comparison is not vacuous
     # the listener saw the whole batch, group by group in finishing order
@@ -111,7 +124,7 @@ def test_make_experience_paths_agree(tiny_model, tiny_data, tokenizer):
         dm = make_dm(tiny_model, tiny_data, {"*": ["gsm8k", half_none]}, overlap_judging=overlap)
         records = dm.train_records[:8]
         dm.backend = ShuffledStream(premade(dm, records, tokenizer), seed=3, pause=0.0)
-        metrics = dm.make_experience(records, policy_version=0, step=0)
+        metrics = dm.make_experience(records, policy_version=0, step=0).metrics
         assert (dm.backend.stream_calls, dm.backend.generate_calls) == ((1, 0) if overlap else (0, 1))
         drop = {"rollout/time", "rollout/tokens_per_s"}
         results.append(({k: v for k, v in metrics.items() if k not in drop},
@@ -124,13 +137,13 @@ def test_backend_without_stream_takes_plain_path(tiny_model, tiny_data, tokenize
     records = dm.train_records[:2]
     groups = premade(dm, records, tokenizer)
 
-    class Plain:
-        def generate(self, prompts, params, n=1):
+    class Plain(RolloutBackend):
+        def generate(self, prompts, params, n=1, progress=None):
             return groups
 
     dm.backend = Plain()
-    out, rewards, metrics, texts, _ = generate_and_judge(dm, records, dm.sampling_params(), K)
-    assert out == groups and rewards == dm.judge(records, [c for g in groups for c in g], K)[0]
+    out, rewards, metrics, texts, _ = run(dm, records)
+    assert out == groups and rewards == judge_whole(dm, records, [c for g in groups for c in g])[0]
     assert rewards[:2] == [1.0, 0.0]  # right answer, wrong answer
 
 
@@ -143,9 +156,9 @@ def test_raising_judger_counted_as_failures_and_no_hang(tiny_model, tiny_data, t
     groups = premade(dm, records, tokenizer)
     dm.backend = ShuffledStream(groups)
     t0 = time.perf_counter()
-    _, rewards, metrics, _, _ = generate_and_judge(dm, records, dm.sampling_params(), K)
+    _, rewards, metrics, _, _ = run(dm, records)
     assert time.perf_counter() - t0 < 5
-    ref_rewards, ref_metrics, _ = dm.judge(records, [c for g in groups for c in g], K)
+    ref_rewards, ref_metrics, _ = judge_whole(dm, records, [c for g in groups for c in g])
     assert metrics["judger/failures"] == 6 * K == ref_metrics["judger/failures"]  # every sample lost broken's reward
     assert rewards == ref_rewards and metrics == ref_metrics
 
@@ -158,14 +171,16 @@ def test_contract_violation_in_worker_raises(tiny_model, tiny_data, tokenizer):
     records = dm.train_records[:3]
     dm.backend = ShuffledStream(premade(dm, records, tokenizer))
     with pytest.raises(ValueError, match="returned 1 rewards"):
-        generate_and_judge(dm, records, dm.sampling_params(), K)
+        run(dm, records)
     for worker in [t for t in threading.enumerate() if t.name.startswith("rlflow-overlap-judge")]:
         worker.join(timeout=2.0)  # the worker is let go, not waited for: it must end on its own
         assert not worker.is_alive()
 
 
-class TimedEngine:
+class TimedEngine(RolloutBackend):
     """Wraps the engine backend, recording when each group finished generating."""
+
+    streams = True
 
     def __init__(self, engine):
         self.engine, self.finished = engine, []
@@ -173,7 +188,7 @@ class TimedEngine:
     def bind(self, model, tokenizer):
         self.engine.bind(model, tokenizer)
 
-    def stream(self, prompts, params, n=1):
+    def stream(self, prompts, params, n=1, progress=None):
         for item in self.engine.stream(prompts, params, n):
             self.finished.append(time.perf_counter())
             yield item
@@ -196,7 +211,7 @@ def test_judging_starts_before_generation_ends_on_engine(tiny_model, tiny_data):
     dm.backend = TimedEngine(EngineRollout(max_batch_size=K, prefill_batch_size=1, seed=0))  # one group at a time
     dm.bind(model)
     records = dm.train_records[:4]
-    groups, rewards, metrics, texts, gen_time = generate_and_judge(dm, records, dm.sampling_params(), K)
+    groups, rewards, metrics, texts, gen_time = run(dm, records)
     assert len(dm.backend.finished) == 4 and len(groups) == 4 and len(rewards) == 4 * K
     assert min(starts) < max(dm.backend.finished)  # measured: a judge call began while a group was still generating
     assert rewards == [float(len(t)) for t in texts]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import re
 
 import pytest
+from tiny_archs import tiny_causal_lm
 
 from rlflow.data.experience import Experience
-from rlflow.data.packing_support import packing_unsupported_reason
+from rlflow.data.packing_support import packing_unsupported_reason, resolve_packing
 from rlflow.module import GRPOModule
-from tiny_archs import tiny_causal_lm
 
 
 @pytest.mark.parametrize("name, attn", [("qwen3", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa"), ("mistral", "sdpa")])
@@ -39,32 +40,33 @@ def test_packing_is_refused_where_packed_sequences_would_leak_into_each_other(mo
     assert reason and "sequences leak into each other" in reason
 
 
-def module_with(policy, packing: bool = True) -> GRPOModule:
-    module = GRPOModule(model_path="unused", packing=packing, micro_batch_size=2, pack_max_length=64)
-    module.policy = policy
-    return module
-
-
 def test_packing_is_the_default_and_kept_where_exact(caplog):
     assert inspect.signature(GRPOModule).parameters["packing"].default is True
-    module = module_with(tiny_causal_lm("qwen3"))
-    with caplog.at_level(logging.INFO, logger="lightning.pytorch.utilities.rank_zero"):
-        module.packing_checked = module.check_packing()
-    assert module.packing
+    with caplog.at_level(logging.INFO, logger="rlflow"):
+        assert resolve_packing(True, [tiny_causal_lm("qwen3"), None], False, 64) is True
     assert any("model.packing: micro-batches are packs of at most 64 tokens" in r.getMessage() for r in caplog.records)
 
 
-def test_an_unsupported_model_falls_back_to_padded_micro_batches_with_the_reason():
-    module = module_with(tiny_causal_lm("stablelm"))
-    with pytest.warns(UserWarning, match="model.packing: training on padded micro-batches .* because a packed forward"):
-        module.packing_checked = module.check_packing()
+def test_an_unsupported_model_falls_back_to_padded_micro_batches_with_the_reason(tiny_model, caplog):
+    module = GRPOModule(model_path=str(tiny_model), micro_batch_size=2, pack_max_length=64)
+    module.policy = tiny_causal_lm("stablelm")
+    assert module.packing  # as configured (the default) until the fit-start check
+    with caplog.at_level(logging.INFO, logger="rlflow"):
+        module.packing_checked = resolve_packing(True, [module.policy], False, 64)
+    warned = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and re.search(
+        "model.packing: training on padded micro-batches .* because a packed forward", warned[0].getMessage())
     assert not module.packing
     exps = [Experience([5, 6], [7] * n, [0.0] * n, 0.0, 0.0, 0, "stop", 0) for n in (1, 2, 3, 4, 5)]
     assert [len(mb) for mb in module.micro_batches(exps)] == [2, 2, 1]  # micro_batch_size sequences
 
 
-def test_packing_off_is_not_probed(monkeypatch):
-    import rlflow.module as module_py
+def test_the_reference_model_is_checked_too():
+    assert resolve_packing(True, [tiny_causal_lm("qwen3"), tiny_causal_lm("stablelm")], False, 64) is False
 
-    monkeypatch.setattr(module_py, "packing_unsupported_reason", lambda *a: pytest.fail("probed"))
-    assert module_with(tiny_causal_lm("qwen3"), packing=False).check_packing() is False
+
+def test_packing_off_is_not_probed(monkeypatch):
+    import rlflow.data.packing_support as packing_support
+
+    monkeypatch.setattr(packing_support, "packing_unsupported_reason", lambda *a: pytest.fail("probed"))
+    assert resolve_packing(False, [tiny_causal_lm("qwen3")], False, 64) is False

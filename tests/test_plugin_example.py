@@ -62,7 +62,7 @@ def test_rlflow_fit_selects_the_plugin_by_short_name(example_installed, tiny_mod
     args = [a for a in fit_args(tiny_model, tiny_data, tmp_path, steps=2) if not a.startswith("--data.train_data_path")]
     cli = cli_main([*args, f"--config={config}", f"--data.train_data_path={data}"])
     assert cli.trainer.global_step == 2
-    assert type(cli.datamodule.judger_runner.judgers["countdown"]).__module__ == "rlflow_judger_example.countdown"
+    assert type(cli.datamodule.judges.default.judgers["countdown"]).__module__ == "rlflow_judger_example.countdown"
     log_dir = Path(cli.trainer.log_dir)
     with open(log_dir / "metrics.csv") as f:
         rows = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]

@@ -104,13 +104,14 @@ def test_datamodule_settings_and_per_source_overrides(tiny_model, tmp_path):
         chat_template_kwargs={"enable_thinking": False}, judgers={"*": "gsm8k"},
     )
     dm.load_tokenizer().chat_template = THINKING_TEMPLATE
-    chat_rec, plain_rec = dm.prepare_records(dm.train_sources, "train")
+    chat_rec, plain_rec = dm.train_prompts.load(dm.tokenizer)
     assert chat_rec.prompt_text == (
         "<|im_start|>system\nData-level.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     )
     assert plain_rec.prompt_text == "Solve: 1+1 ="  # the source's template wins over data.prompt_template
-    assert dm.render_prompt(plain_rec) == "Solve: 1+1 ="  # found again by the record's origin
+    plain_source = dm.train_prompts.sources[1]
+    assert dm.train_prompts.format_for(plain_source).render(plain_rec, dm.tokenizer) == "Solve: 1+1 ="
     assert dm.tokenizer.decode(plain_rec.prompt_ids) == plain_rec.prompt_text
     with pytest.raises(ValueError, match="no '{prompt}' placeholder"):
         RolloutDataModule(train_data_path=str(plain), prompt_template="{question}")

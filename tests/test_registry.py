@@ -75,7 +75,8 @@ def test_unknown_short_name_lists_the_available_ones():
 
 def test_broken_plugin_names_its_distribution_and_chains_the_exception(monkeypatch):
     cause = ModuleNotFoundError("No module named 'torchx'")
-    fake_group(monkeypatch, FakeEntryPoint("broken", "broken_pkg.judge:Judge", FakeDistribution("broken-dist", "1.2.3"), cause))
+    dist = FakeDistribution("broken-dist", "1.2.3")
+    fake_group(monkeypatch, FakeEntryPoint("broken", "broken_pkg.judge:Judge", dist, cause))
     with pytest.raises(registry.PluginError) as info:
         registry.build(GROUP, "broken")
     message = str(info.value)
@@ -149,7 +150,8 @@ def test_rlflow_plugins_lists_name_distribution_and_version(capsys):
 
 
 def test_rlflow_plugins_reports_conflicts_and_broken_plugins(monkeypatch, capsys):
-    fake_group(monkeypatch, FakeEntryPoint("bad", "bad_pkg:J", FakeDistribution("bad-dist", "0.0.1"), ImportError("boom")))
+    dist = FakeDistribution("bad-dist", "0.0.1")
+    fake_group(monkeypatch, FakeEntryPoint("bad", "bad_pkg:J", dist, ImportError("boom")))
     assert plugins_cmd.main(["--group", GROUP, "--check"]) == 1
     out = capsys.readouterr().out
     assert "BROKEN" in out and "bad-dist 0.0.1" in out and "boom" in out
@@ -171,3 +173,81 @@ def test_rlflow_plugins_is_dispatched_by_the_rlflow_command(capsys):
     for group in registry.GROUPS:
         assert f"{group}:" in out
     assert "think_format" in out and "rlflow 0.1.0" in out
+
+
+# ------------------------------------------------------------------ typed plugin arguments (jsonargparse)
+def typed_parser(key: str, base: type):
+    """A parser with one plugin argument typed as rlflow's are, with registry short names resolvable."""
+    from jsonargparse import ArgumentParser
+
+    registry.install_jsonargparse_resolver()
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument(f"--{key}", type=str | base)
+    return parser
+
+
+def test_class_path_short_name_resolves_and_init_args_are_validated():
+    from rlflow.losses.base import PolicyLoss
+    from rlflow.losses.clipped import GRPOLoss
+
+    parser = typed_parser("loss", PolicyLoss)
+    cfg = parser.parse_args(["--loss", '{"class_path": "grpo", "init_args": {"kl_coef": 0.01}}'])
+    assert cfg.loss.class_path == "rlflow.losses.clipped.GRPOLoss"
+    assert cfg.loss.init_args.kl_coef == 0.01 and cfg.loss.init_args.epsilon_low == 0.2  # the class's options
+    loss = parser.instantiate_classes(cfg).loss
+    assert isinstance(loss, GRPOLoss) and loss.kl_coef == 0.01
+    assert registry.build("rlflow.losses", loss) is loss  # what jsonargparse built is used as is
+    assert parser.parse_args(["--loss", "bnpo"]).loss == "bnpo"  # a plain name stays a string for build()
+    with pytest.raises(Exception, match="kl_coeff"):  # a misspelt option is caught while parsing
+        parser.parse_object({"loss": {"class_path": "grpo", "init_args": {"kl_coeff": 0.01}}})
+
+
+def test_unknown_class_path_gives_the_registrys_error():
+    from rlflow.rollout.base import RolloutBackend
+
+    parser = typed_parser("rollout", RolloutBackend)
+    with pytest.raises(Exception, match=r"unknown rlflow.rollout plugin 'nope'; available: engine, hf, lmdeploy"):
+        parser.parse_object({"rollout": {"class_path": "nope"}})
+
+
+def test_third_party_entry_point_resolves_as_class_path():
+    pytest.importorskip("rlflow_judger_example")
+    from rlflow.judgers.base import Judger
+
+    parser = typed_parser("judger", Judger)
+    cfg = parser.parse_object({"judger": {"class_path": "countdown", "init_args": {"format_score": 0.0}}})
+    assert cfg.judger.class_path == "rlflow_judger_example.countdown.CountdownJudger"
+    assert type(parser.instantiate_classes(cfg).judger).__name__ == "CountdownJudger"
+
+
+def test_a_class_name_still_resolves_and_the_resolver_installs_once():
+    from jsonargparse import _typehints
+
+    from rlflow.advantages.base import AdvantageEstimator
+
+    parser = typed_parser("advantage", AdvantageEstimator)
+    cfg = parser.parse_object({"advantage": {"class_path": "RLOOAdvantage"}})
+    assert cfg.advantage.class_path.endswith(".RLOOAdvantage")
+    resolver = _typehints.resolve_class_path_by_name
+    registry.install_jsonargparse_resolver()
+    assert _typehints.resolve_class_path_by_name is resolver and resolver.rlflow_registry
+
+
+def test_mapping_given_as_text_builds_like_the_mapping():
+    judger = registry.build(GROUP, '{class_path: gsm8k, init_args: {format_score: 0.1}}')
+    assert isinstance(judger, GSM8KJudger) and judger.format_score == 0.1
+    with pytest.raises(registry.PluginError, match="unknown rlflow.judgers plugin 'nope'"):
+        registry.build(GROUP, "{class_path: nope}")
+
+
+def test_init_defaults_follow_kwargs_up_the_mro_and_settings_fill_only_unset_args():
+    from rlflow.losses.clipped import GSPOLoss
+
+    params, takes_any = registry.init_defaults(GSPOLoss)
+    assert params["importance_sampling_level"] == "sequence" and params["delta"] is None
+    assert params["kl_coef"] == 0.0 and params["epsilon_high"] is None and not takes_any
+    init_args = {"kl_coef": 0.0, "epsilon_low": 0.3}
+    conflicts = registry.apply_settings(GSPOLoss, init_args, {"kl_coef": 0.01, "epsilon_low": 0.2, "kl_type": None,
+                                                             "unknown": 1})
+    assert init_args == {"kl_coef": 0.01, "epsilon_low": 0.3}  # 0.0 is the default: unset; 0.3 was set
+    assert conflicts == {"epsilon_low": (0.3, 0.2)}

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import DATA, fit_args
 from rlflow.data.dataset import DataError, read_jsonl
-from rlflow.data.sources import DataSource, SourceJudgers, iter_records, parse_sources, per_source_means, read_source
+from rlflow.data.sources import DataSource, iter_records, parse_sources, per_source_means, read_source
+from rlflow.judgers.panel import SourceJudgers
 
 
 def example_rows(n: int = 12) -> list[dict]:
@@ -169,7 +170,7 @@ def test_datamodule_mixes_sources_with_their_own_limits(tiny_model, tmp_path):
         tokenizer_path=str(tiny_model), global_batch_size=4, max_prompt_length=8, judgers={"*": "gsm8k"},
     )
     dm.setup("fit")
-    assert dm.source_sizes["train"] == {"short": 6, "long": 5} and dm.dropped_by_source["train"] == {"short": 0, "long": 1}
+    assert dm.train_prompts.sizes == {"short": 6, "long": 5} and dm.train_prompts.dropped_by_source == {"short": 0, "long": 1}
     assert isinstance(dm.sampler, MixBatchSampler)
     batch = next(iter(dm.train_dataloader()))
     assert sorted(r.data_source for r in batch) == ["long", "long", "long", "short"]

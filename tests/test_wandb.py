@@ -40,6 +40,20 @@ def wandb_records(path: Path):
             yield record
 
 
+def settled_records(path: Path, timeout: float = 30.0) -> list:
+    """The run file's records once the writer is done: ``finish()`` may return before wandb's service (0.31+) has
+    written the last rows, so read until the record count stops growing (or ``timeout`` passes)."""
+    import time
+
+    deadline, previous = time.monotonic() + timeout, -1
+    while True:
+        records = list(wandb_records(path))
+        if len(records) == previous or time.monotonic() > deadline:
+            return records
+        previous = len(records)
+        time.sleep(1.0)
+
+
 def history_row(record) -> dict:
     """One history row as a dict; an item's key is ``key`` or its ``nested_key`` path (a table's fields nest)."""
     row: dict = {}
@@ -68,7 +82,7 @@ def test_wandb_offline_records_metrics_config_and_sample_tables(tiny_model, tiny
     assert type(logger).__name__ == "WandbLogger" and logger.name == "rlflow"
     logger.experiment.finish()
     run_dir = next((tmp_path / "wandb").glob("offline-run-*"))  # save_dir defaulted to trainer.default_root_dir
-    records = list(wandb_records(next(run_dir.glob("run-*.wandb"))))
+    records = settled_records(next(run_dir.glob("run-*.wandb")))
 
     config = {}
     for r in records:
@@ -128,10 +142,11 @@ def test_rollout_progress_and_step_summary(tiny_model, tiny_data, tmp_path, caps
 
 
 def test_progress_listener_counts_per_batch_when_the_backend_reports(progress_recorder):
-    from rlflow.data.datamodule import RolloutDataModule
-    from rlflow.rollout.base import Completion, SamplingParams
+    from rlflow.judgers.overlap import generate_and_judge
+    from rlflow.judgers.runner import JudgeResult
+    from rlflow.rollout.base import Completion, RolloutBackend, SamplingParams
 
-    class Reporting:
+    class Reporting(RolloutBackend):
         def generate(self, prompts, params, n=1, progress=None):
             out = []
             for p in prompts:  # one "batch" per prompt
@@ -140,8 +155,10 @@ def test_progress_listener_counts_per_batch_when_the_backend_reports(progress_re
                 progress(n, 3 * n)
             return out
 
-    dm = RolloutDataModule.__new__(RolloutDataModule)
-    dm.backend, dm.rollout_progress = Reporting(), progress_recorder
-    groups = dm.generate_with_progress([[1], [2]], SamplingParams(), 4)
-    assert len(groups) == 2 and dm.rollout_progress.calls == [
+    def judge(records, completions, k):
+        return JudgeResult([0.0] * len(completions)), [""] * len(completions)
+
+    records = [type("Record", (), {"prompt_ids": ids})() for ids in ([1], [2])]
+    groups = generate_and_judge(Reporting(), judge, records, SamplingParams(), 4, listener=progress_recorder)[0]
+    assert len(groups) == 2 and progress_recorder.calls == [
         ("start", 8), ("update", 4, 12), ("update", 4, 12), ("close",)]

@@ -65,7 +65,7 @@ def rlflow_worker(args) -> dict:
     with tempfile.TemporaryDirectory() as root:
         cli_main([
             "fit", *rlflow_settings(args), f"--model.model_path={args.model}", "--model.export_hf=false",
-            f"--data.train_data_path={args.data}", "--data.eval_data_path=null", "--data.log_trajectories=false",
+            f"--data.train_data_path={args.data}", "--data.eval_data_path=null", "--trajectories.enabled=false",
             "--trainer.accelerator=cpu", "--trainer.devices=1", f"--trainer.max_steps={args.steps}",
             f"--trainer.default_root_dir={root}", "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
             f"--trainer.logger.save_dir={root}", "--trainer.enable_progress_bar=false",
@@ -202,7 +202,8 @@ def summarise(runs: list[dict], warmup: int) -> dict:
 
 #: bench_step argument <- (section, key) of an rlflow config
 CONFIG_KEYS = {
-    "prompts": ("data", "global_batch_size"), "group": ("data", "prompt_repeat_k"), "max_tokens": ("data", "max_tokens"),
+    "prompts": ("data", "global_batch_size"), "group": ("data", "prompt_repeat_k"),
+    "max_tokens": ("data", "max_tokens"),
     "temperature": ("data", "temperature"), "lr": ("model", "lr"), "warmup_steps": ("model", "warmup_steps"),
     "loss": ("model", "loss"), "epsilon": ("model", "epsilon_low"), "epsilon_high": ("model", "epsilon_high"),
     "kl_coef": ("model", "kl_coef"), "micro_batch": ("model", "micro_batch_size"), "model": ("model", "model_path"),
@@ -247,7 +248,8 @@ def main(argv=None) -> None:
     ap.add_argument("--config", default=None, help="rlflow config to run as shipped (e.g. configs/demo_cpu.yaml); "
                     "TRL mirrors its settings")
     ap.add_argument("--rlflow-args", default=None,
-                    help="extra rlflow fit flags (default: '--data.rollout=engine --model.packing=true' without --config)")
+                    help="extra rlflow fit flags (default without --config: "
+                    "'--data.rollout=engine --model.packing=true')")
     ap.add_argument("--only", choices=["rlflow", "trl"], default=None, help="run one framework and print its figures")
     ap.add_argument("--only-packing", action="store_true", help="time padded vs packed forward/backward instead")
     ap.add_argument("--worker", choices=["rlflow", "trl"], default=None, help=argparse.SUPPRESS)
@@ -268,9 +270,9 @@ def main(argv=None) -> None:
             torch.set_num_threads(args.threads)
         packing_bench(args)
         return
-    print(f"settings: {args.prompts} prompts x {args.group} completions, {args.max_tokens} max tokens, T={args.temperature}, "
-          f"lr {args.lr} (warm-up {args.warmup_steps}), loss {args.loss}, epsilon {args.epsilon}/{args.epsilon_high}, "
-          f"kl {args.kl_coef}, TRL micro-batch {args.micro_batch}; rlflow: "
+    print(f"settings: {args.prompts} prompts x {args.group} completions, {args.max_tokens} max tokens, "
+          f"T={args.temperature}, lr {args.lr} (warm-up {args.warmup_steps}), loss {args.loss}, "
+          f"epsilon {args.epsilon}/{args.epsilon_high}, kl {args.kl_coef}, TRL micro-batch {args.micro_batch}; rlflow: "
           f"{' '.join(rlflow_settings(args)) if args.config else 'the flags above'} {args.rlflow_args}", flush=True)
     forward = [a for a in (argv if argv is not None else sys.argv[1:])]
     names = [args.only] if args.only else ["rlflow", "trl"]

@@ -6,8 +6,9 @@ lengths: Tensor[N] | None = None) -> Tensor[N]`` with ``N`` a multiple of ``grou
 tokens) is passed to estimators whose :attr:`AdvantageEstimator.needs_lengths` is true (OPO, REINFORCE++);
 :func:`estimate` calls any estimator, plugin functions included, the right way.
 
-Simplification: batch-level statistics (``scale_rewards: batch``, REINFORCE++'s whitening) are taken over the
-rewards this rank sees; groups never span ranks, so group-level estimators are exact.
+Under data parallelism :func:`estimate_global` estimates over every rank's rewards (gathered in rank order) and
+keeps this rank's slice, so batch-level statistics (``scale_rewards: batch``, REINFORCE++'s whitening) are the
+global batch's; groups never span ranks, so group-level estimators need no gather but get the same answer.
 """
 
 from __future__ import annotations
@@ -48,3 +49,17 @@ def estimate(estimator: Any, rewards: torch.Tensor, group_size: int, lengths: to
     if getattr(estimator, "needs_lengths", False):
         return estimator(rewards, group_size, lengths=lengths)
     return estimator(rewards, group_size)
+
+
+def estimate_global(estimator: Any, rewards: torch.Tensor, group_size: int, lengths: torch.Tensor | None = None,
+                    ) -> torch.Tensor:
+    """This rank's advantages, estimated over the generation batch of every rank (a collective under data
+    parallelism: every rank calls it with the same number of rewards)."""
+    from rlflow.distributed import all_gather, world_size
+
+    if world_size() == 1:
+        return estimate(estimator, rewards, group_size, lengths=lengths)
+    n, rank = rewards.numel(), torch.distributed.get_rank()
+    gathered_lengths = all_gather(lengths) if lengths is not None else None
+    everything = estimate(estimator, all_gather(rewards), group_size, lengths=gathered_lengths)
+    return everything[rank * n: (rank + 1) * n]

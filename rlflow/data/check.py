@@ -116,11 +116,12 @@ def probe_judgers(report: SourceReport, runner: Any, probes: dict[str, list[Prom
 
 def check_source(dm: Any, source: DataSource, split: str, tokenizer: Any) -> SourceReport:
     """Read, route, render and tokenize every row of ``source`` the way ``dm`` would for training."""
-    limit = source.max_prompt_length or dm.max_prompt_length
+    prompts = dm.train_prompts if split == "train" else dm.eval_prompts
+    limit = source.max_prompt_length or prompts.max_prompt_length
     report = SourceReport(split, source.name or "", source.path, source.weight, limit)
-    runner = dm.source_judgers.runners.get(source.name, dm.judger_runner)
+    runner = dm.judges.routing.runners.get(source.name, dm.judges.default)
     report.routes = ", ".join(f"{key} -> {'+'.join(names)}" for key, names in runner.routes.items())
-    fmt = dm.prompt_format(source)
+    fmt = prompts.format_for(source)
     probes: dict[str, list[PromptRecord]] = {}
     pending: list[tuple[str, str]] = []
 
@@ -186,8 +187,8 @@ def check_datamodule(dm: Any, tokenize: bool = True, mix: bool = True) -> CheckR
     """Check every train and eval source of a :class:`RolloutDataModule` (``tokenize=False`` skips lengths;
     ``mix=False`` leaves out the per-step shares, for files that are not a configured mix)."""
     tokenizer = dm.load_tokenizer() if tokenize else None
-    reports = [check_source(dm, s, "train", tokenizer) for s in dm.train_sources]
-    reports += [check_source(dm, s, "eval", tokenizer) for s in dm.eval_sources]
+    reports = [check_source(dm, s, "train", tokenizer) for s in dm.train_prompts.sources]
+    reports += [check_source(dm, s, "eval", tokenizer) for s in dm.eval_prompts.sources]
     return CheckReport(reports, dm.global_batch_size if mix else 0, tokenize)
 
 

@@ -1,18 +1,29 @@
-"""``RolloutDataModule``: prompts in, judged experience out.
+"""``RolloutDataModule``: prompts in, judged experience out, as a composition of named parts.
+
+Each part is its own module with its own interface; the datamodule only wires them together:
+
+* prompts: :class:`~rlflow.data.prompts.PromptSet` per split (sources read, rendered, tokenized, filtered) and
+  its seeded batch sampler (:mod:`rlflow.data.sampler`, :mod:`rlflow.data.mix`);
+* generation: the rollout backend (:class:`~rlflow.rollout.base.RolloutBackend`, the ``rlflow.rollout`` group);
+* rewards: the :class:`~rlflow.judgers.panel.JudgePanel` (the ``rlflow.judgers`` group), judging overlapped
+  with generation where the backend streams (:mod:`rlflow.judgers.overlap`);
+* advantages: the estimator (the ``rlflow.advantages`` group) over every rank's batch;
+* :class:`~rlflow.data.dynamic_sampling.DynamicSampling` (optional) and the
+  :class:`~rlflow.data.replay_buffer.ReplayBuffer`.
+
+Writers (``trajectories.jsonl``, the W&B samples table, the summary line) are callbacks that read the
+:class:`~rlflow.data.experience.RolloutStep` the module keeps (:mod:`rlflow.callbacks`).
 
 The train dataloader yields *prompt batches* only, which are cheap, so Lightning's one-batch prefetch costs
-nothing and cannot make training off-policy: the expensive part, :meth:`RolloutDataModule.make_experience`
-(generate ``prompt_repeat_k`` completions per prompt, judge them, compute group advantages, fill the replay
-buffer), is called by :class:`rlflow.module.GRPOModule` inside ``training_step``, after the previous optimizer
-step, with the live policy. Every experience is stamped with the policy version that sampled it.
+nothing and cannot make training off-policy: the expensive part, :meth:`RolloutDataModule.make_experience`, is
+called by :class:`rlflow.module.GRPOModule` inside ``training_step``, after the previous optimizer step, with the
+live policy, through the :class:`~rlflow.data.protocol.ExperienceSource` interface. Every experience is stamped
+with the policy version that sampled it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,16 +32,22 @@ import torch
 from torch.utils.data import DataLoader
 
 from rlflow import registry
-from rlflow.advantages.base import estimate
-from rlflow.data.dataset import DataError, PromptFormat, PromptRecord
+from rlflow.advantages.base import AdvantageEstimator, estimate_global
+from rlflow.config_checks import check_data_args
+from rlflow.data.dataset import PromptRecord
+from rlflow.data.dynamic_sampling import DynamicSampling, Groups
+from rlflow.data.experience import Experience, RolloutStep
 from rlflow.data.mix import MixBatchSampler
-from rlflow.data.overlap import generate_and_judge
-from rlflow.data.sources import DataSource, SourceJudgers, parse_sources, per_source_means, read_source
-from rlflow.data.experience import Experience
+from rlflow.data.prompts import PromptSet
 from rlflow.data.replay_buffer import ReplayBuffer
+from rlflow.data.rollout_metrics import rollout_metrics
 from rlflow.data.sampler import PromptBatchSampler, PromptLoader
-from rlflow.judgers.runner import JudgerRunner
-from rlflow.rollout.base import RolloutBackend, SamplingParams
+from rlflow.data.sources import parse_sources, per_source_means
+from rlflow.evaluation import eval_seed, isolated_rng
+from rlflow.judgers.base import Judger
+from rlflow.judgers.overlap import generate_and_judge
+from rlflow.judgers.panel import JudgePanel
+from rlflow.rollout.base import RolloutBackend, SamplingParams, stop_token_ids
 
 
 def _keep_records(batch: list[PromptRecord]) -> list[PromptRecord]:
@@ -38,7 +55,7 @@ def _keep_records(batch: list[PromptRecord]) -> list[PromptRecord]:
 
 
 class RolloutDataModule(L.LightningDataModule):
-    """Wraps the prompt datasets, the rollout backend, the judgers and the replay buffer."""
+    """Wraps the prompt sets, the rollout backend, the judge panel, the advantage estimator and the replay buffer."""
 
     def __init__(
         self,
@@ -53,13 +70,13 @@ class RolloutDataModule(L.LightningDataModule):
         top_p: float = 1.0,
         top_k: int = 0,
         stop: list[str] | None = None,
-        judgers: dict[str, Any] | None = None,
+        judgers: dict[str, str | Judger | list[str | Judger]] | None = None,
         reward_weights: dict[str, float] | None = None,
         judger_timeout: float | None = 60.0,
-        advantage: Any = "grpo",
+        advantage: str | AdvantageEstimator = "grpo",
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 3,
-        rollout: Any = "hf",
+        rollout: str | RolloutBackend = "hf",
         system_prompt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         prompt_template: str | None = None,
@@ -68,7 +85,6 @@ class RolloutDataModule(L.LightningDataModule):
         eval_pass_threshold: float = 1.0,
         eval_k: int = 1,
         seed: int = 0,
-        log_trajectories: bool = True,
         overlap_judging: bool = True,
     ) -> None:
         """
@@ -87,16 +103,20 @@ class RolloutDataModule(L.LightningDataModule):
             top_p: Nucleus sampling threshold (1.0 disables it).
             top_k: Top-k sampling (0 disables it).
             stop: Extra stop strings, each a single token of the tokenizer; the tokenizer's EOS always stops.
-            judgers: Judgers per ``data_source``: a short name, ``class_path``/``init_args``, or a list; ``*`` catches every source.
+            judgers: Judgers per ``data_source``: a short name, an import path (a TRL-style reward function),
+                ``class_path``/``init_args`` (``--data.judgers.help gsm8k`` lists a judger's options), or a list of
+                these; ``*`` catches every source.
             reward_weights: Weight of each judger (by name) in the summed reward; default 1.0.
             judger_timeout: Seconds one judger may take on one batch; past it (or if it raises) its samples get no
                 reward from it and are counted in ``judger/failures``. None waits forever.
-            advantage: Advantage estimator: a short name of the ``rlflow.advantages`` group or ``class_path``/``init_args``.
+            advantage: Advantage estimator: a short name of the ``rlflow.advantages`` group, an import path or
+                ``class_path``/``init_args`` (``--data.advantage.help grpo`` lists its options).
             dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards all agree (no learning signal) and
                 sample more prompts until the batch is full again.
             max_sampling_rounds: With dynamic sampling, most generation rounds per rollout step (the first included);
                 a batch still short after them is topped up with dropped groups (advantage 0).
-            rollout: Rollout backend: a short name of the ``rlflow.rollout`` group or ``class_path``/``init_args``.
+            rollout: Rollout backend: a short name of the ``rlflow.rollout`` group, an import path or
+                ``class_path``/``init_args`` (``--data.rollout.help hf`` lists its options).
             system_prompt: If set, replaces (or adds) the system message of every chat prompt.
             chat_template_kwargs: Extra keyword arguments for the chat template (e.g. ``enable_thinking: false``).
             prompt_template: If set, plain-string prompts become ``prompt_template.format(prompt=..., **columns)``.
@@ -106,77 +126,57 @@ class RolloutDataModule(L.LightningDataModule):
             eval_k: Completions per eval prompt: 1 (greedy by default) reports ``eval/accuracy``; k > 1 samples at
                 ``eval_temperature`` (which must then be > 0) and also reports ``eval/pass@k``.
             seed: Seed of the prompt order (each epoch uses ``seed + epoch``).
-            log_trajectories: Append every rollout step's samples to ``<log_dir>/trajectories.jsonl``.
             overlap_judging: With a backend that streams finished groups (``engine``), judge them in a background
                 thread while the rest of the batch is still generating (same rewards and metrics as judging the
-                whole batch at once); see :mod:`rlflow.data.overlap`.
+                whole batch at once); see :mod:`rlflow.judgers.overlap`.
         """
+        check_data_args(locals())  # every invalid value is one ConfigError naming its option
         super().__init__()
         if prompt_repeat_k < 2:
             raise ValueError(
                 f"data.prompt_repeat_k={prompt_repeat_k}: GRPO compares the completions of one prompt with each other, "
                 "so a group needs at least 2 (a group of 1 has no mean or std to compare against); use 2 or more"
             )
-        self.train_sources = parse_sources(train_data_path, "data.train_data_path")
-        self.train_paths = [s.path for s in self.train_sources]
-        if not self.train_paths:
-            raise ValueError("data.train_data_path is empty")
-        self.eval_sources = parse_sources(eval_data_path, "data.eval_data_path")
-        self.eval_paths = [s.path for s in self.eval_sources]
-        self.prompt_template = prompt_template
-        PromptFormat(prompt_template=prompt_template)  # a bad template fails here, before any model is loaded
-        self.tokenizer_path = tokenizer_path
-        self.prompt_repeat_k = prompt_repeat_k
-        self.global_batch_size = global_batch_size
-        self.max_prompt_length = max_prompt_length
-        self.max_tokens = max_tokens
-        self.temperature = temperature
-        self.top_p = top_p
-        self.top_k = top_k
-        self.stop = list(stop or [])
-        self.judger_specs = judgers if judgers is not None else {"openai/gsm8k": "gsm8k"}
-        self.reward_weights = reward_weights
-        self.advantage_spec = advantage
-        self.rollout_spec = rollout
-        self.system_prompt = system_prompt
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.eval_temperature = eval_temperature
-        self.eval_batch_size = eval_batch_size
-        self.eval_pass_threshold = eval_pass_threshold
         if eval_k < 1 or (eval_k > 1 and eval_temperature == 0.0):
             raise ValueError(
                 f"data.eval_k={eval_k} with data.eval_temperature={eval_temperature}: eval_k must be >= 1, and k > 1 "
                 "greedy completions would all be identical; set data.eval_temperature > 0 (e.g. 0.6) or eval_k=1"
             )
-        self.eval_k = eval_k
-        self.seed = seed
-        self.log_trajectories = log_trajectories
-        self.overlap_judging = overlap_judging
+        train_sources = parse_sources(train_data_path, "data.train_data_path")
+        if not train_sources:
+            raise ValueError("data.train_data_path is empty")
+        eval_sources = parse_sources(eval_data_path, "data.eval_data_path")
+        formats = dict(system_prompt=system_prompt, prompt_template=prompt_template,
+                       chat_template_kwargs=chat_template_kwargs)
+        # the parts, built here so that a wrong plugin name or setting fails before any model is loaded
+        self.train_prompts = PromptSet(train_sources, "train", max_prompt_length, **formats)
+        self.eval_prompts = PromptSet(eval_sources, "eval", max_prompt_length, **formats)
+        self.sampling = SamplingParams(temperature, top_p, top_k, max_tokens)  # stop ids added with the tokenizer
+        self.eval_sampling = SamplingParams(eval_temperature, 1.0, 0, max_tokens)
+        self.judges = JudgePanel(judgers if judgers is not None else {"openai/gsm8k": "gsm8k"}, reward_weights,
+                                 [*train_sources, *eval_sources], timeout=judger_timeout, max_tokens=max_tokens)
+        self.advantage = registry.build("rlflow.advantages", advantage)
+        dynamic = DynamicSampling(max_sampling_rounds, seed)  # validated even when off
+        self.dynamic_sampling = dynamic if dynamic_sampling else None
         self.buffer = ReplayBuffer(seed=seed)
-        self.last_samples: list[dict] = []  # the latest rollout step's samples (for the W&B samples table)
+        self.rollout_spec = rollout
+        self.backend: RolloutBackend | None = None
+        self.sampler: PromptBatchSampler | MixBatchSampler | None = None
         self.rollout_progress: Any = None  # a listener with start(total), update(completions, tokens), close()
         self.tokenizer: Any = None
-        self.train_records: list[PromptRecord] = []
-        self.eval_records: list[PromptRecord] = []
-        self.dropped: dict[str, int] = {"train": 0, "eval": 0}
-        self.sampler: PromptBatchSampler | None = None
-        self.backend: RolloutBackend | None = None
-        # Built here, not in setup, so that a wrong plugin name fails before any model is loaded.
-        self.source_judgers = SourceJudgers(
-            self.judger_specs, reward_weights, [*self.train_sources, *self.eval_sources],
-            timeout=judger_timeout, defaults={"max_tokens": max_tokens},
-        )
-        self.judger_runner: JudgerRunner = self.source_judgers.default  # sources without their own judgers
-        self.source_sizes: dict[str, dict[str, int]] = {"train": {}, "eval": {}}
-        self.dropped_by_source: dict[str, dict[str, int]] = {"train": {}, "eval": {}}
-        self.advantage = registry.build("rlflow.advantages", advantage)
-        if max_sampling_rounds < 1:
-            raise ValueError(f"data.max_sampling_rounds must be >= 1, got {max_sampling_rounds}")
-        self.dynamic_sampling = dynamic_sampling
-        self.max_sampling_rounds = max_sampling_rounds
+        self.tokenizer_path = tokenizer_path
+        self.stop = list(stop or [])
+        self.prompt_repeat_k = prompt_repeat_k
+        self.global_batch_size = global_batch_size
+        self.eval_batch_size = eval_batch_size
+        self.eval_pass_threshold = eval_pass_threshold
+        self.eval_k = eval_k
+        self.seed = seed
+        self.overlap_judging = overlap_judging
 
     # ----------------------------------------------------------------------------------------------- set-up
     def load_tokenizer(self) -> Any:
+        """The policy's tokenizer (loaded once); its EOS and ``data.stop`` become the stop tokens."""
         if self.tokenizer is None:
             from transformers import AutoTokenizer
 
@@ -184,112 +184,44 @@ class RolloutDataModule(L.LightningDataModule):
                 raise ValueError("data.tokenizer_path is not set (the CLI links it to model.model_path)")
             if not Path(self.tokenizer_path).exists() and self.tokenizer_path.startswith((".", "/", "~")):
                 raise FileNotFoundError(f"tokenizer path {self.tokenizer_path!r} does not exist")
-            self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-            if self.tokenizer.pad_token_id is None:
-                self.tokenizer.pad_token = self.tokenizer.eos_token
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            if tokenizer.pad_token_id is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            stops = stop_token_ids(tokenizer, self.stop)
+            self.sampling.stop_token_ids = self.eval_sampling.stop_token_ids = stops
+            self.tokenizer = self.judges.tokenizer = tokenizer
         return self.tokenizer
 
-    def sampling_params(self, eval: bool = False) -> SamplingParams:
-        tok = self.load_tokenizer()
-        stop_ids = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        for s in self.stop:
-            ids = tok.encode(s, add_special_tokens=False)
-            if len(ids) != 1:
-                raise ValueError(f"data.stop entry {s!r} is {len(ids)} tokens for this tokenizer; stop strings must be one token")
-            stop_ids.append(ids[0])
-        if eval:
-            return SamplingParams(self.eval_temperature, 1.0, 0, self.max_tokens, stop_ids)
-        return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_tokens, stop_ids)
+    @property
+    def train_records(self) -> list[PromptRecord]:
+        return self.train_prompts.records
 
-    def prompt_format(self, source: DataSource | None = None) -> PromptFormat:
-        """How the prompts of ``source`` are rendered: its own system prompt / template, else the data-level ones."""
-        system = self.system_prompt if source is None or source.system_prompt is None else source.system_prompt
-        template = self.prompt_template if source is None or source.prompt_template is None else source.prompt_template
-        return PromptFormat(system, template, self.chat_template_kwargs)
+    @property
+    def eval_records(self) -> list[PromptRecord]:
+        return self.eval_prompts.records
 
-    def render_prompt(self, record: PromptRecord, source: DataSource | None = None) -> str:
-        """The prompt text the model sees: chat messages through the chat template, plain strings as written
-        (or through ``prompt_template``); see :class:`rlflow.data.dataset.PromptFormat`."""
-        if source is None:
-            source = next((s for s in (*self.train_sources, *self.eval_sources) if s.name == record.origin), None)
-        return self.prompt_format(source).render(record, self.load_tokenizer())
+    @property
+    def eval_data_sources(self) -> list[str | None]:
+        return sorted({r.data_source or "unknown" for r in self.eval_records})
 
-    def prepare_records(self, paths: list[str | DataSource], split: str) -> list[PromptRecord]:
-        """Read, render and tokenize every prompt of every source; drop (and count) those over the length limit."""
-        tok = self.load_tokenizer()
-        kept: list[PromptRecord] = []
-        self.source_sizes[split], self.dropped_by_source[split] = {}, {}
-        for source in parse_sources(list(paths), f"data.{split}_data_path"):
-            fmt = self.prompt_format(source)
-            limit = source.max_prompt_length or self.max_prompt_length
-            setting = f"{source.name}.max_prompt_length={limit}" if source.max_prompt_length else f"data.max_prompt_length={limit}"
-            n_kept = n_dropped = 0
-            for record in read_source(source):
-                record.prompt_text = fmt.render(record, tok)
-                record.prompt_ids = tok(record.prompt_text, add_special_tokens=False)["input_ids"]
-                if len(record.prompt_ids) > limit:
-                    n_dropped += 1
-                    continue
-                kept.append(record)
-                n_kept += 1
-            if n_dropped:
-                print(f"[rlflow] {split}: dropped {n_dropped} prompt(s) of {source.name} longer than {setting} tokens")
-            if not n_kept:
-                raise DataError(f"no usable {split} prompts in {source.path}: all {n_dropped} are longer than {setting}")
-            self.source_sizes[split][source.name] = n_kept
-            self.dropped_by_source[split][source.name] = n_dropped
-        self.dropped[split] = sum(self.dropped_by_source[split].values())
-        return kept
+    @property
+    def rank(self) -> int:
+        return self.trainer.global_rank if self.trainer is not None else 0
 
-    def check_judgeable(self, records: list[PromptRecord], split: str) -> None:
-        """Before any generation: every row has a judger for its ``data_source`` and the columns those judgers need
-        (``required_columns``, e.g. gsm8k's ``ground_truth``); else one DataError naming each row's file:line."""
-        problems, count = [], 0
-        for record in records:
-            runner = self.source_judgers.runners.get(record.origin, self.judger_runner)
-            try:
-                names = runner.route(record.data_source)
-            except KeyError as exc:
-                problem = f"{record.source}: {exc.args[0] if exc.args else exc}"
-            else:
-                missing = [f"judger {name!r} needs column {col!r}" for name in names
-                           for col in getattr(runner.judgers[name], "required_columns", ()) if record.columns.get(col) is None]
-                if not missing:
-                    continue
-                problem = f"{record.source}: {'; '.join(missing)}, which the row lacks (XTuner rows carry reward_model.ground_truth)"
-            count += 1
-            if len(problems) < 10:
-                problems.append(problem)
-        if problems:
-            more = f"\n  ... and {count - len(problems)} more" if count > len(problems) else ""
-            raise DataError(f"{count} {split} row(s) cannot be judged; fix them (or data.judgers) before training:\n  "
-                            + "\n  ".join(problems) + more)
+    @property
+    def world_size(self) -> int:
+        return self.trainer.world_size if self.trainer is not None else 1
 
     def setup(self, stage: str) -> None:
-        if stage == "fit" and not self.train_records:
-            self.train_records = self.prepare_records(self.train_sources, "train")
-            self.check_judgeable(self.train_records, "train")
-            world = self.trainer.world_size if self.trainer is not None else 1
-            if self.global_batch_size % world:
-                raise ValueError(f"data.global_batch_size={self.global_batch_size} must be a multiple of the {world} ranks")
-            if len(self.train_sources) > 1:  # several sources: each gets its weight's share of every batch
-                sizes = self.source_sizes["train"]
-                self.sampler = MixBatchSampler(
-                    [sizes[s.name] for s in self.train_sources], [s.weight for s in self.train_sources],
-                    self.global_batch_size, seed=self.seed, names=[s.name for s in self.train_sources],
-                )
-            else:
-                self.sampler = PromptBatchSampler(len(self.train_records), self.global_batch_size, seed=self.seed)
-        if stage in ("fit", "validate") and self.eval_paths and not self.eval_records:
-            self.eval_records = self.prepare_records(self.eval_sources, "eval")
-            self.check_judgeable(self.eval_records, "eval")
-
-    def bind(self, model: torch.nn.Module) -> RolloutBackend:
-        """Build the rollout backend (once) and point it at the live policy."""
-        if self.backend is None:
-            self.backend = registry.build("rlflow.rollout", self.rollout_spec)
-        self.backend.bind(model, self.load_tokenizer())
-        return self.backend
+        tokenizer = self.load_tokenizer()
+        if stage == "fit" and self.sampler is None:
+            self.judges.check_rows(self.train_prompts.load(tokenizer), "train")
+            if self.global_batch_size % self.world_size:
+                raise ValueError(f"data.global_batch_size={self.global_batch_size} must be a multiple of the "
+                                 f"{self.world_size} ranks")
+            self.sampler = self.train_prompts.sampler(self.global_batch_size, self.seed)
+        if stage in ("fit", "validate") and self.eval_prompts.sources and not self.eval_records:
+            self.judges.check_rows(self.eval_prompts.load(tokenizer), "eval")
 
     def train_dataloader(self) -> DataLoader:
         assert self.sampler is not None, "setup('fit') must run first"
@@ -304,196 +236,104 @@ class RolloutDataModule(L.LightningDataModule):
         return DataLoader(self.eval_records, batch_size=self.eval_batch_size, shuffle=False, collate_fn=_keep_records,
                           generator=torch.Generator().manual_seed(self.seed))
 
-    # --------------------------------------------------------------------------------------------- rollout
-    def rank_share(self, batch: list[PromptRecord]) -> list[PromptRecord]:
-        """This rank's prompts of a global batch: a contiguous slice, so a group never spans two ranks."""
-        if self.trainer is None or self.trainer.world_size == 1:
-            return batch
-        per = len(batch) // self.trainer.world_size
-        rank = self.trainer.global_rank
-        return batch[rank * per: (rank + 1) * per]
+    # ------------------------------------------------------------------------ the ExperienceSource interface
+    def bind(self, policy: torch.nn.Module) -> RolloutBackend:
+        """Build the rollout backend (once) and point it at the live policy."""
+        if self.backend is None:
+            self.backend = registry.build("rlflow.rollout", self.rollout_spec)
+        self.backend.bind(policy, self.load_tokenizer())
+        return self.backend
 
-    def batch_advantages(self, rewards: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:
-        """This rank's advantages, estimated over the whole generation batch of every rank.
+    @property
+    def reads_policy_weights(self) -> bool:
+        return self.backend is None or self.backend.reads_policy_weights
 
-        Groups never span ranks, but batch-level estimators (``scale_rewards: batch``) need every rank's rewards:
-        they are gathered in rank order (the global batch's order), scored, and this rank's slice is kept.
-        """
-        from rlflow.distributed import all_gather, world_size
+    def sync_weights(self) -> None:
+        if self.backend is not None:
+            self.backend.sync_weights()
 
-        if world_size() == 1:
-            return estimate(self.advantage, rewards, k, lengths=lengths)
-        n, rank = rewards.numel(), self.trainer.global_rank
-        everything = estimate(self.advantage, all_gather(rewards), k, lengths=all_gather(lengths))
-        return everything[rank * n: (rank + 1) * n]
+    def minibatches(self, num: int) -> list[list[Experience]]:
+        return self.buffer.drain(num)
 
-    def judge(self, records: list[PromptRecord], completions: list[Any], k: int) -> tuple[list[float], dict[str, float], list[str]]:
-        """Decode and judge ``k`` completions per record (TRL's layout: chat completions for chat prompts)."""
-        result, texts = self.judge_result(records, completions, k)
-        return result.rewards, result.metrics, texts
-
-    def judge_result(self, records: list[PromptRecord], completions: list[Any], k: int) -> tuple[Any, list[str]]:
-        """:meth:`judge`'s :class:`~rlflow.judgers.runner.JudgeResult` (with per-judger values) and decoded texts."""
-        tok = self.load_tokenizer()
-        ids = [c.token_ids for c in completions]
-        texts = tok.batch_decode(ids, skip_special_tokens=True)
-        reps = [r for r in records for _ in range(k)]
-        prompts = [r.prompt for r in reps]
-        shaped = [[{"role": "assistant", "content": t}] if isinstance(r.prompt, list) else t for r, t in zip(reps, texts)]
-        keys = sorted({key for r in records for key in r.columns})
-        columns = {key: [r.columns.get(key) for r in reps] for key in keys}
-        result = self.source_judgers.judge([r.origin for r in reps], prompts, shaped, ids, columns, default=self.judger_runner)
-        return result, texts
-
-    def generate_with_progress(self, prompt_ids: list[list[int]], params: SamplingParams, n: int) -> list[list[Any]]:
-        """``backend.generate``, reporting to ``rollout_progress`` (per batch where ``generate`` takes ``progress=``)."""
-        listener = self.rollout_progress
-        if listener is None:
-            return self.backend.generate(prompt_ids, params, n=n)
-        listener.start(len(prompt_ids) * n)
-        try:
-            if "progress" in inspect.signature(self.backend.generate).parameters:
-                return self.backend.generate(prompt_ids, params, n=n, progress=listener.update)
-            groups = self.backend.generate(prompt_ids, params, n=n)
-            listener.update(sum(len(g) for g in groups), sum(len(c.token_ids) for g in groups for c in g))
-            return groups
-        finally:
-            listener.close()
-
-    def make_experience(self, batch: list[PromptRecord], policy_version: int, step: int | None = None) -> dict[str, float]:
-        """Generate, judge and score one rollout step; put the experience in the replay buffer; return metrics."""
+    def make_experience(self, batch: list[PromptRecord], policy_version: int, step: int) -> RolloutStep:
+        """Generate, judge and score one rollout step; put the experience in the replay buffer."""
         assert self.backend is not None, "bind() the policy first"
         if self.sampler is not None:
             self.sampler.mark_consumed()  # its checkpointed position follows trained batches, not prefetched ones
-        records = self.rank_share(batch)
         k = self.prompt_repeat_k
-        groups, rewards, metrics, texts, gen_time = generate_and_judge(self, records, self.sampling_params(), k)
-        completions = [c for group in groups for c in group]
-        if self.dynamic_sampling:
-            records, completions, rewards, texts, extra_time = self.dynamic_sample(records, completions, rewards, texts, step, metrics)
+        records = self.rank_share(batch)
+        groups, rewards, metrics, texts, gen_time = generate_and_judge(
+            self.backend, self.judges.judge, records, self.sampling, k, self.overlap_judging, self.rollout_progress)
+        chosen = Groups(records, [c for group in groups for c in group], rewards, texts)
+        if self.dynamic_sampling is not None:
+            chosen, sampling_metrics, extra_time = self.dynamic_sampling.fill(
+                chosen, k, step, self.rank, len(self.train_records), self.regenerate, self.any_rank_short)
+            metrics.update(sampling_metrics)
             gen_time += extra_time
-        reward_t = torch.tensor(rewards, dtype=torch.float32)
-        advantages = self.batch_advantages(reward_t, torch.tensor([len(c.token_ids) for c in completions]), k)
-        experiences = []
-        for i, (c, r, a) in enumerate(zip(completions, rewards, advantages.tolist())):
-            record = records[i // k]
-            experiences.append(
-                Experience(
-                    prompt_ids=record.prompt_ids, completion_ids=c.token_ids, rollout_logprobs=c.logprobs,
-                    reward=r, advantage=a, group=i // k, finish_reason=c.finish_reason,
-                    policy_version=policy_version, data_source=record.data_source,
-                )
-            )
+        reward_t = torch.tensor(chosen.rewards, dtype=torch.float32)
+        lengths = torch.tensor([len(c.token_ids) for c in chosen.completions])
+        advantages = estimate_global(self.advantage, reward_t, k, lengths=lengths).tolist()
+        experiences = [
+            Experience(
+                prompt_ids=chosen.records[i // k].prompt_ids, completion_ids=c.token_ids, rollout_logprobs=c.logprobs,
+                reward=chosen.rewards[i], advantage=advantages[i], group=i // k, finish_reason=c.finish_reason,
+                policy_version=policy_version, data_source=chosen.records[i // k].data_source,
+            ) for i, c in enumerate(chosen.completions)
+        ]
         self.buffer.add(experiences)
-        lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
-        group_std = reward_t.view(-1, k).std(dim=1)
-        terminated = [len(c.token_ids) for c in completions if c.finish_reason == "stop"]
-        metrics.update({
-            "reward": reward_t.mean().item(),
-            "reward_std": group_std.mean().item(),
-            "frac_reward_zero_std": torch.isclose(group_std, torch.zeros_like(group_std)).float().mean().item(),
-            "completions/mean_length": lengths.mean().item(),
-            "completions/min_length": lengths.min().item(),
-            "completions/max_length": lengths.max().item(),
-            "completions/clipped_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions),
-            "completions/mean_terminated_length": sum(terminated) / len(terminated) if terminated else 0.0,
-            "rollout/time": gen_time,
-            "rollout/tokens_per_s": lengths.sum().item() / max(gen_time, 1e-9),
-            "data/dropped_prompts": float(self.dropped["train"]),
-            "num_prompt_tokens": float(sum(len(r.prompt_ids) for r in records) * k),
-            "num_completion_tokens": lengths.sum().item(),
-        })
-        metrics.update(per_source_means([r.data_source or r.origin for r in records for _ in range(k)], rewards, "reward"))
-        self.last_samples = self.trajectory_rows(step if step is not None else policy_version, records, texts, experiences)
-        if self.log_trajectories:
-            self.write_trajectories(self.last_samples)
-        return metrics
+        metrics.update(rollout_metrics(reward_t, chosen.completions, k,
+                                       sum(len(r.prompt_ids) for r in chosen.records) * k, gen_time))
+        metrics["data/dropped_prompts"] = float(self.train_prompts.dropped)
+        sources = [r.data_source or r.origin for r in chosen.records for _ in range(k)]
+        metrics.update(per_source_means(sources, chosen.rewards, "reward"))
+        return RolloutStep(experiences, metrics, self.sample_rows(step, chosen.records, chosen.texts, experiences))
 
-    def dynamic_sample(self, records: list[PromptRecord], completions: list[Any], rewards: list[float], texts: list[str],
-                       step: int | None, metrics: dict[str, float]) -> tuple[list, list, list, list, float]:
-        """DAPO's dynamic sampling: keep the groups whose rewards differ, draw more prompts until the batch is full.
+    def rank_share(self, batch: list[PromptRecord]) -> list[PromptRecord]:
+        """This rank's prompts of a global batch: a contiguous slice, so a group never spans two ranks."""
+        per = len(batch) // self.world_size
+        return batch[self.rank * per: (self.rank + 1) * per]
 
-        Extra prompts are drawn at random from the training set with a seed of (``seed``, step, round, rank), so a
-        resumed run draws the same ones. Every rank runs the same number of rounds (a rank whose batch is full
-        keeps sampling while another's is short), and the batch keeps its size (ranks must take the same number of
-        steps): if it is still short after ``max_sampling_rounds`` rounds it is topped up with dropped groups.
-        """
-        k, target = self.prompt_repeat_k, len(records)
-        kept: list[tuple] = []
-        dropped: list[tuple] = []
-        rounds, drawn, extra_time = 0, 0, 0.0
-        while True:
-            rounds += 1
-            drawn += len(records)
-            for g, record in enumerate(records):
-                part = slice(g * k, (g + 1) * k)
-                group = (record, completions[part], rewards[part], texts[part])
-                (kept if max(rewards[part]) - min(rewards[part]) > 1e-6 else dropped).append(group)
-            short = float(len(kept) < target)
-            if self.trainer is not None and self.trainer.world_size > 1:  # every rank runs the same rounds
-                strategy = self.trainer.strategy
-                short = float(strategy.reduce(torch.tensor(short, device=strategy.root_device), reduce_op="sum"))
-            if not short or rounds >= self.max_sampling_rounds:
-                break
-            rank = self.trainer.global_rank if self.trainer is not None else 0
-            gen = torch.Generator().manual_seed(self.seed + 7919 * ((step or 0) + 1) + 104729 * rounds + 1299709 * rank)
-            records = [self.train_records[i] for i in torch.randint(len(self.train_records), (target,), generator=gen).tolist()]
-            t0 = time.perf_counter()
-            groups = self.backend.generate([r.prompt_ids for r in records], self.sampling_params(), n=k)
-            extra_time += time.perf_counter() - t0
-            completions = [c for group in groups for c in group]
-            rewards, _, texts = self.judge(records, completions, k)
-        padded = max(target - len(kept), 0)
-        chosen = kept[:target] + dropped[:padded]
-        metrics.update({
-            "sampling/rounds": float(rounds), "sampling/groups_drawn": float(drawn),
-            "sampling/groups_dropped": float(len(dropped)), "sampling/groups_padded": float(padded),
-        })
-        return (
-            [g[0] for g in chosen], [c for g in chosen for c in g[1]], [r for g in chosen for r in g[2]],
-            [t for g in chosen for t in g[3]], extra_time,
-        )
+    def regenerate(self, indices: list[int], generator: torch.Generator) -> Groups:
+        """Generate and judge the training prompts at ``indices`` (dynamic sampling's extra rounds)."""
+        records = [self.train_records[i] for i in indices]
+        k = self.prompt_repeat_k
+        groups = self.backend.generate([r.prompt_ids for r in records], self.sampling, n=k)
+        completions = [c for group in groups for c in group]
+        result, texts = self.judges.judge(records, completions, k)
+        return Groups(records, completions, result.rewards, texts)
 
-    def trajectory_rows(self, step: int, records: list[PromptRecord], texts: list[str], experiences: list[Experience]) -> list[dict]:
+    def any_rank_short(self, short: bool) -> bool:
+        """Whether any rank's dynamic-sampling batch is still short (every rank must run the same rounds)."""
+        if self.world_size == 1:
+            return short
+        strategy = self.trainer.strategy
+        return bool(strategy.reduce(torch.tensor(float(short), device=strategy.root_device), reduce_op="sum"))
+
+    def sample_rows(self, step: int, records: list[PromptRecord], texts: list[str],
+                    experiences: list[Experience]) -> list[dict]:
         """One dict per sample of a rollout step (trajectories.jsonl's rows; also the W&B samples table's)."""
-        rank = self.trainer.global_rank if self.trainer is not None else 0
         k = self.prompt_repeat_k
         return [{
-            "step": step, "rank": rank, "group": e.group, "data_source": records[i // k].data_source,
+            "step": step, "rank": self.rank, "group": e.group, "data_source": records[i // k].data_source,
             "prompt": records[i // k].prompt_text, "completion": text,
             "ground_truth": records[i // k].columns.get("ground_truth"),
             "reward": e.reward, "advantage": e.advantage, "finish_reason": e.finish_reason,
             "num_tokens": len(e.completion_ids), "policy_version": e.policy_version,
         } for i, (text, e) in enumerate(zip(texts, experiences))]
 
-    def write_trajectories(self, rows: list[dict]) -> None:
-        log_dir = getattr(self.trainer, "log_dir", None) if self.trainer is not None else None
-        if not log_dir or not rows:
-            return
-        rank = rows[0]["rank"]
-        path = Path(log_dir) / ("trajectories.jsonl" if rank == 0 else f"trajectories.rank{rank}.jsonl")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with path.open("a", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-    # ------------------------------------------------------------------------------------------ evaluation
-    def evaluate_batch(self, batch: list[PromptRecord], seed: int | None = None) -> dict[str, Any]:
+    def evaluate(self, batch: list[PromptRecord], step: int, batch_idx: int) -> dict[str, Any]:
         """Generate ``eval_k`` completions per prompt with the evaluation sampling settings and judge them.
 
-        Sampling runs on a forked RNG seeded with ``seed`` (see :func:`rlflow.evaluation.isolated_rng`), so it
-        never moves the training random stream. Returns per prompt lists of ``eval_k`` rewards, correctness
-        flags and lengths, and the prompts' data sources.
+        Sampling runs on a forked RNG seeded from (``seed``, ``step``, ``batch_idx``) (see
+        :func:`rlflow.evaluation.isolated_rng`), so it never moves the training random stream. Returns per prompt
+        lists of ``eval_k`` rewards, correctness flags and lengths, and the prompts' data sources.
         """
-        from rlflow.evaluation import isolated_rng
-
         assert self.backend is not None, "bind() the policy first"
         k = self.eval_k
-        with isolated_rng(self.seed if seed is None else seed):
-            groups = self.backend.generate([r.prompt_ids for r in batch], self.sampling_params(eval=True), n=k)
-        completions = [c for group in groups for c in group]
-        rewards, _, _ = self.judge(batch, completions, k)
-        per_prompt = [rewards[i * k: (i + 1) * k] for i in range(len(batch))]
+        with isolated_rng(eval_seed(self.seed, step, batch_idx)):
+            groups = self.backend.generate([r.prompt_ids for r in batch], self.eval_sampling, n=k)
+        result, _ = self.judges.judge(batch, [c for group in groups for c in group], k)
+        per_prompt = [result.rewards[i * k: (i + 1) * k] for i in range(len(batch))]
         return {
             "rewards": per_prompt,
             "correct": [[r >= self.eval_pass_threshold for r in group] for group in per_prompt],

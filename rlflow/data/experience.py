@@ -35,6 +35,16 @@ class Experience:
         return self.finish_reason == "length"
 
 
+@dataclass
+class RolloutStep:
+    """One rollout step's outcome: the experiences put in the replay buffer, the step's rollout metrics, and one
+    plain row per sample (what ``trajectories.jsonl`` and the W&B samples table show)."""
+
+    experiences: list[Experience]
+    metrics: dict[str, float]
+    samples: list[dict[str, Any]]
+
+
 def completion_tensors(experiences: list[Experience], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """The per-sequence tensors every collate returns: ``completion_ids`` (right-padded with ``pad_id``),
     ``completion_mask`` and ``rollout_logprobs``/``old_logprobs``/``ref_logprobs`` (0 where absent) of shape

@@ -67,10 +67,33 @@ def probe_error(model: Any, sharded: bool = False) -> str | None:
     worst = float((packed.float() - padded.float())[mask].abs().max())
     tolerance = TOLERANCE.get(next(model.parameters()).dtype, HALF_TOLERANCE)
     if not worst <= tolerance:
-        return f"packed log-probs differ from padded ones by {worst:.3g} (> {tolerance:g}): sequences leak into each other"
+        return (f"packed log-probs differ from padded ones by {worst:.3g} (> {tolerance:g}): "
+                "sequences leak into each other")
     return None
 
 
 def packing_unsupported_reason(model: Any, sharded: bool = False) -> str | None:
     """Why packed micro-batches would be wrong for ``model`` (None: they are exact)."""
     return static_unsupported_reason(model) or probe_error(model, sharded)
+
+
+def resolve_packing(configured: bool, models: list[Any], sharded: bool, pack_max_length: int) -> bool:
+    """Whether micro-batches are packs: ``configured`` (``model.packing``), unless packed forwards of one of
+    ``models`` (the policy, then the reference if any; None entries are skipped) would not be exact: then padded
+    micro-batches, with a warning giving the reason. The choice is logged once, on rank 0.
+
+    ``sharded``: the models are FSDP2-sharded; every rank must call this (the probe's forwards are collectives).
+    """
+    from rlflow.log import info, warn
+
+    if not configured:
+        return False
+    models = [m for m in models if m is not None]
+    reason = next((r for r in (packing_unsupported_reason(m, sharded) for m in models) if r), None)
+    if reason:
+        warn(f"model.packing: training on padded micro-batches of model.micro_batch_size sequences, not packs, "
+             f"because {reason}")
+        return False
+    share = "a group's prompt once per pack" if varlen_supported(models[0]) else "every sequence its own prompt"
+    info(f"model.packing: micro-batches are packs of at most {pack_max_length} tokens ({share})")
+    return True

@@ -10,8 +10,7 @@ Face ``datasets`` in streaming mode (no Arrow cache copy of a large file; rows n
 ``datasets`` directory is memory-mapped with ``load_from_disk``. Simplification: a source is read whole into
 memory as prompt records for the seeded sampler; streaming bounds the reading, not the record list.
 
-:class:`SourceJudgers` scores a batch whose rows come from several sources, each with the data-level judger
-routing or its own.
+Judging per source lives in :mod:`rlflow.judgers.panel`.
 """
 
 from __future__ import annotations
@@ -221,78 +220,6 @@ def read_source(source: DataSource | str, streaming: bool = True) -> list[Prompt
 
 
 # ------------------------------------------------------------------------------------------------ judging
-class SourceJudgers:
-    """Judges batches mixing sources: each source's rows go to its own judgers, the rest to ``data.judgers``.
-
-    Args:
-        judgers: The data-level ``{data_source: spec}`` routing (``data.judgers``).
-        reward_weights: Weight of each judger by name, over all sources' judgers.
-        sources: The configured sources; those with ``judgers`` get their own :class:`JudgerRunner`.
-        **runner_kwargs: Passed to every :class:`JudgerRunner` (``timeout``, ``defaults``...).
-    """
-
-    def __init__(self, judgers: dict[str, Any], reward_weights: dict[str, float] | None, sources: Sequence[DataSource],
-                 **runner_kwargs: Any) -> None:
-        from rlflow.judgers.runner import JudgerRunner
-
-        self.default = JudgerRunner(judgers, **runner_kwargs)
-        self.runners: dict[str, Any] = {}
-        routing: dict[str, dict[str, Any]] = {}
-        for source in sources:
-            routes = source.judger_routes()
-            if routes is None:
-                continue
-            if source.name in self.runners:
-                if routing[source.name] != routes:
-                    raise ValueError(f"two data sources are named {source.name!r} with different judgers; give them distinct names")
-                continue
-            self.runners[source.name] = JudgerRunner(routes, **runner_kwargs)
-            routing[source.name] = routes
-        runners = [self.default, *self.runners.values()]
-        known = sorted({name for r in runners for name in r.weights})
-        for name, weight in (reward_weights or {}).items():
-            if name not in known:
-                raise ValueError(f"reward_weights names judger {name!r}, which is not configured; judgers: {known}")
-            for runner in runners:
-                if name in runner.weights:
-                    runner.weights[name] = float(weight)
-
-    def judge(self, origins: Sequence[str], prompts: Sequence[Any], completions: Sequence[Any],
-              completion_ids: Sequence[Sequence[int]], columns: dict[str, Sequence[Any]], default: Any = None) -> Any:
-        """Like :meth:`JudgerRunner.judge`, with ``origins[i]`` naming the source of sample ``i``.
-
-        ``default`` replaces the data-level runner (the datamodule passes its ``judger_runner``, which may be swapped).
-        """
-        from rlflow.judgers.runner import JudgeResult, judge_metrics
-
-        default = default if default is not None else self.default
-        groups: dict[int, list[int]] = {}
-        runners: dict[int, Any] = {}
-        for i, origin in enumerate(origins):
-            runner = self.runners.get(origin, default)
-            groups.setdefault(id(runner), []).append(i)
-            runners[id(runner)] = runner
-        if len(groups) == 1:
-            return next(iter(runners.values())).judge(prompts, completions, completion_ids, columns)
-        n = len(completions)
-        rewards = [0.0] * n
-        per_judger: dict[str, list[float | None]] = {}
-        failures = 0.0
-        for key, idx in groups.items():
-            part = runners[key].judge(
-                [prompts[i] for i in idx], [completions[i] for i in idx], [completion_ids[i] for i in idx],
-                {k: [v[i] for i in idx] for k, v in columns.items()},
-            )
-            failures += part.metrics.get("judger/failures", 0.0)  # not visible in the values: counts add up
-            for i, r in zip(idx, part.rewards):
-                rewards[i] = r
-            for name, values in part.per_judger.items():
-                merged = per_judger.setdefault(name, [None] * n)
-                for i, v in zip(idx, values):
-                    merged[i] = v
-        return JudgeResult(rewards, per_judger, judge_metrics(per_judger, failures))  # over the whole batch
-
-
 def per_source_means(keys: Sequence[str | None], values: Sequence[float], prefix: str = "reward") -> dict[str, float]:
     """``{f"{prefix}/{key}": mean of values with that key}`` (``reward/openai/gsm8k``...); None keys are skipped."""
     sums: dict[str, list[float]] = {}

@@ -5,7 +5,9 @@ A judger is any callable ``fn(prompts, completions, completion_ids, **columns) -
 ``completions[i] == [{"role": "assistant", "content": text}]``) and plain strings otherwise; ``columns`` holds
 every dataset column (``ground_truth``, ``data_source``, ``extra_info``, ...) as one list entry per sample. A
 ``None`` reward means "not applicable" and is skipped when several judgers are summed. So a reward function
-written for ``trl.GRPOTrainer`` is a judger as it is; :class:`Judger` is only a convenience base class.
+written for ``trl.GRPOTrainer`` is a judger as it is; :class:`Judger` is a convenience base class, and the type
+of ``data.judgers`` entries: a judger *class* configured with ``class_path``/``init_args`` must subclass it (so
+jsonargparse can validate its arguments); a function, or any callable, is named by its import path as a string.
 
 A judger may be ``async def`` (several run concurrently) or plain (run in a thread, so it may block). Optional
 extras the runner honours: a ``name`` attribute (the metric key, else the function's ``__name__`` as in TRL);
@@ -16,7 +18,8 @@ call (added to ``judger/failures``), for judgers that fail per sample rather tha
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def completion_text(completion: Any) -> str:

@@ -14,9 +14,10 @@ from __future__ import annotations
 from typing import Any
 
 from rlflow import registry
+from rlflow.judgers.base import Judger
 
 
-class FunctionJudger:
+class FunctionJudger(Judger):
     """Wraps an importable TRL-style reward function so a config can name it.
 
     Args:
@@ -46,6 +47,9 @@ class FunctionJudger:
     def __call__(self, **kwargs: Any) -> Any:
         for new, old in self.rename.items():
             if old not in kwargs:
-                raise KeyError(f"function judger {self.name!r}: rename maps {new!r} to column {old!r}, which the data lacks; columns: {sorted(kwargs)}")
+                raise KeyError(
+                    f"function judger {self.name!r}: rename maps {new!r} to column {old!r}, which the data lacks; "
+                    f"columns: {sorted(kwargs)}"
+                )
             kwargs[new] = kwargs[old]
         return self.fn(**kwargs)  # an async function's coroutine is awaited by the runner

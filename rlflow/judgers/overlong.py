@@ -13,10 +13,13 @@ judger (list both on a route). ``max_tokens`` defaults to ``data.max_tokens``; c
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
+
+from rlflow.judgers.base import Judger
 
 
-class OverlongJudger:
+class OverlongJudger(Judger):
     """Penalises completions that run into the last ``buffer_tokens`` of the generation budget.
 
     Args:
@@ -28,7 +31,9 @@ class OverlongJudger:
 
     name = "overlong"
 
-    def __init__(self, buffer_tokens: int | None = None, max_tokens: int | None = None, penalty_factor: float = 1.0) -> None:
+    def __init__(
+        self, buffer_tokens: int | None = None, max_tokens: int | None = None, penalty_factor: float = 1.0
+    ) -> None:
         if max_tokens is None:
             raise ValueError("the overlong judger needs max_tokens (set init_args.max_tokens or data.max_tokens)")
         if buffer_tokens is None:

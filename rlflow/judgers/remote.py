@@ -19,10 +19,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import Any
 
-from rlflow.judgers.base import completion_text
+from rlflow.judgers.base import Judger, completion_text
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def _reward(value: Any, where: str) -> float | None:
     return float(value)
 
 
-class RemoteJudger:
+class RemoteJudger(Judger):
     """Rewards from an HTTP endpoint, with a timeout per request and bounded retries.
 
     Args:
@@ -72,7 +73,9 @@ class RemoteJudger:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"remote judger: url must start with http:// or https://, got {url!r}")
         if timeout <= 0 or max_retries < 0 or backoff < 0 or max_concurrency < 1:
-            raise ValueError("remote judger: timeout > 0, max_retries >= 0, backoff >= 0 and max_concurrency >= 1 are required")
+            raise ValueError(
+                "remote judger: timeout > 0, max_retries >= 0, backoff >= 0 and max_concurrency >= 1 are required"
+            )
         self.url = url
         self.timeout = float(timeout)
         self.max_retries = int(max_retries)
@@ -125,7 +128,9 @@ class RemoteJudger:
                 self._failures += 1
                 first, self._logged = not self._logged, True
             if first:
-                log.warning("remote judger %r: a request failed, its sample gets no reward (logged once): %s", self.name, exc)
+                log.warning(
+                    "remote judger %r: a request failed, its sample gets no reward (logged once): %s", self.name, exc
+                )
             return None
 
     def __call__(self, prompts: Sequence[Any], completions: Sequence[Any], **columns: Any) -> list[float | None]:
@@ -133,13 +138,18 @@ class RemoteJudger:
         columns = {k: v for k, v in columns.items() if isinstance(v, (list, tuple))}
         texts = [completion_text(c) for c in completions]
         if self.batch:
-            answer = self.post({"prompts": list(prompts), "completions": texts, **{k: list(v) for k, v in columns.items()}})
+            payload = {"prompts": list(prompts), "completions": texts, **{k: list(v) for k, v in columns.items()}}
+            answer = self.post(payload)
             rewards = answer.get("rewards") if isinstance(answer, dict) else answer
             if not isinstance(rewards, list) or len(rewards) != len(texts):
-                raise RemoteJudgerError(f"{self.url} must answer a list of {len(texts)} rewards (or {{'rewards': [...]}}), got {str(answer)[:200]}")
+                raise RemoteJudgerError(
+                    f"{self.url} must answer a list of {len(texts)} rewards (or {{'rewards': [...]}}), "
+                    f"got {str(answer)[:200]}"
+                )
             return [_reward(r, self.url) for r in rewards]
         payloads = [
-            {"prompt": prompts[i], "completion": texts[i], **{k: v[i] for k, v in columns.items()}} for i in range(len(texts))
+            {"prompt": prompts[i], "completion": texts[i], **{k: v[i] for k, v in columns.items()}}
+            for i in range(len(texts))
         ]
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(len(payloads), 1))) as pool:
             return list(pool.map(self._one, payloads))

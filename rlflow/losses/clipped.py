@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from rlflow.config_error import ConfigError
 from rlflow.losses.base import LossContext
 from rlflow.losses.surrogate import RatioPolicyLoss
 
@@ -26,7 +27,8 @@ class ClippedSurrogateLoss(RatioPolicyLoss):
         """
         Args:
             delta: Cap on the unclipped ratio (two-sided clipping); must exceed ``1 + epsilon_high``. None disables it.
-            clip_ratio_c: Dual clip: the loss of a negative-advantage token is at most ``-clip_ratio_c * A`` (verl uses 3.0); must exceed 1. None disables it.
+            clip_ratio_c: Dual clip: the loss of a negative-advantage token is at most ``-clip_ratio_c * A`` (verl
+                uses 3.0); must exceed 1. None disables it.
             **kwargs: The options of :class:`~rlflow.losses.surrogate.RatioPolicyLoss` (``epsilon_low``,
                 ``epsilon_high``, ``kl_coef``, ``kl_type``, ``importance_sampling_level``,
                 ``mask_truncated_completions``, ``top_entropy_quantile``, ``entropy_coef``, ``max_tokens``,
@@ -34,9 +36,9 @@ class ClippedSurrogateLoss(RatioPolicyLoss):
         """
         super().__init__(**kwargs)
         if delta is not None and delta <= 1.0 + self.epsilon_high:
-            raise ValueError(f"delta must be greater than 1 + epsilon_high = {1.0 + self.epsilon_high}, got {delta}")
+            raise ConfigError(f"delta must be greater than 1 + epsilon_high = {1.0 + self.epsilon_high}, got {delta}")
         if clip_ratio_c is not None and clip_ratio_c <= 1.0:
-            raise ValueError(f"clip_ratio_c (dual clip) must be greater than 1.0, got {clip_ratio_c}")
+            raise ConfigError(f"clip_ratio_c (dual clip) must be greater than 1.0, got {clip_ratio_c}")
         self.delta = delta
         self.clip_ratio_c = clip_ratio_c
 

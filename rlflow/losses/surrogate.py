@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from rlflow.config_error import ConfigError
 from rlflow.losses.aggregation import UNITS, aggregate, check_aggregation
 from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
 from rlflow.losses.kl import check_kl_type, kl_penalty
@@ -42,29 +43,33 @@ class RatioPolicyLoss(PolicyLoss):
         """
         Args:
             epsilon_low: Lower clip range of the importance ratio (``1 - epsilon_low``).
-            epsilon_high: Upper clip range (``1 + epsilon_high``); None means ``epsilon_low``. DAPO's clip-higher uses 0.28.
+            epsilon_high: Upper clip range (``1 + epsilon_high``); None means ``epsilon_low``. DAPO's clip-higher uses
+                0.28.
             kl_coef: Weight of the KL penalty to the reference model (needs ``ref_logprobs``); 0 disables it.
             kl_type: KL estimator: ``k1``, ``k2``, ``k3`` (= ``low_var_kl``) or ``abs``.
-            importance_sampling_level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO: one ratio per completion, from the mean token log-ratio).
-            mask_truncated_completions: Leave completions cut at ``max_tokens`` out of the loss (DAPO's overlong filtering).
+            importance_sampling_level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO: one ratio per completion, from the
+                mean token log-ratio).
+            mask_truncated_completions: Leave completions cut at ``max_tokens`` out of the loss (DAPO's overlong
+                filtering).
             top_entropy_quantile: Train only on this fraction of tokens with the highest entropy; 1.0 trains on all.
             entropy_coef: Weight of an entropy bonus (subtracted from the loss); 0 disables it.
             max_tokens: Completion budget, the ``dr_grpo`` normaliser when no ``LossContext`` is given.
-            aggregation: Override the normaliser: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``; None keeps the loss's own.
+            aggregation: Override the normaliser: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``; None keeps the loss's
+                own.
         """
         check_kl_type(kl_type)
         if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ValueError(
+            raise ConfigError(
                 f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}"
             )
         if not 0.0 <= epsilon_low < 1.0:
-            raise ValueError(f"epsilon_low must be in [0, 1), got {epsilon_low}")
+            raise ConfigError(f"epsilon_low must be in [0, 1), got {epsilon_low}")
         if epsilon_high is not None and epsilon_high < 0.0:
-            raise ValueError(f"epsilon_high must be >= 0, got {epsilon_high}")
+            raise ConfigError(f"epsilon_high must be >= 0, got {epsilon_high}")
         if not 0.0 < top_entropy_quantile <= 1.0:
-            raise ValueError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
+            raise ConfigError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
         if kl_coef < 0.0 or entropy_coef < 0.0:
-            raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {kl_coef} and {entropy_coef}")
+            raise ConfigError(f"kl_coef and entropy_coef must be >= 0, got {kl_coef} and {entropy_coef}")
         self.epsilon_low = epsilon_low
         self.epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
         self.kl_coef = kl_coef
@@ -87,7 +92,9 @@ class RatioPolicyLoss(PolicyLoss):
         and boolean ``[batch, tokens|1]`` indicator tensors whose masked means become metrics."""
         raise NotImplementedError
 
-    def log_importance_weights(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def log_importance_weights(
+        self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
         log_ratio = logprobs - old_logprobs
         if self.importance_sampling_level == "sequence":
             m = mask.to(log_ratio.dtype)

@@ -1,15 +1,27 @@
 """The rollout-backend contract: prompts in, sampled completions with their log-probs out.
 
-A backend registers under the ``rlflow.rollout`` entry-point group. The trainer calls :meth:`bind` once with
-the live policy and tokenizer, then :meth:`generate` on every rollout step with token-id prompts and ``n``
-(the group size), and :meth:`sync_weights` after every optimizer step (a colocated backend that reads the live
-weights does nothing there; a separate engine pushes the new weights).
+A backend registers under the ``rlflow.rollout`` entry-point group and subclasses :class:`RolloutBackend`. The
+trainer uses exactly what this class declares, nothing found by ``getattr`` or ``inspect``:
+
+* :meth:`~RolloutBackend.bind` once, with the live policy and the tokenizer;
+* :meth:`~RolloutBackend.generate` (or :meth:`~RolloutBackend.stream` where :attr:`~RolloutBackend.streams` is
+  true) on every rollout step, with token-id prompts and ``n`` (the group size), reporting progress through an
+  optional ``progress(completions, tokens)`` callable;
+* :meth:`~RolloutBackend.sync_weights` after every optimizer step (a colocated backend that reads the live weights
+  does nothing there; a separate engine pushes the new weights);
+* :attr:`~RolloutBackend.reads_policy_weights`: whether generation runs the policy module itself, so that an
+  FSDP-sharded policy is unsharded around it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator
+
+Progress = Callable[[int, int], None]
+"""``progress(completions, tokens)``: called as completions finish, with how many and their token count."""
+
+from rlflow.config_error import ConfigError
 
 
 @dataclass
@@ -24,17 +36,28 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def stop_token_ids(tokenizer: Any, stop: list[str]) -> list[int]:
+    """The tokenizer's EOS plus the id of each ``stop`` string, which must be a single token."""
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    for s in stop:
+        encoded = tokenizer.encode(s, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(f"data.stop entry {s!r} is {len(encoded)} tokens for this tokenizer; stop strings must be one token")
+        ids.append(encoded[0])
+    return ids
 
 
 @dataclass
@@ -52,8 +75,12 @@ class Completion:
     finish_reason: str
 
 
-class UnsupportedModelError(ValueError):
-    """A backend cannot run this model; ``reason`` says why (``data.rollout=auto`` falls back to ``hf`` on it)."""
+class UnsupportedModelError(ConfigError):
+    """A backend cannot run this model; ``reason`` says why (``data.rollout=auto`` falls back to ``hf`` on it).
+
+    A :class:`~rlflow.config_error.ConfigError`: naming a backend that cannot run the configured model is a
+    configuration mistake, printed by the CLI as one line.
+    """
 
     def __init__(self, backend: str, reason: str) -> None:
         super().__init__(f"the {backend} rollout backend cannot run this model: {reason}; "
@@ -62,16 +89,31 @@ class UnsupportedModelError(ValueError):
 
 
 class RolloutBackend:
-    """Base class of rollout backends."""
+    """Base class of rollout backends: subclass it and override :meth:`generate` (and :meth:`stream` if the
+    backend can hand out groups as they finish)."""
+
+    #: Generation runs the policy module itself (True: ``hf``, ``engine``), so an FSDP-sharded policy must be
+    #: unsharded around it; False for an engine with its own copy of the weights (``lmdeploy``).
+    reads_policy_weights: bool = True
+    #: :meth:`stream` yields each group as soon as it finishes, so judging can overlap generation; when False,
+    #: the default :meth:`stream` yields the groups only after :meth:`generate` returned them all.
+    streams: bool = False
 
     def bind(self, model: Any, tokenizer: Any) -> None:
-        """Point the backend at the live policy; raise :class:`UnsupportedModelError` if it cannot run it."""
+        """Point the backend at the live policy (before the first rollout, and again before evaluation); raise
+        :class:`UnsupportedModelError` if it cannot run it."""
         self.model = model
         self.tokenizer = tokenizer
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
-        """``n`` completions for each prompt, in prompt order."""
-        raise NotImplementedError
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
+                 progress: Progress | None = None) -> list[list[Completion]]:
+        """``n`` completions for each prompt, in prompt order; ``progress`` is called as completions finish."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement generate()")
+
+    def stream(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
+               progress: Progress | None = None) -> Iterator[tuple[int, list[Completion]]]:
+        """Yield ``(prompt_index, its n completions)`` for every prompt; see :attr:`streams`."""
+        yield from enumerate(self.generate(prompts, params, n=n, progress=progress))
 
     def sync_weights(self) -> None:
         """Make the next :meth:`generate` use the current policy weights."""

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
-from rlflow.rollout.base import Completion, RolloutBackend, SamplingParams, UnsupportedModelError
+from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams, UnsupportedModelError
 from rlflow.rollout.engine_support import probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder
 
@@ -329,6 +329,8 @@ def sample_tokens(
 class EngineRollout(RolloutBackend):
     """Rollout with a shared prompt cache per group and continuous batching on the live policy (faster than ``hf``)."""
 
+    streams = True  # groups are yielded as they finish, so judging overlaps generation
+
     def __init__(self, max_batch_size: int = 256, prefill_batch_size: int = 16, seed: int | None = None,
                  fused: bool = True, min_shared_prefix: int = 16) -> None:
         """
@@ -470,8 +472,8 @@ class EngineRollout(RolloutBackend):
             config._attn_implementation = ATTENTION_NAME
             try:
                 logits = self.model(
-                    input_ids=pending[:, None], position_ids=pos[:, None], attention_mask=None, rlflow_decode_state=state,
-                    past_key_values=state, use_cache=True,
+                    input_ids=pending[:, None], position_ids=pos[:, None], attention_mask=None,
+                    rlflow_decode_state=state, past_key_values=state, use_cache=True,
                 ).logits[:, -1]
             finally:
                 config._attn_implementation = previous
@@ -479,8 +481,10 @@ class EngineRollout(RolloutBackend):
         return logits
 
     @torch.no_grad()
-    def stream(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> Iterator[tuple[int, list[Completion]]]:
-        """Yield ``(prompt_index, its n completions)`` as each group finishes (in finishing order)."""
+    def stream(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
+               progress: Progress | None = None) -> Iterator[tuple[int, list[Completion]]]:
+        """Yield ``(prompt_index, its n completions)`` as each group finishes (in finishing order); ``progress``
+        is called per finished group."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         for i, p in enumerate(prompts):
@@ -530,7 +534,10 @@ class EngineRollout(RolloutBackend):
                     done[row.prompt].append((row.sample, Completion(row.tokens, row.logprobs, reason)))
                 if finished:
                     for prompt in [p for p, group in done.items() if len(group) == n]:
-                        yield prompt, [c for _, c in sorted(done.pop(prompt), key=lambda sc: sc[0])]
+                        group = [c for _, c in sorted(done.pop(prompt), key=lambda sc: sc[0])]
+                        if progress is not None:
+                            progress(len(group), sum(len(c.token_ids) for c in group))
+                        yield prompt, group
                 # compact by whole groups (the rows of a group whose completions are all done): the batch stays
                 # whole groups in order, so attention needs no scatter; and lazily, since dropping rows copies
                 # the caches: when a quarter of the rows are done groups' or room is needed
@@ -564,11 +571,10 @@ class EngineRollout(RolloutBackend):
                 finished.add(offset + j)
         return finished
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1, progress: Any = None) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
+                 progress: Progress | None = None) -> list[list[Completion]]:
         """``n`` completions per prompt in prompt order; ``progress(completions, tokens)`` is called per finished group."""
         groups: list[list[Completion] | None] = [None] * len(prompts)
-        for i, group in self.stream(prompts, params, n):
+        for i, group in self.stream(prompts, params, n, progress=progress):
             groups[i] = group
-            if progress is not None:
-                progress(len(group), sum(len(c.token_ids) for c in group))
         return groups  # type: ignore[return-value]

@@ -62,8 +62,8 @@ def probe_error(engine: Any, model: Any) -> str | None:
     Also sets ``engine.decode_path``: ``"fused decode"``, or why decode steps go through the model's forward
     (decided on the unsharded weights, as during a rollout).
     """
-    from rlflow.rollout.fused import FusedDecoder
     from rlflow.distributed import full_weights
+    from rlflow.rollout.fused import FusedDecoder
 
     vocab = model.get_input_embeddings().num_embeddings
     head_len = engine.min_shared_prefix if engine.min_shared_prefix else 0  # exercise the shared-head path too

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from rlflow.rollout.base import Completion, RolloutBackend, SamplingParams
+from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +59,7 @@ class HFRollout(RolloutBackend):
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], params: SamplingParams, n: int = 1, progress: Any = None
+        self, prompts: list[list[int]], params: SamplingParams, n: int = 1, progress: Progress | None = None
     ) -> list[list[Completion]]:
         """``n`` completions per prompt; ``progress(completions, tokens)`` is called after each ``generate`` batch."""
         model, tok = self.model, self.tokenizer

@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
-from rlflow.rollout.base import Completion, RolloutBackend, SamplingParams
+from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams
 from rlflow.rollout.hf import trim_at_stop
 
 PICKLE_ENV = "LMDEPLOY_ALLOW_PICKLE_UPDATE_PARAMS"  # lmdeploy's opt-in for same-node CUDA IPC weight updates
@@ -408,7 +408,9 @@ class LMDeployRollout(RolloutBackend):
         return (lambda bucket: utils.serialize_named_tensors_safetensors(dict((n, t.cpu()) for n, t in bucket))), "safetensors"
 
     # ----------------------------------------------------------------------------------------- generate
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
+                 progress: Progress | None = None) -> list[list[Completion]]:
+        """``n`` completions per prompt, requested concurrently; ``progress`` is called once they all returned."""
         if getattr(self, "model", None) is None:
             raise LMDeployError("bind() the policy first")
         if params.temperature not in (0.0, 1.0) and not self._warned_temperature:
@@ -425,6 +427,8 @@ class LMDeployRollout(RolloutBackend):
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(bodies)))) as pool:
             answers = list(pool.map(lambda b: self._request("POST", "/generate", body=b), bodies))
         flat = [parse_generate_response(a, params) for a in answers]
+        if progress is not None:
+            progress(len(flat), sum(len(c.token_ids) for c in flat))
         if self.sleep_level is not None and self.colocated:
             self.sleep(self.sleep_level)
         return [flat[i * n: (i + 1) * n] for i in range(len(prompts))]

@@ -1,13 +1,13 @@
 """Judging overlapped with generation: groups are judged as soon as they finish, while the rest still generates.
 
-A backend with ``stream(prompts, params, n)`` (the ``engine`` backend) yields each prompt's group when its last
-completion ends. :class:`OverlappedJudging` hands the finished groups to one background worker thread, in
+A backend whose :attr:`~rlflow.rollout.base.RolloutBackend.streams` is true (the ``engine`` backend) yields each
+prompt's group from ``stream(prompts, params, n)`` when its last completion ends. :class:`OverlappedJudging` hands the finished groups to one background worker thread, in
 chunks: whatever has finished since the last submission goes as soon as the worker is idle (the chunk size
 adapts to how fast judging keeps up), and the rest after the stream ends. The caller gets completions in prompt
 order and the rewards, texts and judge metrics the whole batch judged at once would give: per-sample rewards do
 not depend on the batch, and ``rewards/<name>/mean|std`` and ``judger/unscored`` are recomputed over the whole
 batch from the per-sample per-judger values (:func:`rlflow.judgers.runner.judge_metrics`); ``judger/failures``
-counts add up. A backend without ``stream`` (``hf``), or ``data.overlap_judging=false``, takes the plain path:
+counts add up. A backend that does not stream (``hf``), or ``data.overlap_judging=false``, takes the plain path:
 generate everything, then judge once.
 
 Simplifications: one worker, so chunks are judged one after another (judgers inside a chunk still run
@@ -30,8 +30,8 @@ class OverlappedJudging:
     """Consumes a stream of finished groups and judges them on a background thread while generation goes on.
 
     Args:
-        judge: ``judge(records, completions, k) -> (JudgeResult, texts)`` for a chunk of prompts (the datamodule's
-            :meth:`~rlflow.data.datamodule.RolloutDataModule.judge_result`); called on the worker thread.
+        judge: ``judge(records, completions, k) -> (JudgeResult, texts)`` for a chunk of prompts (the judge panel's
+            :meth:`~rlflow.judgers.panel.JudgePanel.judge`); called on the worker thread.
         k: Completions per prompt.
     """
 
@@ -116,18 +116,26 @@ class OverlappedJudging:
         return rewards, judge_metrics(per_judger, failures), texts
 
 
-def generate_and_judge(dm: Any, records: list[Any], params: Any, k: int,
-                       ) -> tuple[list[list[Any]], list[float], dict[str, float], list[str], float]:
-    """One rollout step's generation and judging for datamodule ``dm``: ``(groups, rewards, metrics, texts,
-    generation seconds)``, overlapped when ``dm.overlap_judging`` and the backend streams, else one after the other."""
+def generate_and_judge(backend: Any, judge: Judge, records: list[Any], params: Any, k: int, overlap: bool = True,
+                       listener: Any = None) -> tuple[list[list[Any]], list[float], dict[str, float], list[str], float]:
+    """One rollout step's generation and judging: ``(groups, rewards, metrics, texts, generation seconds)``.
+
+    Overlapped when ``overlap`` and the backend :attr:`~rlflow.rollout.base.RolloutBackend.streams`, else
+    generate everything, then judge once. ``listener`` (``start``/``update``/``close``) follows the generation.
+    """
     prompt_ids = [r.prompt_ids for r in records]
-    stream = getattr(dm.backend, "stream", None)
     t0 = time.perf_counter()
-    if not getattr(dm, "overlap_judging", False) or not callable(stream):
-        groups = dm.generate_with_progress(prompt_ids, params, k)
-        gen_time = time.perf_counter() - t0
-        rewards, metrics, texts = dm.judge(records, [c for g in groups for c in g], k)
-        return groups, rewards, metrics, texts, gen_time
-    overlap = OverlappedJudging(dm.judge_result, k)
-    groups, rewards, metrics, texts = overlap.run(stream(prompt_ids, params, n=k), records, dm.rollout_progress)
-    return groups, rewards, metrics, texts, overlap.generation_end - t0
+    if overlap and backend.streams:
+        overlapped = OverlappedJudging(judge, k)
+        groups, rewards, metrics, texts = overlapped.run(backend.stream(prompt_ids, params, n=k), records, listener)
+        return groups, rewards, metrics, texts, overlapped.generation_end - t0
+    if listener is not None:
+        listener.start(len(prompt_ids) * k)
+    try:
+        groups = backend.generate(prompt_ids, params, n=k, progress=listener.update if listener is not None else None)
+    finally:
+        if listener is not None:
+            listener.close()
+    gen_time = time.perf_counter() - t0
+    result, texts = judge(records, [c for g in groups for c in g], k)
+    return groups, result.rewards, result.metrics, texts, gen_time

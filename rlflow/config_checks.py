@@ -1,0 +1,155 @@
+"""Configuration checks: every invalid value becomes one :class:`ConfigError` that names its option.
+
+The checks run where the values arrive (``GRPOModule.__init__``, ``RolloutDataModule.__init__``,
+:class:`rlflow.rollout.base.SamplingParams`), so through the CLI a wrong value fails while the classes are
+instantiated, before any model or data is loaded, and ``rlflow.cli.main`` prints it as one ``rlflow: error:``
+line (``data.max_tokens must be >= 1, got 0``). This module imports nothing heavy: losses, samplers and the
+data tools may all use it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from rlflow.config_error import ConfigError
+from rlflow.model_path import check_model_path
+
+__all__ = ["ConfigError", "check_data_args", "check_model_args", "check_values"]
+
+
+Rule = Callable[[str, Any], None]
+
+
+def at_least(low: float, optional: bool = False) -> Rule:
+    """``value >= low`` (and, with ``optional``, None is accepted too)."""
+
+    def check(key: str, value: Any) -> None:
+        if value is None and optional:
+            return
+        if not _is_number(value) or value < low:
+            raise ConfigError(f"{key} must be >= {low}, got {value!r}")
+
+    return check
+
+
+def greater_than(low: float, optional: bool = False) -> Rule:
+    """``value > low`` (and, with ``optional``, None is accepted too)."""
+
+    def check(key: str, value: Any) -> None:
+        if value is None and optional:
+            return
+        if not _is_number(value) or value <= low:
+            raise ConfigError(f"{key} must be > {low}, got {value!r}")
+
+    return check
+
+
+def interval(low: float, high: float, low_open: bool = False, high_open: bool = False, optional: bool = False) -> Rule:
+    """``value`` in the interval from ``low`` to ``high``, each end closed unless told otherwise."""
+    text = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+
+    def check(key: str, value: Any) -> None:
+        if value is None and optional:
+            return
+        ok = _is_number(value) and (value > low if low_open else value >= low) and (
+            value < high if high_open else value <= high)
+        if not ok:
+            raise ConfigError(f"{key} must be in {text}, got {value!r}")
+
+    return check
+
+
+def one_of(*choices: Any, optional: bool = False) -> Rule:
+    """``value`` is one of ``choices``."""
+
+    def check(key: str, value: Any) -> None:
+        if value is None and optional:
+            return
+        if value not in choices:
+            raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}, got {value!r}")
+
+    return check
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+
+
+def check_values(prefix: str, rules: Mapping[str, Rule], values: Mapping[str, Any]) -> None:
+    """Apply each rule to the value of the same name in ``values`` (absent names are skipped).
+
+    ``prefix`` is the config section (``data``, ``model``) the error message puts before the name.
+    """
+    for name, rule in rules.items():
+        if name in values:
+            rule(f"{prefix}.{name}", values[name])
+
+
+def _group_of_two(key: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+        raise ConfigError(
+            f"{key} must be >= 2, got {value!r}: GRPO compares the completions of one prompt with each other, so a "
+            "group needs at least 2 (a group of 1 has no mean or std to compare against)"
+        )
+
+
+DATA_RULES: dict[str, Rule] = {
+    "prompt_repeat_k": _group_of_two,
+    "global_batch_size": at_least(1),
+    "max_prompt_length": at_least(1),
+    "max_tokens": at_least(1),
+    "temperature": at_least(0.0),
+    "top_p": interval(0.0, 1.0, low_open=True),
+    "top_k": at_least(0),
+    "judger_timeout": greater_than(0.0, optional=True),
+    "max_sampling_rounds": at_least(1),
+    "eval_temperature": at_least(0.0),
+    "eval_batch_size": at_least(1),
+    "eval_k": at_least(1),
+}
+
+MODEL_RULES: dict[str, Rule] = {
+    "lr": greater_than(0.0),
+    "weight_decay": at_least(0.0),
+    "warmup_steps": at_least(0),
+    "lr_schedule": one_of("constant", "linear", "cosine"),
+    "max_grad_norm": greater_than(0.0, optional=True),
+    "epsilon_low": interval(0.0, 1.0, high_open=True, optional=True),
+    "epsilon_high": at_least(0.0, optional=True),
+    "kl_coef": at_least(0.0, optional=True),
+    "rollout_is_cap": greater_than(0.0),
+    "optimizer_steps": at_least(1),
+    "num_iterations": at_least(1),
+    "micro_batch_size": at_least(1),
+    "temperature": at_least(0.0),
+    "max_tokens": at_least(1),
+    "logprob_chunk_size": at_least(1),
+    "pack_max_length": at_least(1),
+    "max_consecutive_skipped_steps": at_least(1),
+}
+
+
+def check_data_args(values: Mapping[str, Any]) -> None:
+    """Check the arguments of ``RolloutDataModule.__init__`` (pass its ``locals()``); ConfigError on the first bad one.
+
+    Includes ``tokenizer_path`` (see :mod:`rlflow.model_path`), so a wrong path fails before any slow load.
+    """
+    check_values("data", DATA_RULES, values)
+    if values.get("tokenizer_path"):
+        check_model_path(values["tokenizer_path"], "data.tokenizer_path")
+    eval_k, eval_temperature = values.get("eval_k", 1), values.get("eval_temperature", 0.0)
+    if eval_k > 1 and eval_temperature == 0.0:
+        raise ConfigError(
+            f"data.eval_k={eval_k} with data.eval_temperature=0: k > 1 greedy completions would all be identical; "
+            "set data.eval_temperature > 0 (e.g. 0.6) or data.eval_k=1"
+        )
+
+
+def check_model_args(values: Mapping[str, Any]) -> None:
+    """Check the arguments of ``GRPOModule.__init__``; ConfigError on the first bad one."""
+    check_values("model", MODEL_RULES, values)
+    betas = values.get("betas", (0.9, 0.999))
+    if len(betas) != 2 or not all(_is_number(b) and 0.0 <= b < 1.0 for b in betas):
+        raise ConfigError(f"model.betas must be two numbers in [0, 1), got {betas!r}")

@@ -1,0 +1,90 @@
+"""The prompt set: the configured sources read, rendered with the chat template, tokenized and length-filtered.
+
+:class:`PromptSet` is the datamodule's first part. It knows how every source's prompts are rendered (the
+data-level system prompt and template, or the source's own), drops (and counts) prompts over the length limit
+rather than truncating them, remembers how many prompts each source kept, and builds the seeded batch sampler
+over them: :class:`~rlflow.data.sampler.PromptBatchSampler` for one source, a weighted
+:class:`~rlflow.data.mix.MixBatchSampler` for several.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlflow.data.dataset import DataError, PromptFormat, PromptRecord
+from rlflow.data.mix import MixBatchSampler
+from rlflow.data.sampler import PromptBatchSampler
+from rlflow.data.sources import DataSource, read_source
+from rlflow.log import info
+
+
+class PromptSet:
+    """Prompts of one split (``train`` or ``eval``), ready for generation.
+
+    Args:
+        sources: The split's sources (:func:`rlflow.data.sources.parse_sources`).
+        split: ``train`` or ``eval``; names the split in messages.
+        max_prompt_length: Prompts longer than this many tokens are dropped (a source may set its own limit).
+        system_prompt: If set, replaces (or adds) the system message of every chat prompt.
+        prompt_template: If set, plain-string prompts become ``prompt_template.format(prompt=..., **columns)``.
+        chat_template_kwargs: Extra keyword arguments for the chat template.
+    """
+
+    def __init__(self, sources: list[DataSource], split: str, max_prompt_length: int, system_prompt: str | None = None,
+                 prompt_template: str | None = None, chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        self.sources = sources
+        self.split = split
+        self.max_prompt_length = max_prompt_length
+        self.system_prompt = system_prompt
+        self.prompt_template = prompt_template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        PromptFormat(prompt_template=prompt_template)  # a bad template fails here, before any model is loaded
+        self.records: list[PromptRecord] = []
+        self.sizes: dict[str, int] = {}  # prompts kept per source name
+        self.dropped_by_source: dict[str, int] = {}
+
+    @property
+    def dropped(self) -> int:
+        """Prompts dropped for their length, over all sources."""
+        return sum(self.dropped_by_source.values())
+
+    def format_for(self, source: DataSource | None = None) -> PromptFormat:
+        """How the prompts of ``source`` are rendered: its own system prompt / template, else the data-level ones."""
+        system = self.system_prompt if source is None or source.system_prompt is None else source.system_prompt
+        template = self.prompt_template if source is None or source.prompt_template is None else source.prompt_template
+        return PromptFormat(system, template, self.chat_template_kwargs)
+
+    def load(self, tokenizer: Any) -> list[PromptRecord]:
+        """Read, render and tokenize every prompt of every source (once); drop those over the length limit."""
+        if self.records:
+            return self.records
+        kept: list[PromptRecord] = []
+        self.sizes, self.dropped_by_source = {}, {}
+        for source in self.sources:
+            fmt = self.format_for(source)
+            limit = source.max_prompt_length or self.max_prompt_length
+            setting = f"{source.name}.max_prompt_length={limit}" if source.max_prompt_length else f"data.max_prompt_length={limit}"
+            n_kept = n_dropped = 0
+            for record in read_source(source):
+                record.prompt_text = fmt.render(record, tokenizer)
+                record.prompt_ids = tokenizer(record.prompt_text, add_special_tokens=False)["input_ids"]
+                if len(record.prompt_ids) > limit:
+                    n_dropped += 1
+                    continue
+                kept.append(record)
+                n_kept += 1
+            if n_dropped:
+                info(f"{self.split}: dropped {n_dropped} prompt(s) of {source.name} longer than {setting} tokens")
+            if not n_kept:
+                raise DataError(f"no usable {self.split} prompts in {source.path}: all {n_dropped} are longer than {setting}")
+            self.sizes[source.name] = n_kept
+            self.dropped_by_source[source.name] = n_dropped
+        self.records = kept
+        return kept
+
+    def sampler(self, global_batch_size: int, seed: int) -> PromptBatchSampler | MixBatchSampler:
+        """The seeded batch sampler over :attr:`records`: one batch of prompt indices per rollout step."""
+        if len(self.sources) > 1:  # several sources: each gets its weight's share of every batch
+            return MixBatchSampler([self.sizes[s.name] for s in self.sources], [s.weight for s in self.sources],
+                                   global_batch_size, seed=seed, names=[s.name for s in self.sources])
+        return PromptBatchSampler(len(self.records), global_batch_size, seed=seed)

@@ -1,0 +1,45 @@
+"""What :class:`~rlflow.module.GRPOModule` needs from its datamodule: the one interface between the two.
+
+The module owns the models and the update; the datamodule owns prompts, generation, judging, advantages and the
+replay buffer. A GRPO step asks for fresh experience (:meth:`ExperienceSource.make_experience`), takes it back
+as mini-batches (:meth:`~ExperienceSource.minibatches`) and tells the rollout backend after every optimizer step
+(:meth:`~ExperienceSource.sync_weights`). :class:`~rlflow.data.datamodule.RolloutDataModule` implements it; a
+datamodule of another design (an environment-driven one, say) can too.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+from rlflow.data.experience import Experience, RolloutStep
+
+
+@runtime_checkable
+class ExperienceSource(Protocol):
+    """The datamodule as the GRPO step sees it."""
+
+    #: The tokenizer of the policy (padding id, HF export).
+    tokenizer: Any
+    #: Completions per evaluation prompt (pass@k is reported when it is above 1).
+    eval_k: int
+    #: Every ``data_source`` of the eval set, the same list on every rank (per-source eval metrics).
+    eval_data_sources: list[str | None]
+
+    def bind(self, policy: Any) -> None:
+        """Point the rollout backend at the live policy (before the first rollout or evaluation)."""
+
+    @property
+    def reads_policy_weights(self) -> bool:
+        """Whether generation runs the policy module itself (an FSDP-sharded policy is unsharded around it)."""
+
+    def make_experience(self, batch: list[Any], policy_version: int, step: int) -> RolloutStep:
+        """Generate, judge and score one rollout step's prompts and put the experience in the replay buffer."""
+
+    def minibatches(self, num: int) -> list[list[Experience]]:
+        """Empty the replay buffer into ``num`` shuffled mini-batches, one per optimizer step."""
+
+    def sync_weights(self) -> None:
+        """Called after every optimizer step so the next rollout samples from the new weights."""
+
+    def evaluate(self, batch: list[Any], step: int, batch_idx: int) -> dict[str, Any]:
+        """Generate and judge one evaluation batch (``rewards``, ``correct``, ``lengths``, ``data_sources``)."""

@@ -1,0 +1,143 @@
+"""The judge panel: every judger of a run, routed per data source, turning completions into rewards.
+
+:class:`SourceJudgers` routes a batch whose rows come from several sources, each with the data-level routing
+(``data.judgers``) or its own (a source's ``judgers``), and merges the per-sample results. :class:`JudgePanel`
+is the part the datamodule composes: it checks before training that every row can be judged, and decodes and
+judges sampled completions in TRL's layout (chat completions for chat prompts).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from rlflow.data.dataset import DataError, PromptRecord
+from rlflow.data.sources import DataSource
+from rlflow.judgers.runner import JudgeResult, JudgerRunner, judge_metrics
+
+
+class SourceJudgers:
+    """Judges batches mixing sources: each source's rows go to its own judgers, the rest to ``data.judgers``.
+
+    Args:
+        judgers: The data-level ``{data_source: spec}`` routing (``data.judgers``).
+        reward_weights: Weight of each judger by name, over all sources' judgers.
+        sources: The configured sources; those with ``judgers`` get their own :class:`JudgerRunner`.
+        **runner_kwargs: Passed to every :class:`JudgerRunner` (``timeout``, ``defaults``...).
+    """
+
+    def __init__(self, judgers: dict[str, Any], reward_weights: dict[str, float] | None, sources: Sequence[DataSource],
+                 **runner_kwargs: Any) -> None:
+        self.default = JudgerRunner(judgers, **runner_kwargs)
+        self.runners: dict[str, Any] = {}
+        routing: dict[str, dict[str, Any]] = {}
+        for source in sources:
+            routes = source.judger_routes()
+            if routes is None:
+                continue
+            if source.name in self.runners:
+                if routing[source.name] != routes:
+                    raise ValueError(f"two data sources are named {source.name!r} with different judgers; give them distinct names")
+                continue
+            self.runners[source.name] = JudgerRunner(routes, **runner_kwargs)
+            routing[source.name] = routes
+        runners = [self.default, *self.runners.values()]
+        known = sorted({name for r in runners for name in r.weights})
+        for name, weight in (reward_weights or {}).items():
+            if name not in known:
+                raise ValueError(f"reward_weights names judger {name!r}, which is not configured; judgers: {known}")
+            for runner in runners:
+                if name in runner.weights:
+                    runner.weights[name] = float(weight)
+
+    def judge(self, origins: Sequence[str], prompts: Sequence[Any], completions: Sequence[Any],
+              completion_ids: Sequence[Sequence[int]], columns: dict[str, Sequence[Any]], default: Any = None) -> Any:
+        """Like :meth:`JudgerRunner.judge`, with ``origins[i]`` naming the source of sample ``i``.
+
+        ``default`` replaces the data-level runner (the panel passes its ``default``, which may be swapped).
+        """
+        default = default if default is not None else self.default
+        groups: dict[int, list[int]] = {}
+        runners: dict[int, Any] = {}
+        for i, origin in enumerate(origins):
+            runner = self.runners.get(origin, default)
+            groups.setdefault(id(runner), []).append(i)
+            runners[id(runner)] = runner
+        if len(groups) == 1:
+            return next(iter(runners.values())).judge(prompts, completions, completion_ids, columns)
+        n = len(completions)
+        rewards = [0.0] * n
+        per_judger: dict[str, list[float | None]] = {}
+        failures = 0.0
+        for key, idx in groups.items():
+            part = runners[key].judge(
+                [prompts[i] for i in idx], [completions[i] for i in idx], [completion_ids[i] for i in idx],
+                {k: [v[i] for i in idx] for k, v in columns.items()},
+            )
+            failures += part.metrics.get("judger/failures", 0.0)  # not visible in the values: counts add up
+            for i, r in zip(idx, part.rewards):
+                rewards[i] = r
+            for name, values in part.per_judger.items():
+                merged = per_judger.setdefault(name, [None] * n)
+                for i, v in zip(idx, values):
+                    merged[i] = v
+        return JudgeResult(rewards, per_judger, judge_metrics(per_judger, failures))  # over the whole batch
+
+
+class JudgePanel:
+    """Scores completions with the run's judgers; the datamodule's reward stage.
+
+    Args:
+        judgers: The data-level ``{data_source: spec}`` routing (``data.judgers``).
+        reward_weights: Weight of each judger by name.
+        sources: Every configured train and eval source (sources with ``judgers`` get their own routing).
+        timeout: Seconds one judger may take on one batch (``data.judger_timeout``).
+        max_tokens: The completion budget, a default for judgers that take it (``overlong``).
+    """
+
+    def __init__(self, judgers: dict[str, Any], reward_weights: dict[str, float] | None,
+                 sources: Sequence[DataSource], timeout: float | None = 60.0, max_tokens: int | None = None) -> None:
+        defaults = {"max_tokens": max_tokens} if max_tokens is not None else {}
+        self.routing = SourceJudgers(judgers, reward_weights, sources, timeout=timeout, defaults=defaults)
+        self.default: JudgerRunner = self.routing.default  # rows of sources without their own judgers
+        self.tokenizer: Any = None
+
+    def runner_for(self, record: PromptRecord) -> JudgerRunner:
+        return self.routing.runners.get(record.origin, self.default)
+
+    def check_rows(self, records: list[PromptRecord], split: str) -> None:
+        """Before any generation: every row has a judger for its ``data_source`` and the columns those judgers need
+        (``required_columns``, e.g. gsm8k's ``ground_truth``); else one DataError naming each row's file:line."""
+        problems, count = [], 0
+        for record in records:
+            runner = self.runner_for(record)
+            try:
+                names = runner.route(record.data_source)
+            except KeyError as exc:
+                problem = f"{record.source}: {exc.args[0] if exc.args else exc}"
+            else:
+                missing = [f"judger {name!r} needs column {col!r}" for name in names
+                           for col in getattr(runner.judgers[name], "required_columns", ()) if record.columns.get(col) is None]
+                if not missing:
+                    continue
+                problem = f"{record.source}: {'; '.join(missing)}, which the row lacks (XTuner rows carry reward_model.ground_truth)"
+            count += 1
+            if len(problems) < 10:
+                problems.append(problem)
+        if problems:
+            more = f"\n  ... and {count - len(problems)} more" if count > len(problems) else ""
+            raise DataError(f"{count} {split} row(s) cannot be judged; fix them (or data.judgers) before training:\n  "
+                            + "\n  ".join(problems) + more)
+
+    def judge(self, records: list[PromptRecord], completions: list[Any], k: int) -> tuple[JudgeResult, list[str]]:
+        """Decode and judge ``k`` completions per record: the :class:`JudgeResult` and the decoded texts."""
+        if self.tokenizer is None:
+            raise RuntimeError("JudgePanel.tokenizer is not set; the datamodule sets it in setup()")
+        ids = [c.token_ids for c in completions]
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        reps = [r for r in records for _ in range(k)]
+        shaped = [[{"role": "assistant", "content": t}] if isinstance(r.prompt, list) else t for r, t in zip(reps, texts)]
+        keys = sorted({key for r in records for key in r.columns})
+        columns = {key: [r.columns.get(key) for r in reps] for key in keys}
+        result = self.routing.judge([r.origin for r in reps], [r.prompt for r in reps], shaped, ids, columns,
+                                    default=self.default)
+        return result, texts

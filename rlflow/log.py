@@ -1,0 +1,33 @@
+"""rlflow's messages: one ``rlflow`` logger, written by the rank-zero process only.
+
+Every rank runs the same code, so a plain ``print`` repeats each message once per rank. :func:`info` and
+:func:`warn` go through Lightning's ``rank_zero_only`` (the rank is known once the strategy has set up, and read
+from the launcher's environment before that) to the ``rlflow`` logger, which prints ``[rlflow] message`` lines
+to standard output unless the application configured logging itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+logger = logging.getLogger("rlflow")
+if not logger.handlers:
+    _handler = logging.StreamHandler(sys.stdout)
+    _handler.setFormatter(logging.Formatter("[rlflow] %(message)s"))
+    logger.addHandler(_handler)
+    logger.setLevel(logging.INFO)
+
+
+@rank_zero_only
+def info(message: str) -> None:
+    """Log ``message`` at INFO level, on rank zero."""
+    logger.info(message)
+
+
+@rank_zero_only
+def warn(message: str) -> None:
+    """Log ``message`` at WARNING level, on rank zero."""
+    logger.warning(message)

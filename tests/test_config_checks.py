@@ -1,0 +1,86 @@
+"""Every invalid value is one ``rlflow: error:`` line naming the option, raised before anything slow."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT, fit_args
+
+from rlflow.config_checks import ConfigError, check_data_args, check_model_args
+from rlflow.rollout.base import SamplingParams
+
+BAD_VALUES = [
+    ("data.max_tokens", "0", "data.max_tokens must be >= 1, got 0"),
+    ("data.temperature", "-1", "data.temperature must be >= 0"),
+    ("data.top_p", "0", "data.top_p must be in (0.0, 1.0]"),
+    ("data.top_p", "1.5", "data.top_p must be in (0.0, 1.0]"),
+    ("data.top_k", "-1", "data.top_k must be >= 0"),
+    ("data.prompt_repeat_k", "1", "data.prompt_repeat_k must be >= 2"),
+    ("data.global_batch_size", "0", "data.global_batch_size must be >= 1"),
+    ("model.lr", "0", "model.lr must be > 0"),
+    ("model.lr", "-1e-6", "model.lr must be > 0"),
+    ("model.optimizer_steps", "0", "model.optimizer_steps must be >= 1"),
+    ("model.micro_batch_size", "0", "model.micro_batch_size must be >= 1"),
+    ("model.epsilon_low", "1.5", "model.epsilon_low must be in [0.0, 1.0)"),
+    ("model.epsilon_high", "-0.1", "model.epsilon_high must be >= 0"),
+]
+
+
+def error_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("rlflow: error:")]
+
+
+@pytest.mark.parametrize(("key", "value", "message"), BAD_VALUES)
+def test_each_invalid_value_is_one_error_line_naming_the_option(
+    key, value, message, tiny_model, tiny_data, tmp_path, capsys
+):
+    from rlflow.cli import main
+
+    code = main(fit_args(tiny_model, tiny_data, tmp_path, f"--{key}={value}", steps=1))
+    err = capsys.readouterr().err
+    assert code == 1
+    lines = error_lines(err)
+    assert len(lines) == 1 and message in lines[0], err
+    assert "Traceback" not in err
+    assert not list(tmp_path.rglob("*.ckpt"))  # it failed before training
+
+
+def test_console_script_prints_one_line_and_exits_1(tiny_model, tiny_data, tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "rlflow", *fit_args(tiny_model, tiny_data, tmp_path, "--data.max_tokens=0", steps=1)],
+        capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert out.returncode == 1, out.stderr
+    assert error_lines(out.stderr) == ["rlflow: error: data.max_tokens must be >= 1, got 0"]
+    assert "Traceback" not in out.stderr
+
+
+def test_data_checks_name_the_option_and_accept_the_defaults():
+    check_data_args({"max_tokens": 256, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "prompt_repeat_k": 8,
+                     "judger_timeout": None, "eval_k": 1, "eval_temperature": 0.0})
+    with pytest.raises(ConfigError, match=r"^data.max_tokens must be >= 1, got 0$"):
+        check_data_args({"max_tokens": 0})
+    with pytest.raises(ConfigError, match="data.judger_timeout must be > 0"):
+        check_data_args({"judger_timeout": 0})
+    with pytest.raises(ConfigError, match="data.eval_k=4 with data.eval_temperature=0"):
+        check_data_args({"eval_k": 4, "eval_temperature": 0.0})
+    with pytest.raises(ConfigError, match="data.temperature must be >= 0"):
+        check_data_args({"temperature": float("nan")})
+
+
+def test_model_checks_name_the_option_and_accept_the_defaults():
+    check_model_args({"lr": 1e-6, "betas": (0.9, 0.999), "epsilon_low": None, "kl_coef": None, "max_grad_norm": None})
+    with pytest.raises(ConfigError, match="model.betas must be two numbers in"):
+        check_model_args({"betas": (0.9, 1.0)})
+    with pytest.raises(ConfigError, match="model.lr_schedule must be one of constant, linear, cosine"):
+        check_model_args({"lr_schedule": "step"})
+    with pytest.raises(ConfigError, match="model.kl_coef must be >= 0"):
+        check_model_args({"kl_coef": -0.1})
+
+
+def test_config_error_is_a_value_error_and_sampling_params_raise_it():
+    assert issubclass(ConfigError, ValueError)
+    with pytest.raises(ConfigError, match="max_tokens must be >= 1"):
+        SamplingParams(max_tokens=0)
