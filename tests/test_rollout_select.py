@@ -98,3 +98,30 @@ def test_the_engine_checks_a_model_once(monkeypatch):
         engine.bind(m, IdTokenizer())
     assert calls == [model, other]
 
+
+# --------------------------------------------------------------------------------- through the datamodule and CLI
+def test_auto_is_the_default_and_the_datamodule_resolves_it_once(tiny_model, tiny_data, monkeypatch, caplog):
+    """RolloutDataModule.bind (at fit and at validation start) chooses the backend the first time only."""
+    from rlflow.data.datamodule import RolloutDataModule
+
+    dm = RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), tokenizer_path=str(tiny_model))
+    assert dm.rollout_spec == "auto"
+    with caplog.at_level(logging.INFO, logger="rlflow"):
+        backend = dm.bind(AutoModelForCausalLM.from_pretrained(tiny_model))
+    assert isinstance(backend, EngineRollout) and backend.decode_path == "fused decode"
+    assert sum("data.rollout=auto" in r.getMessage() for r in caplog.records) == 1
+    other = tiny_causal_lm("qwen3")
+    assert dm.bind(other) is backend and backend.model is other
+
+    fallback = RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), tokenizer_path=str(tiny_model))
+    assert isinstance(fallback.bind(tiny_causal_lm("mistral-sliding")), HFRollout)
+
+
+def test_the_cli_accepts_auto_and_defaults_to_it(tiny_model, tiny_data, tmp_path):
+    from conftest import fit_args
+
+    from rlflow.cli import cli_main
+
+    for extra in ([], ["--data.rollout=auto"]):
+        cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, *extra)[1:], run=False)
+        assert cli.datamodule.rollout_spec == "auto" and cli.model.hparams.packing is True

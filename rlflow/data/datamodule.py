@@ -48,6 +48,7 @@ from rlflow.judgers.base import Judger
 from rlflow.judgers.overlap import generate_and_judge
 from rlflow.judgers.panel import JudgePanel
 from rlflow.rollout.base import RolloutBackend, SamplingParams, stop_token_ids
+from rlflow.rollout.select import resolve_backend
 
 
 def _keep_records(batch: list[PromptRecord]) -> list[PromptRecord]:
@@ -76,7 +77,7 @@ class RolloutDataModule(L.LightningDataModule):
         advantage: str | AdvantageEstimator = "grpo",
         dynamic_sampling: bool = False,
         max_sampling_rounds: int = 3,
-        rollout: str | RolloutBackend = "hf",
+        rollout: str | RolloutBackend = "auto",
         system_prompt: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         prompt_template: str | None = None,
@@ -115,8 +116,10 @@ class RolloutDataModule(L.LightningDataModule):
                 sample more prompts until the batch is full again.
             max_sampling_rounds: With dynamic sampling, most generation rounds per rollout step (the first included);
                 a batch still short after them is topped up with dropped groups (advantage 0).
-            rollout: Rollout backend: a short name of the ``rlflow.rollout`` group, an import path or
-                ``class_path``/``init_args`` (``--data.rollout.help hf`` lists its options).
+            rollout: Rollout backend: ``auto`` (the default: the ``engine`` backend where it can run the model,
+                else ``hf``, with the reason logged; see :mod:`rlflow.rollout.select`), a short name of the
+                ``rlflow.rollout`` group, an import path or ``class_path``/``init_args`` (``--data.rollout.help
+                engine`` lists its options). A backend named explicitly that cannot run the model is an error.
             system_prompt: If set, replaces (or adds) the system message of every chat prompt.
             chat_template_kwargs: Extra keyword arguments for the chat template (e.g. ``enable_thinking: false``).
             prompt_template: If set, plain-string prompts become ``prompt_template.format(prompt=..., **columns)``.
@@ -238,10 +241,11 @@ class RolloutDataModule(L.LightningDataModule):
 
     # ------------------------------------------------------------------------ the ExperienceSource interface
     def bind(self, policy: torch.nn.Module) -> RolloutBackend:
-        """Build the rollout backend (once) and point it at the live policy."""
+        """Build the rollout backend (once; ``auto`` chooses it for ``policy``) and point it at the live policy."""
         if self.backend is None:
-            self.backend = registry.build("rlflow.rollout", self.rollout_spec)
-        self.backend.bind(policy, self.load_tokenizer())
+            self.backend = resolve_backend(self.rollout_spec, policy, self.load_tokenizer())
+        else:
+            self.backend.bind(policy, self.load_tokenizer())
         return self.backend
 
     @property
