@@ -2,8 +2,9 @@
 
 One ``training_step`` is one rollout step: ask the datamodule for fresh experience sampled from the current
 weights, compute old and reference log-probs where they are needed, then take ``optimizer_steps`` optimizer
-steps over shuffled mini-batches, each accumulated over micro-batches (manual optimization). Metrics use
-TRL's names so dashboards compare.
+steps over shuffled mini-batches, each accumulated over micro-batches (manual optimization). Lightning's
+``global_step`` counts rollout steps, not optimizer steps (:mod:`rlflow.step_unit`). Metrics use TRL's names
+so dashboards compare.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from rlflow.correction import RolloutCorrection
 from rlflow.evaluation import EvalAccumulator, eval_seed
 from rlflow.logprobs import completion_logprobs
 from rlflow.losses.base import LossContext, masked_mean
+from rlflow.step_unit import count_rollout_step, optimizer_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -271,9 +273,12 @@ class GRPOModule(L.LightningModule):
                 batch_all["old_logprobs"], batch_all["rollout_logprobs"], batch_all["completion_mask"]))
         generation_seqs, generation_tokens = self.global_counts([len(everything), self.loss_tokens(everything)])
         sums: dict[str, float] = {}
-        for _ in range(hp.num_iterations):  # GRPO's mu: the same mini-batches, old log-probs fixed above
-            for minibatch in minibatches:
-                sums = self.optimizer_step_on(minibatch, generation_tokens, generation_seqs, sums)
+        rollout_step = self.global_step
+        updates = [mb for _ in range(hp.num_iterations) for mb in minibatches]  # GRPO's mu: old log-probs fixed above
+        for i, minibatch in enumerate(updates):  # only the last optimizer step counts in global_step (rlflow.step_unit)
+            sums = self.optimizer_step_on(minibatch, generation_tokens, generation_seqs, sums, count=i == len(updates) - 1)
+        if self.global_step == rollout_step:  # that step was skipped: the rollout step counts all the same
+            count_rollout_step(self.optimizers())
         n = len(minibatches) * hp.num_iterations
         metrics.update({key: value / n for key, value in sums.items()})
         # global values under data parallelism; "loss" is each rank's share of the global loss, so it adds up
@@ -286,8 +291,12 @@ class GRPOModule(L.LightningModule):
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(everything))
         self.last_metrics = metrics
 
-    def optimizer_step_on(self, minibatch: list[Experience], generation_tokens: int, generation_seqs: int, sums: dict) -> dict:
-        """One optimizer step over ``minibatch``, accumulated over micro-batches; adds its metrics to ``sums``."""
+    def optimizer_step_on(self, minibatch: list[Experience], generation_tokens: int, generation_seqs: int, sums: dict,
+                          count: bool = True) -> dict:
+        """One optimizer step over ``minibatch``, accumulated over micro-batches; adds its metrics to ``sums``.
+
+        ``count``: whether the step advances ``trainer.global_step`` (one per rollout step, see :mod:`rlflow.step_unit`).
+        """
         hp = self.hparams
         opt = self.optimizers()
         sched = self.lr_schedulers()
@@ -342,7 +351,7 @@ class GRPOModule(L.LightningModule):
             self.skip_step(opt)
             return sums
         self.consecutive_skips = 0
-        opt.step()
+        optimizer_step(self.trainer, opt, count)
         sched.step()
         self.policy_version += 1
         self.trainer.datamodule.backend.sync_weights()
@@ -378,7 +387,7 @@ class GRPOModule(L.LightningModule):
         opt.zero_grad(set_to_none=True)
         self.skipped_steps += 1
         self.consecutive_skips += 1
-        print(f"[rlflow] step {self.global_step}: non-finite loss or gradient, optimizer step skipped "
+        print(f"[rlflow] rollout step {self.global_step}: non-finite loss or gradient, optimizer step skipped "
               f"({self.consecutive_skips} in a row, {self.skipped_steps} in all)")
         if self.consecutive_skips >= self.hparams.max_consecutive_skipped_steps:
             raise NonFiniteLossError(
