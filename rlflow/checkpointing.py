@@ -5,8 +5,11 @@
   previous ``last.ckpt`` untouched. A full disk (``ENOSPC``/``EDQUOT``) removes the partial file and raises one
   :class:`CheckpointDiskFullError` that says what to free; nothing already written is lost.
 * :class:`RLFlowCheckpoint` is Lightning's ``ModelCheckpoint`` with rlflow's defaults (``last.ckpt`` after every
-  rollout step), the atomic writer installed, and ``--ckpt_path last`` that also finds
-  the ``last.ckpt`` of the previous run of the same logger directory (a resumed run gets a new ``version_N``).
+  rollout step; ``every_n_train_steps`` and the ``step`` of the file names count rollout steps, see
+  :mod:`rlflow.step_unit`), the atomic writer installed, ``--ckpt_path last`` that also finds the ``last.ckpt``
+  of the previous run of the same logger directory (a resumed run gets a new ``version_N``), and a
+  ``last.ckpt`` of the final step written like every step checkpoint, so a finished run continues exactly when
+  ``max_steps`` is raised.
 * :func:`capture_rng_state` / :func:`restore_rng_state`: the Python, NumPy and torch (CPU and CUDA) generators,
   one set per rank.
 
@@ -171,6 +174,9 @@ class RLFlowCheckpoint(ModelCheckpoint):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            if self.save_last and _run_ends_here(trainer) and not self._should_skip_saving_checkpoint(trainer) \
+                    and not self._defer_save_until_validation:
+                self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # A resumed run logs to a new version directory; Lightning's warning about it is expected, not a problem.
@@ -188,6 +194,19 @@ class RLFlowCheckpoint(ModelCheckpoint):
             if root.is_dir():
                 found |= {os.path.normpath(p) for p in root.glob("*/checkpoints/*") if pattern.match(p.name)}
         return found
+
+
+def _run_ends_here(trainer: Any) -> bool:
+    """Whether ``fit`` stops after the current rollout step (``max_steps`` reached, or a callback stopped it).
+
+    The last checkpoint of such a run must be written now, in ``on_train_batch_end``, like every step checkpoint:
+    Lightning's own end-of-run save (``on_train_end``, for a final step that ``every_n_train_steps`` skips) comes
+    after the loops have closed the epoch, so ``--ckpt_path last`` with a larger ``max_steps`` would start a new
+    epoch and throw away the sampler's place in the unfinished one.
+    """
+    if trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step:
+        return True
+    return bool(trainer.should_stop) and trainer.fit_loop._can_stop_early
 
 
 # ------------------------------------------------------------------------------------------------ RNG state

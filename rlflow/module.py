@@ -2,8 +2,9 @@
 
 One ``training_step`` is one rollout step: ask the datamodule for fresh experience sampled from the current
 weights, compute old and reference log-probs where they are needed, then take ``optimizer_steps`` optimizer
-steps over shuffled mini-batches, each accumulated over micro-batches (manual optimization). Metrics use
-TRL's names so dashboards compare.
+steps over shuffled mini-batches, each accumulated over micro-batches (manual optimization). Lightning's
+``global_step`` counts rollout steps, not optimizer steps (:mod:`rlflow.step_unit`). Metrics use TRL's names
+so dashboards compare.
 
 The loss owns its hyper-parameters (``model.loss.init_args``). ``model.epsilon_low``, ``epsilon_high``,
 ``kl_coef`` and ``kl_type`` are shortcuts into them: None (the default) leaves the loss's value, a value is
@@ -55,6 +56,7 @@ from rlflow.logprobs import completion_logprobs
 from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
 from rlflow.model_path import check_model_path
 from rlflow.optim import UpdateFraction, build_lr_scheduler, build_optimizer, check_optimizer
+from rlflow.step_unit import count_rollout_step, optimizer_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: ``model.*`` settings that are shortcuts into the loss's own init_args of the same name.
@@ -361,9 +363,13 @@ class GRPOModule(L.LightningModule):
         # 3. num_iterations passes (GRPO's mu) over optimizer_steps mini-batches, one optimizer step each
         generation_seqs, generation_tokens = self.global_counts([len(everything), self.loss_tokens(everything)])
         sums: dict[str, float] = {}
-        for _ in range(hp.num_iterations):
-            for minibatch in minibatches:
-                sums = self.optimizer_step_on(minibatch, generation_tokens, generation_seqs, sums)
+        rollout_step = self.global_step
+        updates = [mb for _ in range(hp.num_iterations) for mb in minibatches]  # GRPO's mu: old log-probs fixed above
+        for i, minibatch in enumerate(updates):  # only the last optimizer step counts in global_step (step_unit)
+            last = i == len(updates) - 1
+            sums = self.optimizer_step_on(minibatch, generation_tokens, generation_seqs, sums, count=last)
+        if self.global_step == rollout_step:  # that step was skipped: the rollout step counts all the same
+            count_rollout_step(self.optimizers())
         # 4. metrics: global values under data parallelism; "loss" is each rank's share, so it adds up
         n = len(minibatches) * hp.num_iterations
         metrics.update({key: value / n for key, value in sums.items()})
@@ -378,9 +384,12 @@ class GRPOModule(L.LightningModule):
         self.last_rollout = rollout
 
     def optimizer_step_on(
-        self, minibatch: list[Experience], generation_tokens: int, generation_seqs: int, sums: dict
+        self, minibatch: list[Experience], generation_tokens: int, generation_seqs: int, sums: dict, count: bool = True
     ) -> dict:
-        """One optimizer step over ``minibatch``, accumulated over micro-batches; adds its metrics to ``sums``."""
+        """One optimizer step over ``minibatch``, accumulated over micro-batches; adds its metrics to ``sums``.
+
+        ``count``: whether the step advances ``trainer.global_step`` (one per rollout step, see :mod:`rlflow.step_unit`).
+        """
         hp = self.hparams
         opt = self.optimizers()
         sched = self.lr_schedulers()
@@ -436,7 +445,7 @@ class GRPOModule(L.LightningModule):
             return sums
         self.consecutive_skips = 0
         self.update_fraction.before_step()
-        opt.step()
+        optimizer_step(self.trainer, opt, count)
         sched.step()
         fraction = self.update_fraction.after_step(self.policy_version)
         if fraction is not None:
@@ -476,7 +485,7 @@ class GRPOModule(L.LightningModule):
         opt.zero_grad(set_to_none=True)
         self.skipped_steps += 1
         self.consecutive_skips += 1
-        info(f"step {self.global_step}: non-finite loss or gradient, optimizer step skipped "
+        info(f"rollout step {self.global_step}: non-finite loss or gradient, optimizer step skipped "
              f"({self.consecutive_skips} in a row, {self.skipped_steps} in all)")
         if self.consecutive_skips >= self.hparams.max_consecutive_skipped_steps:
             raise NonFiniteLossError(

@@ -308,11 +308,12 @@ def test_fit_with_dapo_two_iterations_and_two_optimizer_steps(tiny_model, tiny_d
 
     monkeypatch.setattr(GRPOModule, "fill_logprobs", counting)
     args = fit_args(tiny_model, tiny_data, tmp_path, "--model.loss=dapo", "--model.num_iterations=2",
-                    "--model.optimizer_steps=2", "--model.micro_batch_size=3", "--model.epsilon_high=0.28", steps=4)
+                    "--model.optimizer_steps=2", "--model.micro_batch_size=3", "--model.epsilon_high=0.28", steps=1)
     cli = cli_main(args)
     module = cli.model
-    # 2 iterations x 2 mini-batches = 4 optimizer steps per rollout step, old log-probs computed once before them
-    assert module.policy_version == 4
+    # one rollout step (max_steps counts rollout steps) of 2 iterations x 2 mini-batches = 4 optimizer steps, old
+    # log-probs computed once before them
+    assert cli.trainer.global_step == 1 and module.policy_version == 4
     assert calls == [(0, "old_logprobs")]
     assert [v for v, _ in module.trained_versions] == [0, 1, 2, 3]
     assert {sampled for _, sampled in module.trained_versions} == {0}
