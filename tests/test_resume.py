@@ -6,8 +6,6 @@ A graded judger (digits in the completion) gives non-zero advantages, so the los
 
 from __future__ import annotations
 
-import csv
-import json
 import os
 import signal
 import subprocess
@@ -19,23 +17,13 @@ import pytest
 import torch
 
 from conftest import ROOT, fit_args
+from resume_helpers import (  # noqa: F401 (fixtures)
+    assert_same_final_state, assert_same_run, one_thread, run_args, small_data, trajectories,
+)
 from rlflow.cli import cli_main
-from rlflow.judgers.base import Judger
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent
-
-
-class DigitJudger(Judger):
-    """A graded reward: the share of digits in the completion (so groups have different rewards)."""
-
-    name = "digits"
-
-    def __init__(self, scale: float = 12.0) -> None:
-        self.scale = scale
-
-    def score(self, completion: str, **sample) -> float:
-        return sum(ch.isdigit() for ch in completion) / self.scale
 
 
 class KillAfterCheckpoint(L.Callback):
@@ -49,53 +37,15 @@ class KillAfterCheckpoint(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def run_args(tiny_model, data_dir, root, *extra, steps=6):
-    args = fit_args(tiny_model, data_dir, root, steps=steps)
-    args = [a for a in args if not a.startswith("--trainer.logger.save_dir")]
-    return [
-        *args,
-        f"--trainer.logger.save_dir={root}",
-        "--trainer.logger.flush_logs_every_n_steps=1",
-        '--data.judgers={"openai/gsm8k": {"class_path": "test_resume.DigitJudger"}}',
-        "--model.export_hf=false",
-        "--summary.enabled=false",
-        *extra,
-    ]
-
-
-def metrics_by_step(root: Path) -> dict[int, dict[str, float]]:
-    rows = {}
-    for path in sorted(root.glob("lightning_logs/version_*/metrics.csv")):
-        with open(path) as f:
-            for row in csv.DictReader(f):
-                values = {k: float(v) for k, v in row.items() if v != ""}
-                if "loss" in values:
-                    rows[int(values["step"])] = values
-    return rows
-
-
-def trajectories(root: Path) -> list[dict]:
-    lines = []
-    for path in sorted(root.glob("lightning_logs/version_*/trajectories.jsonl")):
-        lines += [json.loads(line) for line in path.read_text().splitlines()]
-    return lines
-
-
-@pytest.fixture(scope="module")
-def small_data(tiny_data, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("small")
-    rows = (tiny_data / "train.jsonl").read_text().splitlines()[:8]
-    (out / "train.jsonl").write_text("\n".join(rows) + "\n")
-    return out
-
-
-def test_kill_and_resume_matches_straight_run(tiny_model, small_data, tmp_path):
+def test_kill_and_resume_matches_straight_run(tiny_model, small_data, tmp_path, one_thread):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     cli_main(run_args(tiny_model, small_data, straight))
 
-    # a real `rlflow fit` process, killed with SIGKILL right after step 3's checkpoint
+    # a real `rlflow fit` process, killed with SIGKILL right after step 3's checkpoint (one thread, as in-process:
+    # the same float reductions)
     kill = '--trainer.callbacks+={"class_path": "test_resume.KillAfterCheckpoint", "init_args": {"step": 3}}'
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "rlflow", *run_args(tiny_model, small_data, killed, kill)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
@@ -108,25 +58,9 @@ def test_kill_and_resume_matches_straight_run(tiny_model, small_data, tmp_path):
 
     cli = cli_main(run_args(tiny_model, small_data, killed, "--ckpt_path=last"))
     assert cli.trainer.global_step == 6
-
-    a, b = metrics_by_step(straight), metrics_by_step(killed)
-    assert sorted(a) == sorted(b) == [0, 1, 2, 3, 4, 5]
-    for step in range(6):
-        for key in ("reward", "loss", "entropy", "grad_norm", "completions/mean_length", "num_tokens", "lr"):
-            assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])
-    assert any(a[s]["loss"] != 0.0 for s in a)  # the comparison is not between zeros
-    ta, tb = trajectories(straight), trajectories(killed)
-    assert [(t["step"], t["prompt"], t["completion"], t["reward"]) for t in ta] == \
-        [(t["step"], t["prompt"], t["completion"], t["reward"]) for t in tb]
-    assert len({t["prompt"] for t in ta}) == 8  # both epochs' orders were replayed
-
-    final_a = torch.load(straight / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt", weights_only=True)
-    final_b = torch.load(killed / "lightning_logs" / "version_1" / "checkpoints" / "last.ckpt", weights_only=True)
-    assert final_a["global_step"] == final_b["global_step"] == 6
-    for key, value in final_a["state_dict"].items():
-        assert torch.equal(value, final_b["state_dict"][key]), key
-    for sa, sb in zip(final_a["optimizer_states"][0]["state"].values(), final_b["optimizer_states"][0]["state"].values()):
-        assert torch.equal(sa["exp_avg"], sb["exp_avg"])
+    assert_same_run(straight, killed, 6)
+    assert len({t["prompt"] for t in trajectories(straight)}) == 8  # both epochs' orders were replayed
+    assert_same_final_state(straight, killed, 6)
 
 
 SAVE_LOOP = """

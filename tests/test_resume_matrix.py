@@ -1,0 +1,63 @@
+"""Exact continuation from every kind of checkpoint, each against an uninterrupted run of the same config.
+
+Each case runs ``steps`` rollout steps straight, then the same config as a chain of runs that finish at each
+``stops`` step (``trainer.max_steps``) and continue with ``--ckpt_path last`` to ``steps``; every per-step metric,
+every eval metric, every trajectory and the final weights must be equal (``resume_helpers.assert_same_run``).
+The data has 8 prompts and 4 per step, so an epoch is 2 rollout steps. In-process runs; the real ``kill -9`` of a
+real ``rlflow fit`` is ``test_resume.py``'s.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from resume_helpers import (  # noqa: F401 (fixtures)
+    assert_same_final_state, assert_same_run, metrics_by_step, one_thread, run_args, small_data,
+)
+from rlflow.cli import cli_main
+
+pytestmark = pytest.mark.slow
+
+EVAL = ["--evaluate_every_n_steps=2", "--data.eval_data_path={data}/val.jsonl", "--data.eval_batch_size=4"]
+SOURCES = '--data.train_data_path=[{"path": "{data}/a.jsonl", "weight": 3}, {"path": "{data}/b.jsonl", "weight": 1}]'
+BINARY_REWARD = '--data.judgers={"openai/gsm8k": {"class_path": "resume_helpers.DigitJudger", "init_args": {"binary": true}}}'
+CASES = {  # id: (extra arguments, the steps the chain stops at, steps in all)
+    # (a) + (c): a finished run extended, twice: its last.ckpt comes from the end-of-run save (every_n_train_steps
+    # never fires), first mid-epoch, then right after the last batch of epoch 0
+    "finished-run-extended": (["--checkpoint.every_n_train_steps=5"], (1, 2), 3),
+    # (d) several optimizer steps per rollout step: max_steps, the checkpoint and the logged steps count rollout steps
+    "optimizer-steps-4": (["--model.optimizer_steps=4"], (1,), 3),
+    # (e) dynamic sampling's extra draws are seeded with the rollout step (not the optimizer step: 2 per rollout)
+    "dynamic-sampling": (["--data.dynamic_sampling=true", "--data.max_sampling_rounds=2", "--model.optimizer_steps=2",
+                          BINARY_REWARD], (1,), 3),
+    # (f) evaluation at the step of the checkpoint (run before the next step) and after the resume; stopping at an
+    # eval step shows that evaluating does not move the training RNG (else step 3 would differ)
+    "eval-between-steps": (EVAL, (2,), 4),
+    # (g) two weighted sources (3:1, so the small one is repeated every step): MixBatchSampler's position
+    "weighted-sources": ([SOURCES], (1,), 3),
+}
+
+
+@pytest.fixture(scope="module")
+def mix_data(small_data):
+    """Two sources cut from the 8 prompts: a.jsonl (6) and b.jsonl (2)."""
+    rows = (small_data / "train.jsonl").read_text().splitlines()
+    (small_data / "a.jsonl").write_text("\n".join(rows[:6]) + "\n")
+    (small_data / "b.jsonl").write_text("\n".join(rows[6:]) + "\n")
+    return small_data
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_continuing_from_a_checkpoint_matches_the_straight_run(case, tiny_model, mix_data, tmp_path, one_thread):
+    extra, stops, steps = CASES[case]
+    extra = [arg.replace("{data}", str(mix_data)) for arg in extra]
+    straight, chained = tmp_path / "straight", tmp_path / "chained"
+    cli_main(run_args(tiny_model, mix_data, straight, *extra, steps=steps))
+    for i, stop in enumerate((*stops, steps)):
+        resume = ["--ckpt_path=last"] if i else []
+        cli = cli_main(run_args(tiny_model, mix_data, chained, *extra, *resume, steps=stop))
+        assert cli.trainer.global_step == stop  # rollout steps, whatever optimizer_steps is
+    assert_same_run(straight, chained, steps)
+    assert_same_final_state(straight, chained, steps)
+    if case == "dynamic-sampling":  # extra prompts were really drawn
+        assert [row["sampling/rounds"] for row in metrics_by_step(straight).values()].count(2.0) >= 2
