@@ -35,6 +35,7 @@ from rlflow.data.packing import (
     varlen_supported,
 )
 from rlflow.data.packing_support import resolve_packing
+from rlflow.data.protocol import ExperienceSource
 from rlflow.distributed import (
     FSDP2Strategy,
     all_max,
@@ -49,13 +50,12 @@ from rlflow.distributed import (
     sharded_completion_logprobs,
     world_size,
 )
-from rlflow.data.protocol import ExperienceSource
 from rlflow.evaluation import EvalMetrics
 from rlflow.log import info
 from rlflow.logprobs import completion_logprobs
 from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
 from rlflow.model_path import check_model_path
-from rlflow.optim import UpdateFraction, build_lr_scheduler, build_optimizer, check_optimizer
+from rlflow.optim import UpdateFraction, build_lr_scheduler, build_optimizer, check_optimizer, rebuild_lr_scheduler
 from rlflow.step_unit import count_rollout_step, optimizer_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -283,6 +283,7 @@ class GRPOModule(L.LightningModule):
         # the trainer counts rollout steps (training_step calls); the schedule counts optimizer steps
         rollout_steps = max(int(self.trainer.estimated_stepping_batches), 1) if self._trainer is not None else 1
         total = rollout_steps * hp.optimizer_steps * hp.num_iterations
+        self.lr_schedule_steps = total  # checkpointed: a run continued with another max_steps re-spans the schedule
         scheduler = build_lr_scheduler(optimizer, hp.lr_schedule, hp.warmup_steps, total)
         self.update_fraction = UpdateFraction(params, hp.get("optimizer", "adamw"))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -337,7 +338,8 @@ class GRPOModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------- training
     @property
     def experience(self) -> ExperienceSource:
-        """The datamodule, through the one interface a GRPO step uses (:class:`~rlflow.data.protocol.ExperienceSource`)."""
+        """The datamodule, through the one interface a GRPO step uses
+        (:class:`~rlflow.data.protocol.ExperienceSource`)."""
         return self.trainer.datamodule
 
     def training_step(self, batch: list, batch_idx: int) -> None:
@@ -388,7 +390,8 @@ class GRPOModule(L.LightningModule):
     ) -> dict:
         """One optimizer step over ``minibatch``, accumulated over micro-batches; adds its metrics to ``sums``.
 
-        ``count``: whether the step advances ``trainer.global_step`` (one per rollout step, see :mod:`rlflow.step_unit`).
+        ``count``: whether the step advances ``trainer.global_step`` (one per rollout step, see
+        :mod:`rlflow.step_unit`).
         """
         hp = self.hparams
         opt = self.optimizers()
@@ -516,7 +519,7 @@ class GRPOModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rlflow"] = {
             "policy_version": self.policy_version, "num_tokens": self.num_tokens, "skipped_steps": self.skipped_steps,
-            "consecutive_skips": self.consecutive_skips,
+            "consecutive_skips": self.consecutive_skips, "lr_schedule_steps": getattr(self, "lr_schedule_steps", None),
             # every rank's Python/NumPy/torch RNG, so sampling after a resume draws what it would have drawn
             "rng": gather_rng_states(self.trainer.world_size if self._trainer is not None else 1),
         }
@@ -528,6 +531,7 @@ class GRPOModule(L.LightningModule):
         self.skipped_steps = state.get("skipped_steps", 0)
         self.consecutive_skips = state.get("consecutive_skips", 0)
         self._resume_rng = state.get("rng")  # applied in on_train_start, after Lightning's own set-up
+        self._resume_lr_steps = state.get("lr_schedule_steps")  # likewise, once Lightning restored the scheduler
 
     def on_train_start(self) -> None:
         states, self._resume_rng = getattr(self, "_resume_rng", None), None
@@ -538,6 +542,21 @@ class GRPOModule(L.LightningModule):
             else:
                 info(f"the checkpoint holds RNG states of {len(states)} rank(s), this run has "
                      f"{self.trainer.world_size}: sampling continues from a fresh seed, not bit-exactly")
+        self.respan_lr_schedule()
+
+    def respan_lr_schedule(self) -> None:
+        """After a resume with another ``max_steps`` (or ``max_epochs``), let a decaying schedule end where this
+        run ends: the schedule of a run of the new length, at the optimizer step reached (Lightning restored the
+        checkpoint's scheduler, which ended at the old length)."""
+        saved, self._resume_lr_steps = getattr(self, "_resume_lr_steps", None), None
+        hp, configs = self.hparams, self.trainer.lr_scheduler_configs
+        if saved is None or saved == self.lr_schedule_steps or hp.lr_schedule == "constant" or not configs:
+            return
+        taken = configs[0].scheduler.last_epoch
+        configs[0].scheduler = rebuild_lr_scheduler(
+            configs[0].scheduler.optimizer, hp.lr_schedule, hp.warmup_steps, self.lr_schedule_steps, taken)
+        info(f"model.lr_schedule={hp.lr_schedule} spans {self.lr_schedule_steps} optimizer steps now (the checkpoint's "
+             f"run: {saved}); continuing at step {taken}, lr {float(self.optimizers().param_groups[0]['lr']):.3g}")
 
     def on_fit_end(self) -> None:
         if not self.hparams.export_hf:

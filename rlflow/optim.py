@@ -103,6 +103,25 @@ def build_lr_scheduler(
     return lr_scheduler.SequentialLR(optimizer, schedulers, milestones=milestones)
 
 
+def rebuild_lr_scheduler(
+    optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, total_steps: int, steps_taken: int
+) -> lr_scheduler.LRScheduler:
+    """:func:`build_lr_scheduler` for ``total_steps``, advanced by ``steps_taken`` optimizer steps, the optimizer's
+    learning rate set to the schedule's value there: what a run of ``total_steps`` has after as many steps (the same
+    floats, since torch's schedulers compute each value from the previous one).
+
+    A run continued with a larger ``max_steps`` uses it: the checkpoint's scheduler ends at the old ``max_steps``
+    (a linear or cosine decay would stay at 0 for every added step)."""
+    for group in optimizer.param_groups:
+        group["lr"] = group["initial_lr"]  # as when build_lr_scheduler first ran, on the fresh optimizer
+    scheduler = build_lr_scheduler(optimizer, schedule, warmup_steps, total_steps)
+    with warnings.catch_warnings():  # no optimizer step was taken in this process yet: torch would warn
+        warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+        for _ in range(steps_taken):
+            scheduler.step()
+    return scheduler
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2), else the tensor itself, flattened."""
     t = t.to_local() if hasattr(t, "to_local") else t
@@ -113,8 +132,9 @@ class UpdateFraction:
     """``optim/update_fraction``: the share of parameter elements with a non-zero gradient whose stored value
     an optimizer step changed; 1.0 when updates land, far below when rounding swallows them.
 
-    Call :meth:`before_step` just before ``optimizer.step()`` and :meth:`after_step` just after. Tensors of at most ``sample_size`` elements are compared whole; larger ones at a
-    fixed sample of ``sample_size`` positions (seeded, drawn once), each tensor weighted by its size. For
+    Call :meth:`before_step` just before ``optimizer.step()`` and :meth:`after_step` just after. Tensors of at
+    most ``sample_size`` elements are compared whole; larger ones at a fixed sample of ``sample_size`` positions
+    (seeded, drawn once), each tensor weighted by its size. For
     Qwen3-8B (~400 tensors) that is ~1.6M elements a step, a few small gathers. Warns once (rank zero) when the
     fraction falls below ``warn_below`` with plain ``adamw`` on bf16/fp16 parameters.
     """

@@ -219,3 +219,31 @@ def test_lr_schedule_spans_the_rollout_steps_optimizer_steps(optimizer_steps, nu
         assert lr == pytest.approx(2e-3 * expected_factor(step, schedule, warmup, total), rel=1e-6, abs=1e-12), step
         opt.step()
         sched.step()
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_a_rebuilt_schedule_continues_as_a_run_of_the_new_length(schedule):
+    """``rebuild_lr_scheduler`` (a run continued with a larger max_steps): from the step reached, the same learning
+    rates and the same scheduler state as a run that had the new length from the start."""
+    from rlflow.optim import build_lr_scheduler, rebuild_lr_scheduler
+
+    def adamw():
+        return torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=1e-3)
+
+    long_opt, short_opt = adamw(), adamw()
+    long_sched = build_lr_scheduler(long_opt, schedule, 3, 20)
+    short_sched = build_lr_scheduler(short_opt, schedule, 3, 8)
+    for _ in range(8):
+        long_opt.step()
+        short_opt.step()
+        long_sched.step()
+        short_sched.step()
+    assert short_opt.param_groups[0]["lr"] == 0.0  # the short schedule has ended
+    resumed = rebuild_lr_scheduler(short_opt, schedule, 3, 20, short_sched.last_epoch)
+    for step in range(8, 22):
+        assert short_opt.param_groups[0]["lr"] == long_opt.param_groups[0]["lr"], step
+        long_opt.step()
+        short_opt.step()
+        long_sched.step()
+        resumed.step()
+    assert resumed.state_dict() == long_sched.state_dict()

@@ -10,7 +10,8 @@ real ``rlflow fit`` is ``test_resume.py``'s.
 from __future__ import annotations
 
 import pytest
-from resume_helpers import assert_same_final_state, assert_same_run, metrics_by_step, run_args
+import torch
+from resume_helpers import assert_same_final_state, assert_same_run, last_checkpoint, metrics_by_step, run_args
 
 from rlflow.cli import cli_main
 
@@ -60,3 +61,18 @@ def test_continuing_from_a_checkpoint_matches_the_straight_run(case, tiny_model,
     assert_same_final_state(straight, chained, steps)
     if case == "dynamic-sampling":  # extra prompts were really drawn
         assert [row["sampling/rounds"] for row in metrics_by_step(straight).values()].count(2.0) >= 2
+
+
+def test_a_finished_run_extended_follows_the_longer_lr_schedule(tiny_model, small_data, tmp_path, one_thread):
+    """A decaying schedule spans the run's ``max_steps``; continuing with a larger one stretches it to the new end
+    from the optimizer step reached, as a straight run of the new length has it (it stayed at the old end, lr 0)."""
+    extra = ["--model.lr_schedule=linear", "--model.optimizer_steps=2"]
+    straight, chained = tmp_path / "straight", tmp_path / "chained"
+    cli_main(run_args(tiny_model, small_data, straight, *extra, steps=4))
+    cli_main(run_args(tiny_model, small_data, chained, *extra, steps=2))
+    cli_main(run_args(tiny_model, small_data, chained, *extra, "--ckpt_path=last", steps=4))
+    a, b = metrics_by_step(straight), metrics_by_step(chained)
+    assert b[1]["lr"] == 0.0  # the 2-step run's schedule ended with it
+    assert [b[s]["lr"] for s in (2, 3)] == [a[s]["lr"] for s in (2, 3)] == [pytest.approx(2.5e-4), 0.0]  # 2 of 8 left
+    final_a = torch.load(last_checkpoint(straight), weights_only=True)["lr_schedulers"]
+    assert torch.load(last_checkpoint(chained), weights_only=True)["lr_schedulers"] == final_a

@@ -1,7 +1,8 @@
 """One step unit: with 4 optimizer steps per rollout step, every step count a user sets counts rollout steps.
 
 ``trainer.max_steps``, ``samples.every_n_steps``, ``checkpoint.every_n_train_steps``, ``--evaluate_every_n_steps``,
-``trainer.log_every_n_steps`` and the ``step`` of metrics.csv and trajectories.jsonl (see ``rlflow.step_unit``).
+``trainer.log_every_n_steps`` and the ``step`` of metrics.csv and trajectories.jsonl (see ``rlflow.step_unit``);
+the learning-rate schedule counts optimizer steps and spans the run's ``max_steps x optimizer_steps``.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def test_every_step_count_is_in_rollout_steps(tiny_model, small_data, tmp_path, 
         "--model.optimizer_steps=4", "--data.global_batch_size=2", "--data.prompt_repeat_k=2", "--data.max_tokens=4",
         "--samples.every_n_steps=10", "--checkpoint.every_n_train_steps=10", "--checkpoint.save_top_k=-1",
         f"--data.eval_data_path={small_data / 'val.jsonl'}", "--data.eval_batch_size=4", "--evaluate_every_n_steps=10",
-        "--trainer.log_every_n_steps=5",
+        "--trainer.log_every_n_steps=5", "--model.lr_schedule=linear",
     ])
     trainer = cli.trainer
     assert trainer.global_step == 21 and cli.model.policy_version == 84  # 21 rollout steps x 4 optimizer steps
@@ -79,7 +80,12 @@ def test_every_step_count_is_in_rollout_steps(tiny_model, small_data, tmp_path, 
     assert sorted(torch.load(p, weights_only=True)["global_step"] for p in ckpt_dir.glob("epoch=*.ckpt")) == [10, 20]
     assert sorted(p.name.split("step=")[1] for p in ckpt_dir.glob("epoch=*.ckpt")) == ["10.ckpt", "20.ckpt"]
     assert torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"] == 21
-    assert sorted(metrics_by_step(tmp_path)) == [4, 9, 14, 19]  # log_every_n_steps=5, 0-based rollout steps
+    logged = metrics_by_step(tmp_path)
+    assert sorted(logged) == [4, 9, 14, 19]  # log_every_n_steps=5, 0-based rollout steps
+    # linear decay over 21 x 4 = 84 optimizer steps: after rollout step s, 4 (s + 1) of them; 0 at the run's end
+    for step, row in logged.items():
+        assert row["lr"] == pytest.approx(1e-3 * (1 - 4 * (step + 1) / 84), rel=1e-5), step
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 0.0
     assert sorted(metrics_by_step(tmp_path, "eval/accuracy")) == [9, 19]  # logged with the step just finished
     rows = (tmp_path / "lightning_logs" / "version_0" / "trajectories.jsonl").read_text().splitlines()
     assert sorted({json.loads(row)["step"] for row in rows}) == list(range(21))
