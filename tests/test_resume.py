@@ -1,4 +1,5 @@
-"""Exact resume: 6 steps straight equal 3 steps, a real ``kill -9`` of a real ``rlflow fit``, and a resume to 6.
+"""Exact resume: 6 steps straight equal a real ``rlflow fit`` killed with ``kill -9`` in the middle of step 4
+(3 checkpointed steps), then resumed to 6.
 
 The data has 8 prompts and 4 per step, so the 6 steps cross two epoch boundaries and the kill lands mid-epoch.
 A graded judger (digits in the completion) gives non-zero advantages, so the losses and weights really move.
@@ -24,38 +25,40 @@ pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent
 
 
-class KillAfterCheckpoint(L.Callback):
-    """Sends SIGKILL to its own process when step ``step + 1`` is about to start, i.e. after step ``step``'s
-    checkpoint."""
+class KillMidStep(L.Callback):
+    """Sends SIGKILL to its own process in the middle of the rollout step after ``step`` checkpointed ones: after
+    its generation and first optimizer step, just before its second (``model.optimizer_steps=2``), so the weights,
+    optimizer and RNG in memory are half a step past the last checkpoint."""
 
     def __init__(self, step: int = 3) -> None:
         self.step = step
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step == self.step:
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step == self.step and pl_module.policy_version == 2 * self.step + 1:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 def test_kill_and_resume_matches_straight_run(tiny_model, small_data, tmp_path, one_thread):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    cli_main(run_args(tiny_model, small_data, straight))
+    two_updates = "--model.optimizer_steps=2"
+    cli_main(run_args(tiny_model, small_data, straight, two_updates))
 
-    # a real `rlflow fit` process, killed with SIGKILL right after step 3's checkpoint (one thread, as in-process:
-    # the same float reductions)
-    kill = '--trainer.callbacks+={"class_path": "test_resume.KillAfterCheckpoint", "init_args": {"step": 3}}'
+    # a real `rlflow fit` process, killed with SIGKILL between the two optimizer steps of the step after step 3's
+    # checkpoint (one thread, as in-process: the same float reductions)
+    kill = '--trainer.callbacks+={"class_path": "test_resume.KillMidStep", "init_args": {"step": 3}}'
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "rlflow", *run_args(tiny_model, small_data, killed, kill)]
+    command = [sys.executable, "-m", "rlflow", *run_args(tiny_model, small_data, killed, two_updates, kill)]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     last = killed / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
     state = torch.load(last, weights_only=True, map_location="cpu")  # loads with weights_only: plain types only
     assert state["global_step"] == 3
-    assert {"rng", "policy_version", "num_tokens"} <= set(state["rlflow"])
+    assert {"rng", "policy_version", "num_tokens"} <= set(state["rlflow"]) and state["rlflow"]["policy_version"] == 6
     assert state["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]["consumed"] == 1  # step 3 = epoch 1, batch 0
     assert not list(last.parent.glob(".partial-*"))
 
-    cli = cli_main(run_args(tiny_model, small_data, killed, "--ckpt_path=last"))
+    cli = cli_main(run_args(tiny_model, small_data, killed, two_updates, "--ckpt_path=last"))
     assert cli.trainer.global_step == 6
     assert_same_run(straight, killed, 6)
     assert len({t["prompt"] for t in trajectories(straight)}) == 8  # both epochs' orders were replayed
