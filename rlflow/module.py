@@ -35,6 +35,7 @@ from rlflow.data.packing import (
     varlen_supported,
 )
 from rlflow.data.packing_support import resolve_packing
+from rlflow.data.protocol import ExperienceSource
 from rlflow.distributed import (
     FSDP2Strategy,
     all_max,
@@ -49,7 +50,6 @@ from rlflow.distributed import (
     sharded_completion_logprobs,
     world_size,
 )
-from rlflow.data.protocol import ExperienceSource
 from rlflow.evaluation import EvalMetrics
 from rlflow.log import info
 from rlflow.logprobs import completion_logprobs
@@ -337,7 +337,8 @@ class GRPOModule(L.LightningModule):
     # ----------------------------------------------------------------------------------------- training
     @property
     def experience(self) -> ExperienceSource:
-        """The datamodule, through the one interface a GRPO step uses (:class:`~rlflow.data.protocol.ExperienceSource`)."""
+        """The datamodule, through the one interface a GRPO step uses
+        (:class:`~rlflow.data.protocol.ExperienceSource`)."""
         return self.trainer.datamodule
 
     def training_step(self, batch: list, batch_idx: int) -> None:
@@ -388,7 +389,8 @@ class GRPOModule(L.LightningModule):
     ) -> dict:
         """One optimizer step over ``minibatch``, accumulated over micro-batches; adds its metrics to ``sums``.
 
-        ``count``: whether the step advances ``trainer.global_step`` (one per rollout step, see :mod:`rlflow.step_unit`).
+        ``count``: whether the step advances ``trainer.global_step`` (one per rollout step, see
+        :mod:`rlflow.step_unit`).
         """
         hp = self.hparams
         opt = self.optimizers()

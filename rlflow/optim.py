@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import warnings
 from collections.abc import Iterable
 
 import torch
@@ -113,8 +112,9 @@ class UpdateFraction:
     """``optim/update_fraction``: the share of parameter elements with a non-zero gradient whose stored value
     an optimizer step changed; 1.0 when updates land, far below when rounding swallows them.
 
-    Call :meth:`before_step` just before ``optimizer.step()`` and :meth:`after_step` just after. Tensors of at most ``sample_size`` elements are compared whole; larger ones at a
-    fixed sample of ``sample_size`` positions (seeded, drawn once), each tensor weighted by its size. For
+    Call :meth:`before_step` just before ``optimizer.step()`` and :meth:`after_step` just after. Tensors of at
+    most ``sample_size`` elements are compared whole; larger ones at a fixed sample of ``sample_size`` positions
+    (seeded, drawn once), each tensor weighted by its size. For
     Qwen3-8B (~400 tensors) that is ~1.6M elements a step, a few small gathers. Warns once (rank zero) when the
     fraction falls below ``warn_below`` with plain ``adamw`` on bf16/fp16 parameters.
     """

@@ -64,6 +64,25 @@ def tokenizer(tiny_model):
     return AutoTokenizer.from_pretrained(tiny_model)
 
 
+@pytest.fixture(scope="module")
+def small_data(tiny_data, tmp_path_factory) -> Path:
+    """8 training prompts (2 rollout steps of 4 per epoch) and 4 eval prompts."""
+    out = tmp_path_factory.mktemp("small")
+    rows = (tiny_data / "train.jsonl").read_text().splitlines()[:8]
+    (out / "train.jsonl").write_text("\n".join(rows) + "\n")
+    (out / "val.jsonl").write_text("\n".join((tiny_data / "val.jsonl").read_text().splitlines()[:4]) + "\n")
+    return out
+
+
+@pytest.fixture
+def one_thread():
+    """The tiny model runs faster on one thread than on two that share CPU cores with other processes."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def fit_args(tiny_model: Path, tiny_data: Path, root: Path, *extra: str, steps: int = 3) -> list[str]:
     """Arguments of a small ``rlflow fit`` run on the tiny model, logging CSV under ``root``."""
     return [

@@ -10,10 +10,9 @@ import csv
 import json
 from pathlib import Path
 
-import pytest
 import torch
-
 from conftest import fit_args
+
 from rlflow.judgers.base import Judger
 
 TIMINGS = {"step_time", "rollout/time", "rollout/tokens_per_s"}  # wall-clock values: never equal between runs
@@ -90,7 +89,9 @@ def assert_same_run(straight: Path, resumed: Path, steps: int) -> None:
 
 def last_checkpoint(root: Path) -> Path:
     """The ``last.ckpt`` of the newest log version under ``root``."""
-    return max(root.glob("lightning_logs/version_*/checkpoints/last.ckpt"), key=lambda p: int(p.parts[-3].split("_")[1]))
+    return max(
+        root.glob("lightning_logs/version_*/checkpoints/last.ckpt"), key=lambda p: int(p.parts[-3].split("_")[1])
+    )
 
 
 def assert_same_final_state(straight: Path, resumed: Path, steps: int) -> None:
@@ -100,24 +101,7 @@ def assert_same_final_state(straight: Path, resumed: Path, steps: int) -> None:
     assert final_a["global_step"] == final_b["global_step"] == steps
     for key, value in final_a["state_dict"].items():
         assert torch.equal(value, final_b["state_dict"][key]), key
-    for sa, sb in zip(final_a["optimizer_states"][0]["state"].values(), final_b["optimizer_states"][0]["state"].values()):
+    states_a, states_b = final_a["optimizer_states"][0]["state"], final_b["optimizer_states"][0]["state"]
+    for sa, sb in zip(states_a.values(), states_b.values()):
         assert torch.equal(sa["exp_avg"], sb["exp_avg"])
 
-
-@pytest.fixture(scope="module")
-def small_data(tiny_data, tmp_path_factory) -> Path:
-    """8 training prompts (2 rollout steps of 4 per epoch) and 4 eval prompts."""
-    out = tmp_path_factory.mktemp("small")
-    rows = (tiny_data / "train.jsonl").read_text().splitlines()[:8]
-    (out / "train.jsonl").write_text("\n".join(rows) + "\n")
-    (out / "val.jsonl").write_text("\n".join((tiny_data / "val.jsonl").read_text().splitlines()[:4]) + "\n")
-    return out
-
-
-@pytest.fixture
-def one_thread():
-    """The tiny model runs faster on one thread than on two that share CPU cores with other processes."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

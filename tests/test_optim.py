@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-
 from conftest import ROOT, fit_args
+
 from rlflow.config_error import ConfigError
 from rlflow.optim import LostUpdatesWarning, UpdateFraction, build_optimizer, check_optimizer
 
@@ -23,7 +23,9 @@ NEEDS = {"adamw_kahan": "torch-optimi", "adamw_bf16_sr": "torchao"}
 
 
 def needs(name: str):
-    return pytest.mark.skipif(not HAVE[name], reason=f"{NEEDS.get(name)} is not installed: pip install 'rlflow[precision]'")
+    return pytest.mark.skipif(
+        not HAVE[name], reason=f"{NEEDS.get(name)} is not installed: pip install 'rlflow[precision]'"
+    )
 
 
 def digit_reward(completions, **kwargs):
@@ -151,11 +153,14 @@ def fit_and_compare(tiny_model, tiny_data, tmp_path, monkeypatch, dtype: str, *e
 
     returned = []
     original = UpdateFraction.after_step
-    monkeypatch.setattr(UpdateFraction, "after_step", lambda self, step=None: returned.append(original(self, step)) or returned[-1])
+    monkeypatch.setattr(
+        UpdateFraction, "after_step", lambda self, step=None: returned.append(original(self, step)) or returned[-1]
+    )
     loaded = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=getattr(torch, dtype))
     before = {k: v.float() for k, v in loaded.state_dict().items()}
-    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, f"--model.dtype={dtype}", "--model.lr=1e-6", "--model.optimizer_steps=2",
-                            '--data.judgers={"*": "test_optim:digit_reward"}', "--model.export_hf=false", *extra, steps=1))
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, f"--model.dtype={dtype}", "--model.lr=1e-6",
+                            "--model.optimizer_steps=2", '--data.judgers={"*": "test_optim:digit_reward"}',
+                            "--model.export_hf=false", *extra, steps=1))
     after = {k: v.float() for k, v in cli.model.policy.state_dict().items()}
     changed = sum((after[k] != before[k]).sum().item() for k in before) / sum(v.numel() for v in before.values())
     return changed, read_metrics(Path(cli.trainer.log_dir))[-1], returned, cli
@@ -180,7 +185,8 @@ def test_bf16_weights_with_adamw_barely_train_end_to_end_and_warn(tiny_model, ti
         changed, row, returned, _ = fit_and_compare(tiny_model, tiny_data, tmp_path, monkeypatch, "bfloat16",
                                                     "--trainer.precision=bf16-true")
     assert changed < 0.1, changed
-    assert row["optim/update_fraction"] < 0.1 and row["optim/update_fraction"] == pytest.approx(sum(returned) / 2, rel=1e-6)
+    assert row["optim/update_fraction"] < 0.1
+    assert row["optim/update_fraction"] == pytest.approx(sum(returned) / 2, rel=1e-6)
 
 
 # ------------------------------------------------------------------------ (e) the LR schedule, per optimizer step
@@ -198,7 +204,9 @@ def expected_factor(step: int, schedule: str, warmup: int, total: int) -> float:
 @pytest.mark.parametrize("warmup", [0, 3])
 @pytest.mark.parametrize("optimizer", ["adamw", pytest.param("adamw_kahan", marks=needs("adamw_kahan")),
                                        pytest.param("adamw_bf16_sr", marks=needs("adamw_bf16_sr"))])
-def test_lr_schedule_spans_the_rollout_steps_optimizer_steps(optimizer_steps, num_iterations, schedule, warmup, optimizer):
+def test_lr_schedule_spans_the_rollout_steps_optimizer_steps(
+    optimizer_steps, num_iterations, schedule, warmup, optimizer
+):
     from rlflow.module import GRPOModule
 
     rollout_steps = 5

@@ -15,11 +15,9 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-
 from conftest import ROOT, fit_args
-from resume_helpers import (  # noqa: F401 (fixtures)
-    assert_same_final_state, assert_same_run, one_thread, run_args, small_data, trajectories,
-)
+from resume_helpers import assert_same_final_state, assert_same_run, run_args, trajectories
+
 from rlflow.cli import cli_main
 
 pytestmark = pytest.mark.slow
@@ -27,7 +25,8 @@ TESTS = Path(__file__).resolve().parent
 
 
 class KillAfterCheckpoint(L.Callback):
-    """Sends SIGKILL to its own process when step ``step + 1`` is about to start, i.e. after step ``step``'s checkpoint."""
+    """Sends SIGKILL to its own process when step ``step + 1`` is about to start, i.e. after step ``step``'s
+    checkpoint."""
 
     def __init__(self, step: int = 3) -> None:
         self.step = step
@@ -82,7 +81,9 @@ def test_kill_during_save_never_leaves_a_broken_checkpoint(tmp_path):
 
     path, mid_save = tmp_path / "last.ckpt", 0
     for delay in (0.5, 0.9, 1.4):
-        proc = subprocess.Popen([sys.executable, "-c", SAVE_LOOP, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SAVE_LOOP, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
         assert proc.stdout.readline().strip()  # at least one save finished
         time.sleep(delay)
         os.kill(proc.pid, signal.SIGKILL)
@@ -150,5 +151,6 @@ def test_checkpoint_defaults_and_opt_out(tiny_model, tiny_data, tmp_path):
     ckpt = trainer.checkpoint_callback
     assert isinstance(ckpt, RLFlowCheckpoint) and ckpt.save_last is True and ckpt._every_n_train_steps == 1
     assert [c for c in trainer.callbacks if isinstance(c, RLFlowCheckpoint)] == [ckpt]
-    trainer = cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--trainer.enable_checkpointing=false")[1:], run=False).trainer
+    args = fit_args(tiny_model, tiny_data, tmp_path, "--trainer.enable_checkpointing=false")[1:]
+    trainer = cli_main(args, run=False).trainer
     assert not [c for c in trainer.callbacks if isinstance(c, RLFlowCheckpoint)]

@@ -10,17 +10,17 @@ real ``rlflow fit`` is ``test_resume.py``'s.
 from __future__ import annotations
 
 import pytest
+from resume_helpers import assert_same_final_state, assert_same_run, metrics_by_step, run_args
 
-from resume_helpers import (  # noqa: F401 (fixtures)
-    assert_same_final_state, assert_same_run, metrics_by_step, one_thread, run_args, small_data,
-)
 from rlflow.cli import cli_main
 
 pytestmark = pytest.mark.slow
 
 EVAL = ["--evaluate_every_n_steps=2", "--data.eval_data_path={data}/val.jsonl", "--data.eval_batch_size=4"]
 SOURCES = '--data.train_data_path=[{"path": "{data}/a.jsonl", "weight": 3}, {"path": "{data}/b.jsonl", "weight": 1}]'
-BINARY_REWARD = '--data.judgers={"openai/gsm8k": {"class_path": "resume_helpers.DigitJudger", "init_args": {"binary": true}}}'
+BINARY_REWARD = (
+    '--data.judgers={"openai/gsm8k": {"class_path": "resume_helpers.DigitJudger", "init_args": {"binary": true}}}'
+)
 CASES = {  # id: (extra arguments, the steps the chain stops at, steps in all)
     # (a) + (c): a finished run extended, twice: its last.ckpt comes from the end-of-run save (every_n_train_steps
     # never fires), first mid-epoch, then right after the last batch of epoch 0

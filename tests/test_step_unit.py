@@ -12,8 +12,8 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.loggers import WandbLogger
+from resume_helpers import metrics_by_step, run_args
 
-from resume_helpers import metrics_by_step, one_thread, run_args, small_data  # noqa: F401 (fixtures)
 from rlflow.cli import cli_main
 
 pytestmark = pytest.mark.slow
@@ -53,8 +53,10 @@ class EvalSteps(L.Callback):
 
 
 def test_every_step_count_is_in_rollout_steps(tiny_model, small_data, tmp_path, one_thread):
-    loggers = json.dumps([{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path)}},
-                          {"class_path": "test_step_unit.TableRecorder"}])
+    loggers = json.dumps([
+        {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(tmp_path)}},
+        {"class_path": "test_step_unit.TableRecorder"},
+    ])
     args = [a for a in run_args(tiny_model, small_data, tmp_path, steps=21) if not a.startswith("--trainer.logger")]
     cli = cli_main([
         *args, f"--trainer.logger={loggers}", "--trainer.callbacks+=test_step_unit.EvalSteps",
@@ -84,7 +86,6 @@ def test_seed_recipes_evaluate_every_10_rollout_steps_as_xtuner(recipe):
     """XTuner's GSM8K recipe evaluates every 10 rollout steps of 4 optimizer steps; the unit is the rollout step,
     so the recipe says 10 (it said 40, which evaluated every 40 rollout steps)."""
     import yaml
-
     from conftest import ROOT
 
     config = yaml.safe_load((ROOT / "configs" / recipe).read_text())
