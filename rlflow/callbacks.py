@@ -71,8 +71,8 @@ class RolloutProgressBar(L.Callback):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         bar = trainer.progress_bar_callback
-        if (self.enabled and stage == "fit" and trainer.is_global_zero and isinstance(bar, (TQDMProgressBar, RichProgressBar))
-                and bar.is_enabled):
+        if (self.enabled and stage == "fit" and trainer.is_global_zero
+                and isinstance(bar, (TQDMProgressBar, RichProgressBar)) and bar.is_enabled):
             self.lightning_bar = bar
             trainer.datamodule.rollout_progress = self
 
@@ -84,7 +84,9 @@ class RolloutProgressBar(L.Callback):
     @property
     def rich(self) -> Any:
         """The rich ``Progress`` of Lightning's rich bar, when that is the bar in use and it is live."""
-        return getattr(self.lightning_bar, "progress", None) if isinstance(self.lightning_bar, RichProgressBar) else None
+        if isinstance(self.lightning_bar, RichProgressBar):
+            return getattr(self.lightning_bar, "progress", None)
+        return None
 
     # the listener protocol the datamodule calls: start(total), update(completions, tokens), close()
     def start(self, total: int) -> None:
@@ -165,7 +167,10 @@ class SampleTable(L.Callback):
             num_samples: Rows per table (the first samples of the step, whole groups first).
         """
         if every_n_steps < 0 or num_samples < 1:
-            raise ValueError(f"samples.every_n_steps must be >= 0 and samples.num_samples >= 1, got {every_n_steps}, {num_samples}")
+            raise ValueError(
+                "samples.every_n_steps must be >= 0 and samples.num_samples >= 1, "
+                f"got {every_n_steps}, {num_samples}"
+            )
         self.every_n_steps = every_n_steps
         self.num_samples = num_samples
 

@@ -8,8 +8,9 @@ rlflow adds to Lightning's CLI: ``--checkpoint.*`` (an atomic ``ModelCheckpoint`
 step, so ``--ckpt_path last`` resumes after a kill), ``--evaluate_every_n_steps N`` (Lightning's
 ``val_check_interval`` counted in rollout steps across epochs), ``--summary.*``, ``--rollout_progress.*``,
 ``--samples.*`` and ``--trajectories.*`` (see :mod:`rlflow.callbacks`), the logger short names ``--trainer.logger
-wandb|csv|tensorboard``, and the full resolved config logged to every logger. Errors a user can fix (an invalid value, bad data, a missing
-model, a full disk, a diverged run) end the command with one ``rlflow: error:`` line instead of a traceback.
+wandb|csv|tensorboard``, and the full resolved config logged to every logger. Errors a user can fix (an invalid
+value, bad data, a missing model, a full disk, a diverged run) end the command with one ``rlflow: error:`` line
+instead of a traceback.
 
 Plugin arguments (``model.loss``, ``data.rollout``, ``data.advantage``, ``data.judgers``) are typed, so
 ``class_path``/``init_args`` are validated and ``--model.loss.help grpo`` documents a plugin; registry short

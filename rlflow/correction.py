@@ -54,7 +54,9 @@ class RolloutCorrection:
             keep &= ratio >= self.min_ratio
         return torch.where(keep, ratio, torch.zeros_like(ratio))
 
-    def metrics(self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    def metrics(
+        self, old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mask: torch.Tensor
+    ) -> dict[str, float]:
         """TRL's ``sampling/*`` metrics of one batch (0 where the batch has no completion token)."""
         mask = mask.bool()
         delta = (old_logprobs.float() - rollout_logprobs.float()).abs()[mask]

@@ -22,8 +22,9 @@ the metric reduction assumes every rank holds the same number of samples, which 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -116,7 +117,8 @@ def register_strategies() -> None:
         "fsdp2": ("FSDP2 over all ranks, float32", {}),
         "fsdp2_bf16": ("FSDP2 over all ranks, bfloat16 compute, float32 gradient reduction",
                        {"param_dtype": "bfloat16", "reduce_dtype": "float32"}),
-        "fsdp2_cpu_offload": ("FSDP2 over all ranks, parameters and optimizer state offloaded to CPU", {"cpu_offload": True}),
+        "fsdp2_cpu_offload": ("FSDP2 over all ranks, parameters and optimizer state offloaded to CPU",
+                              {"cpu_offload": True}),
     }
     for name, (description, params) in presets.items():
         if name not in StrategyRegistry:
@@ -172,7 +174,9 @@ def shard_model(
     """``fully_shard`` each decoder layer, then the root (embeddings, final norm, LM head) of ``model``."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    kwargs = dict(mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy or OffloadPolicy())
+    kwargs = dict(
+        mesh=mesh, mp_policy=mp_policy or MixedPrecisionPolicy(), offload_policy=offload_policy or OffloadPolicy()
+    )
     for layer in decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, **kwargs)
@@ -226,7 +230,9 @@ def sharded_completion_logprobs(
 
     targets = batch["completion_ids"]
     width = targets.shape[1]
-    inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    inputs = dict(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    )
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
     config = getattr(model, "config", None)
     postprocessed = any(getattr(config, n, None) for n in ("final_logit_softcapping", "logit_scale", "logits_scaling"))

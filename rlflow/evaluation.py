@@ -17,7 +17,7 @@ gathers the per-prompt counts of every rank before it computes, so the logged fi
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torchmetrics import Metric
@@ -25,7 +25,8 @@ from torchmetrics.utilities import dim_zero_cat
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Probability that at least one of ``k`` samples drawn without replacement from ``n`` (``c`` correct) is correct."""
+    """Probability that at least one of ``k`` samples drawn without replacement from ``n`` (``c`` correct) is
+    correct."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     if n - c < k:
@@ -81,7 +82,9 @@ class EvalMetrics(Metric):
         """``eval/accuracy``, ``eval/pass@k``, ``eval/reward``, ``eval/mean_length``, overall and per source."""
         if not self.samples:
             return {}
-        state = {name: dim_zero_cat(getattr(self, name)) for name in ("source", "samples", "correct", "reward", "length")}
+        state = {
+            name: dim_zero_cat(getattr(self, name)) for name in ("source", "samples", "correct", "reward", "length")
+        }
         metrics = self._metrics(state, torch.ones_like(state["samples"], dtype=torch.bool), "eval")
         present = sorted(set(state["source"].tolist()))
         if len(present) > 1 or self.sources[present[0]] != "unknown":

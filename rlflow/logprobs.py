@@ -119,7 +119,11 @@ class _ChunkedTokenStats(torch.autograd.Function):
 
 
 def token_stats_from_hidden(
-    hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.nn.Module, temperature: float = 1.0, chunk_size: int = 1024
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    lm_head: torch.nn.Module,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs of ``targets`` and entropies from ``hidden`` (``[..., H]``) through ``lm_head``, chunk by chunk."""
     if chunk_size < 1:
@@ -141,8 +145,11 @@ def token_stats_from_hidden(
     return lp.view(shape), ent.view(shape)
 
 
-def naive_token_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same statistics from full logits (the fallback path, and the reference the chunked path is checked against)."""
+def naive_token_stats(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same statistics from full logits (the fallback path, and the reference the chunked path is checked
+    against)."""
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -164,7 +171,9 @@ def completion_logprobs(
     """
     targets = batch["completion_ids"]
     width = targets.shape[1]
-    inputs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"])
+    inputs = dict(
+        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+    )
     lm_head = model.get_output_embeddings()
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
     if lm_head is None or base is None or _has_logit_postprocessing(model):

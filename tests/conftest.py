@@ -57,9 +57,16 @@ def tiny_data(tiny_model) -> Path:
     return tiny_model.parent / "data"
 
 
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model)
+
+
 @pytest.fixture(scope="module")
 def small_data(tiny_data, tmp_path_factory) -> Path:
-    """The resume tests' data: 8 training prompts (2 rollout steps of 4 per epoch) and 4 eval prompts."""
+    """8 training prompts (2 rollout steps of 4 per epoch) and 4 eval prompts."""
     out = tmp_path_factory.mktemp("small")
     rows = (tiny_data / "train.jsonl").read_text().splitlines()[:8]
     (out / "train.jsonl").write_text("\n".join(rows) + "\n")
@@ -74,13 +81,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="session")
-def tokenizer(tiny_model):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_model)
 
 
 def fit_args(tiny_model: Path, tiny_data: Path, root: Path, *extra: str, steps: int = 3) -> list[str]:

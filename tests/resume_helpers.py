@@ -89,8 +89,9 @@ def assert_same_run(straight: Path, resumed: Path, steps: int) -> None:
 
 def last_checkpoint(root: Path) -> Path:
     """The ``last.ckpt`` of the newest log version under ``root``."""
-    return max(root.glob("lightning_logs/version_*/checkpoints/last.ckpt"),
-               key=lambda p: int(p.parts[-3].split("_")[1]))
+    return max(
+        root.glob("lightning_logs/version_*/checkpoints/last.ckpt"), key=lambda p: int(p.parts[-3].split("_")[1])
+    )
 
 
 def assert_same_final_state(straight: Path, resumed: Path, steps: int) -> None:
@@ -100,7 +101,7 @@ def assert_same_final_state(straight: Path, resumed: Path, steps: int) -> None:
     assert final_a["global_step"] == final_b["global_step"] == steps
     for key, value in final_a["state_dict"].items():
         assert torch.equal(value, final_b["state_dict"][key]), key
-    moments_a, moments_b = (final["optimizer_states"][0]["state"].values() for final in (final_a, final_b))
-    for sa, sb in zip(moments_a, moments_b):
+    states_a, states_b = final_a["optimizer_states"][0]["state"], final_b["optimizer_states"][0]["state"]
+    for sa, sb in zip(states_a.values(), states_b.values()):
         assert torch.equal(sa["exp_avg"], sb["exp_avg"])
 

@@ -76,7 +76,9 @@ def ref_reinforce_pp(rewards, lengths, k, baseline):
     scores = rewards.clone().double()
     if baseline:
         groups = by_group(rewards, k)
-        scores = torch.tensor([r - sum(groups[i // k]) / k for i, r in enumerate(rewards.tolist())], dtype=torch.float64)
+        scores = torch.tensor(
+            [r - sum(groups[i // k]) / k for i, r in enumerate(rewards.tolist())], dtype=torch.float64
+        )
     t = int(lengths.max())
     mask = (torch.arange(t).unsqueeze(0) < lengths.unsqueeze(1)).double()
     values = scores.unsqueeze(1) * mask

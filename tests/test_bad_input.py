@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import fit_args
+
 from rlflow.checkpointing import CheckpointDiskFullError
 from rlflow.cli import cli_main, main
 from rlflow.data.dataset import DataError
 from rlflow.losses.clipped import BNPOLoss
-from rlflow.module import NonFiniteLossError
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +38,10 @@ class NaNLoss(BNPOLoss):
 
 
 def args_with_data(tiny_model, tiny_data, root, train_path, *extra, steps=2):
-    args = [a for a in fit_args(tiny_model, tiny_data, root, *extra, steps=steps) if not a.startswith("--data.train_data_path")]
+    args = [
+        a for a in fit_args(tiny_model, tiny_data, root, *extra, steps=steps)
+        if not a.startswith("--data.train_data_path")
+    ]
     return [*args, f"--data.train_data_path={train_path}", "--summary.enabled=false", "--model.export_hf=false"]
 
 
@@ -94,7 +96,8 @@ def test_row_with_wrong_type_names_file_line_field(tiny_model, tiny_data, tmp_pa
     items = rows(tiny_data)
     items[1]["prompt"] = 5
     bad = write_rows(tmp_path / "train.jsonl", items)
-    with pytest.raises(DataError, match=rf"{bad}:2: field 'prompt' must be a string or a list of chat messages, got int"):
+    with pytest.raises(DataError,
+                       match=rf"{bad}:2: field 'prompt' must be a string or a list of chat messages, got int"):
         cli_main(args_with_data(tiny_model, tiny_data, tmp_path, bad))
 
 
@@ -127,7 +130,9 @@ def test_prompt_repeat_k_of_one_explains_why(tiny_model, tiny_data, tmp_path):
 
 def test_model_path_that_does_not_exist(tiny_model, tiny_data, tmp_path, capsys):
     args = args_with_data(tiny_model, tiny_data, tmp_path, tiny_data / "train.jsonl")
-    args = [a if not a.startswith("--model.model_path") else f"--model.model_path={tmp_path / 'no-model'}" for a in args]
+    args = [
+        a if not a.startswith("--model.model_path") else f"--model.model_path={tmp_path / 'no-model'}" for a in args
+    ]
     code, err = run_main(args, capsys)
     assert code == 1
     line = next(l for l in err.splitlines() if l.startswith("rlflow: error:"))

@@ -10,7 +10,6 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import DATA, ROOT, load_tool
 
 convert_gsm8k = load_tool("convert_gsm8k")
@@ -91,8 +90,11 @@ def test_bad_inputs_name_the_file_and_row(tmp_path):
         convert_gsm8k.convert(tmp_path / "empty", tmp_path / "out")
     bad = tmp_path / "bad" / "main"
     bad.mkdir(parents=True)
-    pq.write_table(pa.table({"question": ["q1", "q2"], "answer": ["#### 3", "no final line"]}), bad / "train-00000-of-00001.parquet")
-    with pytest.raises(convert_gsm8k.ConvertError, match=r"train-00000-of-00001\.parquet:row 2: field 'answer' has no '#### <number>'"):
+    pq.write_table(pa.table({"question": ["q1", "q2"], "answer": ["#### 3", "no final line"]}),
+                   bad / "train-00000-of-00001.parquet")
+    with pytest.raises(convert_gsm8k.ConvertError,
+                       match=r"train-00000-of-00001\.parquet:row 2: field 'answer' has no '#### <number>'"):
         convert_gsm8k.convert(tmp_path / "bad", tmp_path / "out", splits=("train",))
     pq.write_table(pa.table({"q": ["x"]}), bad / "train-00000-of-00001.parquet")
-    assert convert_gsm8k.main(["--input-dir", str(tmp_path / "bad"), "--out-dir", str(tmp_path / "o"), "--splits", "train"]) == 1
+    argv = ["--input-dir", str(tmp_path / "bad"), "--out-dir", str(tmp_path / "o"), "--splits", "train"]
+    assert convert_gsm8k.main(argv) == 1

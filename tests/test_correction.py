@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import fit_args
+
 from rlflow.correction import RolloutCorrection
 
 

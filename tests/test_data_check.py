@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlflow.entry import main
 from rlflow.data.check import percentile
+from rlflow.entry import main
 
 
 def picky(prompts, completions, completion_ids=None, solution=None, **_):
@@ -91,7 +91,10 @@ def test_config_mode_checks_the_configured_mix_and_eval_set(tiny_model, tiny_dat
     assert f"mix: weight 3 -> 3.00 of 4 prompts per step, one pass every {n_train / 3:.1f} steps" in out
     assert "mix: weight 1 -> 1.00 of 4 prompts per step, one pass every 20.0 steps" in out
     assert f"max {longest}  (max_prompt_length {limit})" in out  # its own limit
-    assert f"OK: 3 source(s), {n_train + 20} usable train and {n_eval} eval prompts, 0 dropped as too long, 0 error(s)" in out
+    assert (
+        f"OK: 3 source(s), {n_train + 20} usable train and {n_eval} eval prompts, 0 dropped as too long, 0 error(s)"
+        in out
+    )
     # overrides work as in rlflow fit: a limit below every prompt drops them all and fails the check
     assert main(["data", "check", "--config", str(config), "--data.max_prompt_length=5"]) == 1
     out = capsys.readouterr().out

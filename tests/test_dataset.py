@@ -87,11 +87,15 @@ def test_missing_empty_and_non_utf8_files(tmp_path):
 def test_datamodule_applies_chat_template_and_drops_long_prompts(tiny_model, tmp_path):
     from rlflow.data.datamodule import RolloutDataModule
 
-    short = {"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "reward_model": {"ground_truth": "2"}, "data_source": "openai/gsm8k"}
-    long = {"prompt": [{"role": "user", "content": "x" * 500}], "reward_model": {"ground_truth": "2"}, "data_source": "openai/gsm8k"}
+    short = {"prompt": [{"role": "user", "content": "What is 1 + 1?"}], "reward_model": {"ground_truth": "2"},
+             "data_source": "openai/gsm8k"}
+    long = {"prompt": [{"role": "user", "content": "x" * 500}], "reward_model": {"ground_truth": "2"},
+            "data_source": "openai/gsm8k"}
     plain = {"prompt": "Q: 2 + 2 =", "reward_model": {"ground_truth": "4"}, "data_source": "openai/gsm8k"}
     path = write(tmp_path, [json.dumps(short), json.dumps(long), json.dumps(plain)])
-    dm = RolloutDataModule(train_data_path=str(path), tokenizer_path=str(tiny_model), max_prompt_length=64, global_batch_size=1)
+    dm = RolloutDataModule(
+        train_data_path=str(path), tokenizer_path=str(tiny_model), max_prompt_length=64, global_batch_size=1
+    )
     records = dm.train_prompts.load(dm.load_tokenizer())
     assert dm.train_prompts.dropped == 1
     assert len(records) == 2

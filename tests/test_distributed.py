@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import ROOT, fit_args
+
 from rlflow.rollout.hf import HFRollout
 
 TESTS = Path(__file__).resolve().parent
@@ -72,7 +72,9 @@ def test_combine_metrics_matches_statistics_over_the_pooled_samples():
     assert out["rewards/j/std"] == pytest.approx(statistics.stdev(pooled))
     assert out["completions/min_length"] == 1 and out["completions/max_length"] == 12
     assert out["completions/clipped_ratio"] == pytest.approx(sum(n == 12 for n in all_lengths) / 8)
-    assert out["completions/mean_terminated_length"] == pytest.approx(statistics.fmean([n for n in all_lengths if n < 12]))
+    assert out["completions/mean_terminated_length"] == pytest.approx(
+        statistics.fmean([n for n in all_lengths if n < 12])
+    )
     assert out["num_completion_tokens"] == sum(all_lengths)
     assert out["rollout/time"] == 2.0  # the slowest rank
     assert out["loss"] == pytest.approx(0.25 + 0.5)  # each rank's share of the global loss adds up
@@ -128,7 +130,13 @@ def _sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> 
     from transformers import AutoModelForCausalLM
 
     from rlflow.data.experience import Experience, collate
-    from rlflow.distributed import full_tensor, full_weights, gather_full_state_dict, shard_model, sharded_completion_logprobs
+    from rlflow.distributed import (
+        full_tensor,
+        full_weights,
+        gather_full_state_dict,
+        shard_model,
+        sharded_completion_logprobs,
+    )
     from rlflow.logprobs import naive_token_stats
 
     torch.set_num_threads(1)
@@ -162,7 +170,7 @@ def _sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> 
         (lp[mask].sum()).backward()
         (ref_lp[mask].sum()).backward()
         grad_err = 0.0
-        for (name, p), q in zip(sharded.named_parameters(), plain.parameters()):
+        for (_name, p), q in zip(sharded.named_parameters(), plain.parameters()):
             # FSDP averages gradients over the 2 ranks, which computed the same loss: the mean is the plain gradient
             grad_err = max(grad_err, float((full_tensor(p.grad) - q.grad).abs().max()))
         results["grad_err"] = grad_err
@@ -363,7 +371,10 @@ def test_slurm_script_passes_the_allocation_to_lightning(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     line = next(l for l in out.stdout.splitlines() if l.startswith("SRUN"))
-    assert "--kill-on-bad-exit=1 rlflow fit --config cfg.yaml --trainer.num_nodes=2 --trainer.devices=8 --model.lr=2e-6" in line
+    assert (
+        "--kill-on-bad-exit=1 rlflow fit --config cfg.yaml --trainer.num_nodes=2 --trainer.devices=8 --model.lr=2e-6"
+        in line
+    )
     assert "MASTER=node-a:24242" in line
     missing = subprocess.run(["bash", str(ROOT / "tools" / "slurm_grpo.sh")], cwd=tmp_path, env=env,
                              capture_output=True, text=True, timeout=60)
@@ -372,7 +383,8 @@ def test_slurm_script_passes_the_allocation_to_lightning(tmp_path):
 
 @pytest.mark.slow
 def test_lmdeploy_recipe_config_resolves(tiny_model):
-    """The 8-GPU config parses: FSDP2 strategy with bf16 compute / fp32 reduction, lmdeploy rollout, XTuner's settings."""
+    """The 8-GPU config parses: FSDP2 strategy with bf16 compute / fp32 reduction, lmdeploy rollout, XTuner's
+    settings."""
     import yaml
 
     out = subprocess.run(
@@ -383,7 +395,8 @@ def test_lmdeploy_recipe_config_resolves(tiny_model):
     strategy = cfg["trainer"]["strategy"]
     assert strategy["class_path"] == "rlflow.distributed.FSDP2Strategy"
     assert (strategy["init_args"]["param_dtype"], strategy["init_args"]["reduce_dtype"]) == ("bfloat16", "float32")
-    assert cfg["trainer"]["devices"] == 8 and cfg["data"]["rollout"]["class_path"] == "rlflow.rollout.lmdeploy.LMDeployRollout"
+    assert cfg["trainer"]["devices"] == 8
+    assert cfg["data"]["rollout"]["class_path"] == "rlflow.rollout.lmdeploy.LMDeployRollout"
     m, d = cfg["model"], cfg["data"]
     assert (d["prompt_repeat_k"], m["lr"], m["epsilon_low"], m["epsilon_high"], m["kl_coef"], m["kl_type"]) == \
         (5, 1e-6, 0.2, 0.28, 0.001, "low_var_kl")

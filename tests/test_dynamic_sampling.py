@@ -7,8 +7,8 @@ import csv
 from pathlib import Path
 
 import pytest
-
 from conftest import fit_args
+
 from rlflow.data.datamodule import RolloutDataModule
 from rlflow.judgers.runner import JudgeResult
 from rlflow.rollout.base import Completion, RolloutBackend

@@ -147,7 +147,9 @@ def test_shared_prefix_cache_gives_the_same_next_token_distribution_as_separate_
         for j, tok in enumerate(feed.tolist()):
             seqs[j].append(tok)
             plain = model(torch.tensor([seqs[j]])).logits[0, -1]
-            torch.testing.assert_close(torch.log_softmax(logits[j], -1), torch.log_softmax(plain, -1), atol=1e-5, rtol=0)
+            torch.testing.assert_close(
+                torch.log_softmax(logits[j], -1), torch.log_softmax(plain, -1), atol=1e-5, rtol=0
+            )
 
 
 def test_rows_leave_the_decode_state_by_whole_groups(model, tokenizer):
@@ -291,8 +293,9 @@ def test_prefill_after_a_shared_head_returns_the_separate_prefills_last_logits(m
         torch.testing.assert_close(logits[i], plain, atol=1e-5, rtol=0)
         real = mask[i].bool()
         for layer in range(model.config.num_hidden_layers):
-            torch.testing.assert_close(keys[layer][i][:, real], plain_cache.layers[layer].keys[0, :, 24:], atol=1e-5, rtol=0)
-            torch.testing.assert_close(values[layer][i][:, real], plain_cache.layers[layer].values[0, :, 24:], atol=1e-5, rtol=0)
+            plain_layer = plain_cache.layers[layer]
+            torch.testing.assert_close(keys[layer][i][:, real], plain_layer.keys[0, :, 24:], atol=1e-5, rtol=0)
+            torch.testing.assert_close(values[layer][i][:, real], plain_layer.values[0, :, 24:], atol=1e-5, rtol=0)
         torch.testing.assert_close(head_keys[0], plain_cache.layers[0].keys[0, :, :24], atol=1e-5, rtol=0)
 
 

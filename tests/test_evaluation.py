@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import fit_args
+
 from rlflow.cli import cli_main
 from rlflow.data.datamodule import RolloutDataModule
 from rlflow.evaluation import EvalMetrics, pass_at_k
@@ -104,7 +104,8 @@ def write_eval_file(tiny_data: Path, out: Path) -> dict[str, float]:
 def test_validate_reports_accuracy_per_data_source(tiny_model, tiny_data, tmp_path):
     expected = write_eval_file(tiny_data, tmp_path / "eval.jsonl")
     args = fit_args(tiny_model, tiny_data, tmp_path, f"--data.eval_data_path={tmp_path / 'eval.jsonl'}",
-                    '--data.judgers={"*": {"class_path": "test_evaluation.AdditionJudger"}}', "--data.eval_batch_size=4")
+                    '--data.judgers={"*": {"class_path": "test_evaluation.AdditionJudger"}}',
+                    "--data.eval_batch_size=4")
     args[0] = "validate"
     args = [a for a in args if not a.startswith("--trainer.max_steps")]
     metrics = {k: float(v) for k, v in cli_main(args).trainer.callback_metrics.items()}

@@ -72,7 +72,8 @@ def test_one_spec_on_two_routes_is_one_judger_and_names_must_be_unique():
         JudgerRunner({"a": "reward_helpers:reward_len",
                       "b": {"class_path": "function", "init_args": {"path": "reward_helpers:reward_len"}}})
     named = JudgerRunner({"a": "reward_helpers:reward_len",
-                          "b": {"class_path": "function", "init_args": {"path": "reward_helpers:reward_len"}, "name": "len2"}})
+                          "b": {"class_path": "function", "init_args": {"path": "reward_helpers:reward_len"},
+                                "name": "len2"}})
     assert sorted(named.judgers) == ["len2", "reward_len"]
 
 

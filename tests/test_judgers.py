@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import fit_args
+
 from rlflow import registry
 from rlflow.judgers.function import FunctionJudger
 from rlflow.judgers.runner import JudgerRunner
@@ -66,7 +66,9 @@ def test_think_format(text, expected):
 def test_think_format_options():
     in_prompt = registry.build(GROUP, {"class_path": "think_format", "init_args": {"think_in_prompt": True}})
     assert in_prompt(prompts=["p", "p"], completions=["reasoning</think>42", "<think>r</think>42"]) == [1.0, 0.0]
-    lenient = registry.build(GROUP, {"class_path": "think_format", "init_args": {"require_answer": False, "wrong_score": -1}})
+    lenient = registry.build(
+        GROUP, {"class_path": "think_format", "init_args": {"require_answer": False, "wrong_score": -1}}
+    )
     assert lenient(prompts=["p", "p"], completions=["<think>r</think>", "r"]) == [1.0, -1.0]
 
 
@@ -87,7 +89,9 @@ def test_overlong_is_dapos_soft_punishment():
     # hand-computed: 0 up to 80 tokens, then -1/20 per token, -1 at and over the budget
     assert out == pytest.approx([0.0, 0.0, 0.0, -0.05, -0.5, -0.95, -1.0, -1.0])
     assert out == pytest.approx([dapo_soft_overlong(n, 100, 20) for n in lengths])
-    scaled = registry.build(GROUP, {"class_path": "overlong", "init_args": {"buffer_tokens": 20, "penalty_factor": 0.5}}, max_tokens=100)
+    scaled = registry.build(
+        GROUP, {"class_path": "overlong", "init_args": {"buffer_tokens": 20, "penalty_factor": 0.5}}, max_tokens=100
+    )
     assert scaled(completion_ids=[[1] * 90]) == [-0.25]
 
 
@@ -122,7 +126,8 @@ def test_function_judger_factory_rename_and_errors():
 
 def test_trl_functions_by_dotted_path_in_the_runner_including_async():
     runner = JudgerRunner({"*": ["reward_helpers:reward_len", "reward_helpers.async_reward_one",
-                                 {"class_path": "function", "init_args": {"path": "reward_helpers:async_reward_one"}, "name": "again"}]})
+                                 {"class_path": "function", "init_args": {"path": "reward_helpers:async_reward_one"},
+                                  "name": "again"}]})
     result = runner.judge(["p", "p"], [chat("abcde"), chat("abcdefg")], [[1], [2]], {"data_source": ["x", "x"]})
     assert result.per_judger == {"reward_len": [0.0, -0.2], "async_reward_one": [1.0, 1.0], "again": [1.0, 1.0]}
     assert result.rewards == pytest.approx([2.0, 1.8])
@@ -144,7 +149,8 @@ def test_trl_reward_function_from_a_dotted_path_trains(tiny_model, tiny_data, tm
     assert cli.trainer.global_step == 2
     log_dir = Path(cli.trainer.log_dir)
     rows = read_metrics(log_dir)
-    for key in ("rewards/reward_len/mean", "rewards/reward_len/std", "rewards/overlong/mean", "judger/failures", "grad_norm"):
+    for key in ("rewards/reward_len/mean", "rewards/reward_len/std", "rewards/overlong/mean", "judger/failures",
+                "grad_norm"):
         assert key in rows[-1], key
     assert rows[-1]["judger/failures"] == 0
     # every logged reward is reward_len + DAPO's penalty with data.max_tokens=12 (a fifth, 2 tokens, of buffer),

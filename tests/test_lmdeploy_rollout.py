@@ -1,4 +1,5 @@
-"""The ``lmdeploy`` rollout backend: request/response translation and the engine lifecycle on CPU, the real engine on GPU.
+"""The ``lmdeploy`` rollout backend: request/response translation and the engine lifecycle on CPU, the real engine
+on GPU.
 
 The CPU tests need neither lmdeploy nor a GPU: the pure translation functions are checked against hand-written
 expectations, and the backend's protocol (sleep, wake, push weights, generate) runs against a small fake
@@ -19,8 +20,16 @@ import torch
 from rlflow import registry
 from rlflow.rollout.base import SamplingParams
 from rlflow.rollout.lmdeploy import (
-    LMDeployError, LMDeployRollout, full_named_tensors, generate_payload, parse_generate_response, server_command,
-    sleep_params, update_weights_bodies, wakeup_params, weight_buckets,
+    LMDeployError,
+    LMDeployRollout,
+    full_named_tensors,
+    generate_payload,
+    parse_generate_response,
+    server_command,
+    sleep_params,
+    update_weights_bodies,
+    wakeup_params,
+    weight_buckets,
 )
 
 EOS = 2
@@ -63,7 +72,9 @@ def test_response_cut_at_max_tokens_or_first_stop():
     params = SamplingParams(max_tokens=3, stop_token_ids=[EOS])
     c = parse_generate_response(_answer([11, 12, 13, 14], [-1.0, -2.0, -3.0, -4.0], reason="length"), params)
     assert (c.token_ids, c.logprobs, c.finish_reason) == ([11, 12, 13], [-1.0, -2.0, -3.0], "length")
-    c = parse_generate_response(_answer([11, EOS, 13], [-1.0, -2.0, -3.0]), SamplingParams(max_tokens=8, stop_token_ids=[EOS]))
+    c = parse_generate_response(
+        _answer([11, EOS, 13], [-1.0, -2.0, -3.0]), SamplingParams(max_tokens=8, stop_token_ids=[EOS])
+    )
     assert (c.token_ids, c.finish_reason) == ([11, EOS], "stop")
 
 
@@ -132,7 +143,9 @@ def test_full_named_tensors_uses_hf_names_and_casts(tiny_model):
 
 def test_registered_and_validated():
     assert "lmdeploy" in registry.available("rlflow.rollout")
-    backend = registry.build("rlflow.rollout", {"class_path": "lmdeploy", "init_args": {"sleep_level": 1, "bucket_mb": 64}})
+    backend = registry.build(
+        "rlflow.rollout", {"class_path": "lmdeploy", "init_args": {"sleep_level": 1, "bucket_mb": 64}}
+    )
     assert isinstance(backend, LMDeployRollout) and backend.bucket_bytes == 64 * 2**20
     assert backend.reads_policy_weights is False  # the trainer does not unshard the policy for it
     with pytest.raises(ValueError, match="tp=1"):
@@ -182,8 +195,8 @@ class FakeServer:
                         return self._reply(500, {"error": "KV cache is asleep"})
                     ids = [t + 1 for t in body["input_ids"][-2:]] + [EOS]  # a deterministic "sample"
                     pairs = [[-0.5 * (i + 1), t] for i, t in enumerate(ids)]
-                    return self._reply(200, {"text": "", "output_ids": ids,
-                                             "meta_info": {"finish_reason": {"type": "stop"}, "output_token_logprobs": pairs}})
+                    meta = {"finish_reason": {"type": "stop"}, "output_token_logprobs": pairs}
+                    return self._reply(200, {"text": "", "output_ids": ids, "meta_info": meta})
                 self._reply(200, {})
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -242,7 +255,8 @@ HAVE_LMDEPLOY = importlib.util.find_spec("lmdeploy") is not None
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not (torch.cuda.is_available() and HAVE_LMDEPLOY),
-                    reason="needs a CUDA GPU and lmdeploy (pip install 'rlflow[lmdeploy]') to run LMDeploy's PyTorch engine")
+                    reason="needs a CUDA GPU and lmdeploy (pip install 'rlflow[lmdeploy]') "
+                           "to run LMDeploy's PyTorch engine")
 def test_real_engine_samples_syncs_and_matches_trainer_logprobs(tiny_model):
     """Colocated engine on the tiny model: log-probs agree with the trainer's, and pushed weights take effect."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

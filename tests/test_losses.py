@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import fit_args
+
 from rlflow import registry
 from rlflow.losses import LossContext, kl_penalty
 
@@ -167,7 +167,8 @@ def test_k3_is_clamped_like_verl_low_var_kl():
 @pytest.mark.parametrize("name", ["grpo", "dapo"])
 def test_delta_and_dual_clip(name):
     d = make_batch(3)
-    d["old"] = d["logp"] - 1.2 * torch.rand(B, T, generator=torch.Generator().manual_seed(3))  # large ratios: delta and the dual clip bite
+    # large ratios: delta and the dual clip bite
+    d["old"] = d["logp"] - 1.2 * torch.rand(B, T, generator=torch.Generator().manual_seed(3))
     run_both(name, d, dict(delta=1.5), {"delta": 1.5})
     metrics = run_both(name, d, dict(clip_c=2.0), {"clip_ratio_c": 2.0})
     coef = torch.exp(d["logp"] - d["old"])
@@ -184,7 +185,8 @@ def test_options_truncation_entropy_mask_bonus_and_rollout_weights():
     run_both("dapo", d, dict(top_q=0.3), {"top_entropy_quantile": 0.3})
     run_both("bnpo", d, dict(ent_coef=0.01), {"entropy_coef": 0.01})
     run_both("cispo", d, dict(is_w=d["is_w"]), {}, {"rollout_is_weights": d["is_w"]})
-    run_both("sapo", d, dict(tau_pos=0.5, tau_neg=2.0, agg="bnpo"), {"tau_pos": 0.5, "tau_neg": 2.0, "aggregation": "bnpo"})
+    run_both("sapo", d, dict(tau_pos=0.5, tau_neg=2.0, agg="bnpo"),
+             {"tau_pos": 0.5, "tau_neg": 2.0, "aggregation": "bnpo"})
 
 
 def test_clip_metrics_use_trl_definitions():
@@ -245,7 +247,9 @@ def test_micro_batches_accumulate_to_the_full_batch_gradient(name, kw, world):
     everything = list(range(n))
     full_ctx = _ctx(mask, everything, 1, gen_tokens)
     logp = d["logp"].clone().requires_grad_(True)
-    loss, _ = loss_fn(logp, d["old"], d["adv"], d["mask"], ref_logprobs=d["ref"], truncated=d["truncated"], ctx=full_ctx)
+    loss, _ = loss_fn(
+        logp, d["old"], d["adv"], d["mask"], ref_logprobs=d["ref"], truncated=d["truncated"], ctx=full_ctx
+    )
     (loss * loss_fn.micro_batch_weight(mask, full_ctx)).backward()
     assert loss_fn.micro_batch_weight(mask, full_ctx) == pytest.approx(1.0)
     full_grad = logp.grad.clone()

@@ -122,8 +122,8 @@ def test_fit_resumed_mid_stream_draws_the_same_mixed_batches(tiny_model, tiny_da
 
     import pyarrow as pa
     import pyarrow.parquet as pq
-
     from conftest import fit_args
+
     from rlflow.cli import cli_main
 
     rows = [json.loads(line) for line in (tiny_data / "val.jsonl").read_text().splitlines()[:10]]
@@ -131,7 +131,9 @@ def test_fit_resumed_mid_stream_draws_the_same_mixed_batches(tiny_model, tiny_da
     sources = json.dumps([str(tiny_data / "train.jsonl"), {"path": str(tmp_path / "small.parquet"), "weight": 1}])
 
     def run(root, steps, *extra):
-        args = [a for a in fit_args(tiny_model, tiny_data, root, steps=steps) if not a.startswith("--data.train_data_path")]
+        args = [
+            a for a in fit_args(tiny_model, tiny_data, root, steps=steps) if not a.startswith("--data.train_data_path")
+        ]
         cli = cli_main([*args, f"--data.train_data_path={sources}", "--model.export_hf=false", *extra])
         return Path(cli.trainer.log_dir)
 

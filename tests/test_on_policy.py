@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import lightning as L
 import torch
-
 from conftest import fit_args
+
 from rlflow.cli import cli_main
 from rlflow.judgers.runner import JudgerRunner
 from rlflow.rollout.hf import HFRollout

@@ -23,8 +23,9 @@ NEEDS = {"adamw_kahan": "torch-optimi", "adamw_bf16_sr": "torchao"}
 
 
 def needs(name: str):
-    return pytest.mark.skipif(not HAVE[name],
-                              reason=f"{NEEDS.get(name)} is not installed: pip install 'rlflow[precision]'")
+    return pytest.mark.skipif(
+        not HAVE[name], reason=f"{NEEDS.get(name)} is not installed: pip install 'rlflow[precision]'"
+    )
 
 
 def digit_reward(completions, **kwargs):
@@ -152,8 +153,9 @@ def fit_and_compare(tiny_model, tiny_data, tmp_path, monkeypatch, dtype: str, *e
 
     returned = []
     original = UpdateFraction.after_step
-    monkeypatch.setattr(UpdateFraction, "after_step",
-                        lambda self, step=None: returned.append(original(self, step)) or returned[-1])
+    monkeypatch.setattr(
+        UpdateFraction, "after_step", lambda self, step=None: returned.append(original(self, step)) or returned[-1]
+    )
     loaded = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=getattr(torch, dtype))
     before = {k: v.float() for k, v in loaded.state_dict().items()}
     cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, f"--model.dtype={dtype}", "--model.lr=1e-6",
@@ -202,8 +204,9 @@ def expected_factor(step: int, schedule: str, warmup: int, total: int) -> float:
 @pytest.mark.parametrize("warmup", [0, 3])
 @pytest.mark.parametrize("optimizer", ["adamw", pytest.param("adamw_kahan", marks=needs("adamw_kahan")),
                                        pytest.param("adamw_bf16_sr", marks=needs("adamw_bf16_sr"))])
-def test_lr_schedule_spans_the_rollout_steps_optimizer_steps(optimizer_steps, num_iterations, schedule, warmup,
-                                                              optimizer):
+def test_lr_schedule_spans_the_rollout_steps_optimizer_steps(
+    optimizer_steps, num_iterations, schedule, warmup, optimizer
+):
     from rlflow.module import GRPOModule
 
     rollout_steps = 5
@@ -219,6 +222,7 @@ def test_lr_schedule_spans_the_rollout_steps_optimizer_steps(optimizer_steps, nu
         assert lr == pytest.approx(2e-3 * expected_factor(step, schedule, warmup, total), rel=1e-6, abs=1e-12), step
         opt.step()
         sched.step()
+
 
 
 @pytest.mark.parametrize("schedule", ["linear", "cosine"])

@@ -13,7 +13,12 @@ from transformers import AutoModelForCausalLM
 
 from rlflow.data.experience import Experience
 from rlflow.data.packing import (
-    balance_pack_count, collate_packed, pack_experiences, pack_indices, packed_completion_logprobs, segment_layout,
+    balance_pack_count,
+    collate_packed,
+    pack_experiences,
+    pack_indices,
+    packed_completion_logprobs,
+    segment_layout,
 )
 
 
@@ -135,7 +140,8 @@ def test_shared_prompts_are_laid_once_and_stay_exact(model):
     shared = collate_packed([exps[0], exps[0]], share_prompts=True)
     assert shared["input_ids"].shape[1] == len(exps[0].prompt_ids) + 2 * len(exps[0].completion_ids)
     p = len(exps[0].prompt_ids)
-    assert shared["position_ids"][0, -len(exps[0].completion_ids):].tolist() == list(range(p, p + len(exps[0].completion_ids)))
+    c = len(exps[0].completion_ids)
+    assert shared["position_ids"][0, -c:].tolist() == list(range(p, p + c))
 
 
 def test_equal_length_pack_takes_the_reshape_path_and_stays_exact(model):
@@ -148,7 +154,9 @@ def test_equal_length_pack_takes_the_reshape_path_and_stays_exact(model):
 
 
 def test_balance_pack_count_splits_the_largest_packs_until_ranks_agree():
-    exps = [Experience([1] * 10, [2] * n, [0.0] * n, 0.0, 0.0, i // 2, "stop", 0) for i, n in enumerate((1, 5, 2, 9, 3))]
+    exps = [
+        Experience([1] * 10, [2] * n, [0.0] * n, 0.0, 0.0, i // 2, "stop", 0) for i, n in enumerate((1, 5, 2, 9, 3))
+    ]
     packs = [exps[:4], exps[4:]]  # 57 and 13 tokens
     balanced = balance_pack_count(packs, 4)
     assert [e for p in balanced for e in p] == exps  # every sequence once, in order

@@ -11,8 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, fit_args
+
 from rlflow import registry
 
 PACKAGE = ROOT / "plugins" / "rlflow-judger-example"
@@ -39,7 +39,8 @@ def test_the_plugin_is_registered_under_its_own_distribution(example_installed):
     info = registry.discover("rlflow.judgers")["countdown"]
     assert info.distribution == "rlflow-judger-example" and info.version == "0.1.0"
     judger = registry.build("rlflow.judgers", "countdown")
-    assert judger(prompts=["p"], completions=["<answer>(25 - 5) * 3</answer>"], target=[60], numbers=[[3, 5, 25]]) == [1.0]
+    out = judger(prompts=["p"], completions=["<answer>(25 - 5) * 3</answer>"], target=[60], numbers=[[3, 5, 25]])
+    assert out == [1.0]
 
 
 def write_countdown_data(path: Path) -> Path:

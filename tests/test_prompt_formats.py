@@ -58,12 +58,15 @@ def test_multi_turn_prompts_keep_every_turn_in_order(tok):
 def test_plain_strings_as_written_or_through_a_template(tok):
     plain = record("2 + 2 =", data_source="arith", extra_info={"level": 3})
     assert PromptFormat().render(plain, tok) == "2 + 2 ="
-    fmt = PromptFormat(prompt_template="Question: {prompt}\nAnswer ({data_source}, level {extra_info[level]}) {{json}}:")
+    fmt = PromptFormat(
+        prompt_template="Question: {prompt}\nAnswer ({data_source}, level {extra_info[level]}) {{json}}:"
+    )
     assert fmt.render(plain, tok) == "Question: 2 + 2 =\nAnswer (arith, level 3) {json}:"
-    with pytest.raises(DataError, match=r"rows.jsonl:7: prompt_template needs field\(s\) data_source, extra_info\[level\], "
-                                        r"which the row lacks \(columns: prompt\)"):
+    with pytest.raises(DataError, match=r"rows.jsonl:7: prompt_template needs field\(s\) data_source, "
+                                        r"extra_info\[level\], which the row lacks \(columns: prompt\)"):
         fmt.render(record("2 + 2 ="), tok)
-    with pytest.raises(DataError, match=r"rows.jsonl:7: prompt_template cannot be filled from this row: KeyError: 'level'"):
+    with pytest.raises(DataError,
+                       match=r"rows.jsonl:7: prompt_template cannot be filled from this row: KeyError: 'level'"):
         fmt.render(record("2 + 2 =", data_source="arith", extra_info={}), tok)
     with pytest.raises(ValueError, match="no '{prompt}' placeholder"):
         PromptFormat(prompt_template="Q: {question}")
@@ -84,10 +87,12 @@ def test_chat_template_kwargs_reach_the_template(tok):
 
 def test_template_failures_and_missing_templates_name_the_row(tok):
     tok.chat_template = "{{ raise_exception('System message must be at the beginning.') }}"
-    with pytest.raises(DataError, match="rows.jsonl:7: the chat template rejected field 'prompt'.*System message must be"):
+    with pytest.raises(DataError,
+                       match="rows.jsonl:7: the chat template rejected field 'prompt'.*System message must be"):
         PromptFormat().render(record([{"role": "user", "content": "Hi"}]), tok)
     tok.chat_template = None
-    with pytest.raises(DataError, match="rows.jsonl:7: field 'prompt' is a list of chat messages but the tokenizer .* has no chat template"):
+    with pytest.raises(DataError, match="rows.jsonl:7: field 'prompt' is a list of chat messages "
+                                        "but the tokenizer .* has no chat template"):
         PromptFormat().render(record([{"role": "user", "content": "Hi"}]), tok)
 
 
@@ -99,7 +104,9 @@ def test_datamodule_settings_and_per_source_overrides(tiny_model, tmp_path):
     plain = tmp_path / "plain.jsonl"
     plain.write_text(json.dumps({"prompt": "1+1", "data_source": "p"}) + "\n")
     dm = RolloutDataModule(
-        train_data_path=[str(chat), {"path": str(plain), "prompt_template": "Solve: {prompt} =", "system_prompt": "unused"}],
+        train_data_path=[
+            str(chat), {"path": str(plain), "prompt_template": "Solve: {prompt} =", "system_prompt": "unused"}
+        ],
         tokenizer_path=str(tiny_model), system_prompt="Data-level.", prompt_template="Q: {prompt}",
         chat_template_kwargs={"enable_thinking": False}, judgers={"*": "gsm8k"},
     )

@@ -44,7 +44,8 @@ class RewardServer:
                 if self.path == "/notjson":
                     return self.reply(200, "<html>oops</html>", raw=True)
                 if self.path == "/batch":
-                    return self.reply(200, {"rewards": [float(c.endswith(t)) for c, t in zip(body["completions"], body["ground_truth"])]})
+                    pairs = zip(body["completions"], body["ground_truth"])
+                    return self.reply(200, {"rewards": [float(c.endswith(t)) for c, t in pairs]})
                 if self.path == "/shortbatch":
                     return self.reply(200, [1.0])
                 # per sample: 1.0 when the completion ends with the ground truth; null when there is none
@@ -160,7 +161,8 @@ def test_bad_answers_and_unreachable_servers_fail_cleanly(server):
     with pytest.raises(RemoteJudgerError, match="list of 2 rewards"):
         short(prompts=PROMPTS[:2], completions=COMPLETIONS[:2], ground_truth=["4", "4"])
     runner = JudgerRunner({"*": remote(server, "/shortbatch", batch=True)})  # in the runner: a counted failure
-    assert runner.judge(PROMPTS[:2], COMPLETIONS[:2], IDS[:2], {"data_source": ["s", "s"]}).metrics["judger/failures"] == 2
+    result = runner.judge(PROMPTS[:2], COMPLETIONS[:2], IDS[:2], {"data_source": ["s", "s"]})
+    assert result.metrics["judger/failures"] == 2
     port = server.httpd.server_address[1]
     server.close()  # nothing listens on the port any more: connection refused, retried, then None
     gone = RemoteJudger(f"http://127.0.0.1:{port}/reward", timeout=0.5, max_retries=1, backoff=0.0)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import fit_args, load_tool
+
 from rlflow import registry
 from rlflow.judgers.reward_model import RewardModelError, RewardModelJudger
 from rlflow.judgers.runner import JudgerRunner
@@ -144,7 +144,9 @@ def test_on_cuda_in_bfloat16_the_scores_are_close_to_float32_on_cpu(rm_path):
 def test_fit_one_step_with_the_reward_model_as_a_judger(rm_path, tiny_model, tiny_data, tmp_path):
     from rlflow.cli import cli_main
 
-    judgers = {"*": ["gsm8k", {"class_path": "reward_model", "init_args": {"model_path": str(rm_path), "batch_size": 4}}]}
+    judgers = {
+        "*": ["gsm8k", {"class_path": "reward_model", "init_args": {"model_path": str(rm_path), "batch_size": 4}}]
+    }
     cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, f"--data.judgers={json.dumps(judgers)}",
                             '--data.reward_weights={"reward_model": 0.5}', steps=1))
     assert cli.trainer.global_step == 1

@@ -9,8 +9,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import DATA, fit_args
+
 from rlflow.data.dataset import DataError, read_jsonl
 from rlflow.data.sources import DataSource, iter_records, parse_sources, per_source_means, read_source
 from rlflow.judgers.panel import SourceJudgers
@@ -73,8 +73,10 @@ def test_datasets_save_to_disk_and_json_array(tmp_path):
     rows = example_rows(4)
     Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
     same_records(read_source(str(tmp_path / "saved")), read_jsonl(DATA / "train_example.jsonl")[:4])
-    DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:1])}).save_to_disk(str(tmp_path / "dd"))
-    with pytest.raises(DataError, match=r"DatasetDict with splits (train, test|test, train); point the path at one split"):
+    splits = DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:1])})
+    splits.save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError,
+                       match=r"DatasetDict with splits (train, test|test, train); point the path at one split"):
         read_source(str(tmp_path / "dd"))
     assert len(read_source(str(tmp_path / "dd" / "train"))) == 4
     array = tmp_path / "rows.json"
@@ -118,7 +120,8 @@ def test_parse_sources_specs_and_errors():
     assert c.judger_routes() == {"*": "gsm8k"} and a.judger_routes() is None
     assert DataSource("p", judgers={"openai/gsm8k": "gsm8k"}).judger_routes() == {"openai/gsm8k": "gsm8k"}
     assert DataSource("p", judgers={"class_path": "gsm8k"}).judger_routes() == {"*": {"class_path": "gsm8k"}}
-    with pytest.raises(ValueError, match=r"data.train_data_path\[0\]: unknown key\(s\) wieght; a source takes path, weight"):
+    with pytest.raises(ValueError,
+                       match=r"data.train_data_path\[0\]: unknown key\(s\) wieght; a source takes path, weight"):
         parse_sources([{"path": "a", "wieght": 2}])
     with pytest.raises(ValueError, match=r"\[1\].weight must be a positive number"):
         parse_sources(["a", {"path": "b", "weight": 0}])
@@ -161,16 +164,22 @@ def test_datamodule_mixes_sources_with_their_own_limits(tiny_model, tmp_path):
     from rlflow.data.mix import MixBatchSampler
 
     short = [{"prompt": "1+1=", "data_source": "short", "reward_model": {"ground_truth": "2"}}] * 6
-    long = [{"prompt": "x" * 20 + str(i), "data_source": "long", "reward_model": {"ground_truth": "1"}} for i in range(5)]
+    long = [
+        {"prompt": "x" * 20 + str(i), "data_source": "long", "reward_model": {"ground_truth": "1"}} for i in range(5)
+    ]
     long += [{"prompt": "y" * 80, "data_source": "long", "reward_model": {"ground_truth": "1"}}]
     (tmp_path / "short.jsonl").write_text("".join(json.dumps(r) + "\n" for r in short))
     pq.write_table(pa.Table.from_pylist(long), tmp_path / "long.parquet")
     dm = RolloutDataModule(
-        train_data_path=[str(tmp_path / "short.jsonl"), {"path": str(tmp_path / "long.parquet"), "weight": 3, "max_prompt_length": 40}],
+        train_data_path=[
+            str(tmp_path / "short.jsonl"),
+            {"path": str(tmp_path / "long.parquet"), "weight": 3, "max_prompt_length": 40},
+        ],
         tokenizer_path=str(tiny_model), global_batch_size=4, max_prompt_length=8, judgers={"*": "gsm8k"},
     )
     dm.setup("fit")
-    assert dm.train_prompts.sizes == {"short": 6, "long": 5} and dm.train_prompts.dropped_by_source == {"short": 0, "long": 1}
+    assert dm.train_prompts.sizes == {"short": 6, "long": 5}
+    assert dm.train_prompts.dropped_by_source == {"short": 0, "long": 1}
     assert isinstance(dm.sampler, MixBatchSampler)
     batch = next(iter(dm.train_dataloader()))
     assert sorted(r.data_source for r in batch) == ["long", "long", "long", "short"]

@@ -1,4 +1,5 @@
-"""Monitoring: W&B (offline, read back from the run's files), TensorBoard, the rollout progress bar and the step summary."""
+"""Monitoring: W&B (offline, read back from the run's files), TensorBoard, the rollout progress bar and the step
+summary."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import struct
 from pathlib import Path
 
 import pytest
-
 from conftest import fit_args
+
 from rlflow.callbacks import SAMPLE_COLUMNS, RolloutProgressBar
 from rlflow.cli import cli_main, expand_logger_aliases
 
@@ -68,7 +69,8 @@ def history_row(record) -> dict:
 
 def test_logger_short_names_expand():
     assert expand_logger_aliases(["fit", "--trainer.logger", "wandb", "--trainer.logger=CSV"]) == [
-        "fit", "--trainer.logger", "lightning.pytorch.loggers.WandbLogger", "--trainer.logger=lightning.pytorch.loggers.CSVLogger"]
+        "fit", "--trainer.logger", "lightning.pytorch.loggers.WandbLogger",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger"]
     assert expand_logger_aliases(["--trainer.logger=MyLogger"]) == ["--trainer.logger=MyLogger"]
 
 
@@ -149,7 +151,7 @@ def test_progress_listener_counts_per_batch_when_the_backend_reports(progress_re
     class Reporting(RolloutBackend):
         def generate(self, prompts, params, n=1, progress=None):
             out = []
-            for p in prompts:  # one "batch" per prompt
+            for _ in prompts:  # one "batch" per prompt
                 group = [Completion([1, 2, 3], [0.0] * 3, "stop") for _ in range(n)]
                 out.append(group)
                 progress(n, 3 * n)

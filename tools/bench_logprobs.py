@@ -117,13 +117,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--vocab", type=int, default=151_936)
     p.add_argument("--tokens", type=int, default=8_192)
-    p.add_argument("--hidden", type=int, default=128, help="hidden size of the LM head (cost only; memory is dominated by tokens x vocab)")
+    p.add_argument("--hidden", type=int, default=128,
+                   help="hidden size of the LM head (cost only; memory is dominated by tokens x vocab)")
     p.add_argument("--chunk-size", type=int, default=1024)
     p.add_argument("--mode", choices=["forward", "train", "both"], default="both")
     p.add_argument("--device", default="cuda" if _cuda() else "cpu")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--max-gb", type=float, default=None, help="CPU memory the naive variant may use (default: half of MemAvailable)")
+    p.add_argument("--max-gb", type=float, default=None,
+                   help="CPU memory the naive variant may use (default: half of MemAvailable)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--variant", choices=["naive", "chunked"], help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -141,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         n_tok = naive_tokens_that_fit(args, mode)
         naive = spawn(args, "naive", mode, n_tok)
         scale = args.tokens / n_tok
-        print(f"{mode:8} {'chunked':8} {args.tokens:7d} {chunked['peak_bytes'] / gib:9.3f} {chunked['seconds']:8.2f}  measured")
+        print(f"{mode:8} {'chunked':8} {args.tokens:7d} {chunked['peak_bytes'] / gib:9.3f} "
+              f"{chunked['seconds']:8.2f}  measured")
         print(f"{mode:8} {'naive':8} {n_tok:7d} {naive['peak_bytes'] / gib:9.3f} {naive['seconds']:8.2f}  measured")
         naive_peak = naive["peak_bytes"] * scale
         if scale != 1:

@@ -1,12 +1,14 @@
-"""Benchmark: completion tokens/s of the ``engine`` rollout backend against ``model.generate`` (the ``hf`` backend).
+r"""Benchmark: completion tokens/s of the ``engine`` rollout backend against ``model.generate`` (the ``hf`` backend).
 
 Both backends sample the same prompts with the same settings from the same model, alternately (hf, engine, hf,
 engine, ...) so that load from other processes hits both alike; the medians over ``--repeats`` runs are
-reported, and the last line is the ratio::
+reported, and the last line (one line, wrapped here) is the ratio::
 
-    python tools/bench_rollout.py --model checkpoints/tiny-qwen3 --data checkpoints/arith/train.jsonl --threads 2 --repeats 9
+    python tools/bench_rollout.py --model checkpoints/tiny-qwen3 --data checkpoints/arith/train.jsonl \
+        --threads 2 --repeats 9
     ...
-    rollout engine/hf speedup: 4.30x (engine 54656.3 tok/s, hf 12717.7 tok/s, median of 9 runs x 3 rollouts; median of paired run ratios 4.25x; 2 threads)
+    rollout engine/hf speedup: 4.30x (engine 54656.3 tok/s, hf 12717.7 tok/s, median of 9 runs x 3 rollouts;
+        median of paired run ratios 4.25x; 2 threads)
 
 Simplifications: CPU or a single device; prompts are the first ``--prompts`` rows of an XTuner/TRL jsonl file
 rendered with the tokenizer's chat template (or given as plain strings); no warm-up beyond one discarded run; each
@@ -65,7 +67,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=5, help="timed runs of each backend (alternating)")
-    ap.add_argument("--rollouts", type=int, default=3, help="rollouts per timed run (a rollout of the engine is ~60 ms)")
+    ap.add_argument("--rollouts", type=int, default=3,
+                    help="rollouts per timed run (a rollout of the engine is ~60 ms)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -79,7 +82,9 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     if not Path(args.model).exists():
-        raise FileNotFoundError(f"--model {args.model} does not exist; build it with 'python tools/make_tiny_model.py --out {args.model}'")
+        raise FileNotFoundError(
+            f"--model {args.model} does not exist; build it with 'python tools/make_tiny_model.py --out {args.model}'"
+        )
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -99,9 +104,11 @@ def main(argv=None) -> dict:
                   f"(mean length {statistics.mean(lengths):.1f}, max {max(lengths)})", flush=True)
     med = {name: statistics.median(v) for name, v in rates.items()}
     ratio = med["engine"] / med["hf"]
-    paired = statistics.median(e / h for e, h in zip(rates["engine"], rates["hf"]))  # robust to load drifting between runs
+    # robust to load drifting between runs
+    paired = statistics.median(e / h for e, h in zip(rates["engine"], rates["hf"]))
     print(f"rollout engine/hf speedup: {ratio:.2f}x (engine {med['engine']:.1f} tok/s, hf {med['hf']:.1f} tok/s, "
-          f"median of {args.repeats} runs x {args.rollouts} rollouts; median of paired run ratios {paired:.2f}x; {torch.get_num_threads()} threads)")
+          f"median of {args.repeats} runs x {args.rollouts} rollouts; median of paired run ratios {paired:.2f}x; "
+          f"{torch.get_num_threads()} threads)")
     return {"ratio": ratio, "paired_ratio": paired, **{f"{k}_tok_s": v for k, v in med.items()}}
 
 

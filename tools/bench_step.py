@@ -1,16 +1,18 @@
-"""Benchmark: GRPO step time and completion tokens/s of ``rlflow fit`` against ``trl.GRPOTrainer``.
+r"""Benchmark: GRPO step time and completion tokens/s of ``rlflow fit`` against ``trl.GRPOTrainer``.
 
 Both train the same model on the same prompts with the same settings: ``--prompts`` prompts x ``--group``
 completions per step, ``--max-tokens`` new tokens, temperature 1, AdamW at ``--lr``, the ``bnpo`` loss with
 epsilon 0.2, no KL (beta 0), group-std-scaled advantages, one optimizer step per rollout step accumulated over
 micro-batches of ``--micro-batch`` sequences, the GSM8K judger as the reward. Each framework runs in its own
 subprocess (same ``OMP_NUM_THREADS``), alternately, ``--repeats`` times; the first ``--warmup`` steps of every run
-are left out. The last line is the ratio of median step times::
+are left out. The last line (one line, wrapped here) is the ratio of median step times::
 
     pip install --no-deps --target /tmp/trl-site trl accelerate psutil   # only for this benchmark
-    PYTHONPATH=/tmp/trl-site python tools/bench_step.py --model checkpoints/tiny-qwen3 --data checkpoints/arith/train.jsonl --threads 2 --repeats 3 --steps 6
+    PYTHONPATH=/tmp/trl-site python tools/bench_step.py --model checkpoints/tiny-qwen3 \
+        --data checkpoints/arith/train.jsonl --threads 2 --repeats 3 --steps 6
     ...
-    step rlflow/trl speedup: 3.57x (rlflow 0.20 s/step 14470 tok/s, trl 0.72 s/step 3778 tok/s; tok/s ratio 3.83x; median of 3 runs x 5 steps)
+    step rlflow/trl speedup: 3.57x (rlflow 0.20 s/step 14470 tok/s, trl 0.72 s/step 3778 tok/s; tok/s ratio 3.83x;
+        median of 3 runs x 5 steps)
 
 ``--config configs/demo_cpu.yaml`` runs rlflow with that config as shipped (only paths, step count, logging,
 checkpointing and evaluation overridden), so the figure is what users of the config get, and takes the settings
@@ -175,8 +177,9 @@ def packing_bench(args) -> dict:
                 model.zero_grad(set_to_none=True)
             out[f"{label}/{name}"] = statistics.median(times)
         tokens = sum(len(e.prompt_ids) + len(e.completion_ids) for e in exps)
-        print(f"{label}: {tokens} real tokens; padded {out[f'{label}/padded']:.3f} s, packed {out[f'{label}/packed']:.3f} s "
-              f"(packed/padded time {out[f'{label}/packed'] / out[f'{label}/padded']:.2f})", flush=True)
+        padded_s, packed_s = out[f"{label}/padded"], out[f"{label}/packed"]
+        print(f"{label}: {tokens} real tokens; padded {padded_s:.3f} s, packed {packed_s:.3f} s "
+              f"(packed/padded time {packed_s / padded_s:.2f})", flush=True)
     return out
 
 
@@ -186,7 +189,9 @@ def run_worker(which: str, argv: list[str], threads: int | None) -> dict:
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
-    proc = subprocess.run([sys.executable, __file__, *argv, "--worker", which], env=env, capture_output=True, text=True, check=False)
+    proc = subprocess.run(
+        [sys.executable, __file__, *argv, "--worker", which], env=env, capture_output=True, text=True, check=False
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"the {which} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -228,7 +233,8 @@ def config_settings(path: str) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="checkpoints/tiny-qwen3")
-    ap.add_argument("--data", default="checkpoints/arith/train.jsonl", help="XTuner-format jsonl (reward_model.ground_truth)")
+    ap.add_argument("--data", default="checkpoints/arith/train.jsonl",
+                    help="XTuner-format jsonl (reward_model.ground_truth)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -289,7 +295,8 @@ def main(argv=None) -> None:
             runs[name].append(result)
             s = summarise([result], args.warmup)
             print(f"run {r + 1} {name:6s}: median {s['median_step_s']:.2f} s/step, {s['tok_s']:.1f} completion tok/s, "
-                  f"steps {[round(t, 2) for t in result['step_time']]}, reward {[round(x, 3) for x in result['reward']]}",
+                  f"steps {[round(t, 2) for t in result['step_time']]}, "
+                  f"reward {[round(x, 3) for x in result['reward']]}",
                   flush=True)
     summary = {name: summarise(v, args.warmup) for name, v in runs.items()}
     for name, s in summary.items():
@@ -297,7 +304,8 @@ def main(argv=None) -> None:
               f"mean reward by step {[round(x, 3) for x in s['reward_by_step']]}")
     if len(summary) == 2:
         a, b = summary["rlflow"], summary["trl"]
-        print(f"step rlflow/trl speedup: {b['median_step_s'] / a['median_step_s']:.2f}x (rlflow {a['median_step_s']:.2f} s/step "
+        print(f"step rlflow/trl speedup: {b['median_step_s'] / a['median_step_s']:.2f}x "
+              f"(rlflow {a['median_step_s']:.2f} s/step "
               f"{a['tok_s']:.0f} tok/s, trl {b['median_step_s']:.2f} s/step {b['tok_s']:.0f} tok/s; tok/s ratio "
               f"{a['tok_s'] / b['tok_s']:.2f}x; median of {args.repeats} runs x {args.steps - args.warmup} steps)")
 

@@ -28,8 +28,9 @@ import argparse
 import json
 import re
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 INSTRUCTION = "Let's think step by step and output the final answer after \"####\"."
 DATA_SOURCE = "openai/gsm8k"
@@ -117,7 +118,9 @@ def convert_split(files: list[Path], split: str) -> list[str]:
     return lines
 
 
-def convert(input_dir: str | Path, out_dir: str | Path, subset: str = "main", splits: tuple[str, ...] = SPLITS) -> dict[str, int]:
+def convert(
+    input_dir: str | Path, out_dir: str | Path, subset: str = "main", splits: tuple[str, ...] = SPLITS
+) -> dict[str, int]:
     """Convert each split found under ``input_dir`` into ``out_dir/<split>.jsonl``; return rows written per split."""
     input_dir, out_dir = Path(input_dir), Path(out_dir)
     if not input_dir.is_dir():
@@ -142,8 +145,11 @@ def convert(input_dir: str | Path, out_dir: str | Path, subset: str = "main", sp
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--input-dir", required=True, help="the hub download (e.g. ./gsm8k_data) or a folder of train/test jsonl")
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--input-dir", required=True,
+                    help="the hub download (e.g. ./gsm8k_data) or a folder of train/test jsonl")
     ap.add_argument("--out-dir", required=True, help="where train.jsonl and test.jsonl are written")
     ap.add_argument("--subset", default="main", help="the hub configuration folder: main (default) or socratic")
     ap.add_argument("--splits", nargs="+", default=list(SPLITS), help="splits to convert (default: train test)")

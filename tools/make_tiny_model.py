@@ -21,8 +21,8 @@ What it does
 
 Simplifications: the "word problems" are just ``What is a + b?`` / ``What is a - b?`` with single-digit
 operands (200 facts, negative results included); SFT, RL and evaluation share those problems (the demo shows
-GRPO fixing the format and sharpening uncertain answers, not generalisation); the reward printed here is a tiny inline copy of the
-strict GSM8K judger; there is no validation-based early stopping; everything runs on CPU.
+GRPO fixing the format and sharpening uncertain answers, not generalisation); the reward printed here is a tiny
+inline copy of the strict GSM8K judger; there is no validation-based early stopping; everything runs on CPU.
 
 Usage::
 

@@ -44,7 +44,9 @@ class AdvantageEstimator:
         raise NotImplementedError
 
 
-def estimate(estimator: Any, rewards: torch.Tensor, group_size: int, lengths: torch.Tensor | None = None) -> torch.Tensor:
+def estimate(
+    estimator: Any, rewards: torch.Tensor, group_size: int, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
     """Call ``estimator``, passing ``lengths`` only to estimators that ask for them (plugins may not take them)."""
     if getattr(estimator, "needs_lengths", False):
         return estimator(rewards, group_size, lengths=lengths)

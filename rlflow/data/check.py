@@ -19,8 +19,9 @@ import inspect
 import json
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from rlflow.data.dataset import DataError, PromptRecord
 from rlflow.data.sources import DataSource, iter_records
@@ -111,7 +112,9 @@ def probe_judgers(report: SourceReport, runner: Any, probes: dict[str, list[Prom
             if out is not None and len(list(out)) != len(records):
                 raise ValueError(f"returned {len(list(out))} rewards for {len(records)} completions")
         except Exception as exc:
-            report.error(f"{records[0].source}: judger {name!r} fails on rows of {report.name}: {type(exc).__name__}: {exc}")
+            report.error(
+                f"{records[0].source}: judger {name!r} fails on rows of {report.name}: {type(exc).__name__}: {exc}"
+            )
 
 
 def check_source(dm: Any, source: DataSource, split: str, tokenizer: Any) -> SourceReport:
@@ -157,7 +160,9 @@ def check_source(dm: Any, source: DataSource, split: str, tokenizer: Any) -> Sou
             ]
             if missing:
                 report.unjudgeable += 1
-                report.error(f"{where}: {'; '.join(missing)}, which the row lacks (XTuner rows carry reward_model.ground_truth)")
+                report.error(
+                    f"{where}: {'; '.join(missing)}, which the row lacks (XTuner rows carry reward_model.ground_truth)"
+                )
                 continue
             for name in names:
                 if len(probes.setdefault(name, [])) < PROBE_ROWS:
@@ -268,10 +273,14 @@ def datamodule_from_files(argv: list[str]) -> tuple[Any, bool]:
     ap.add_argument("files", nargs="+", help="data files, globs or directories; each is one source")
     ap.add_argument("--tokenizer", help="tokenizer (model) directory; without it prompt lengths are not measured")
     ap.add_argument("--max-prompt-length", type=int, default=512)
-    ap.add_argument("--judgers", type=json.loads, default=None, help='routing as JSON, e.g. \'{"openai/gsm8k": "gsm8k"}\'')
+    ap.add_argument(
+        "--judgers", type=json.loads, default=None, help='routing as JSON, e.g. \'{"openai/gsm8k": "gsm8k"}\''
+    )
     ap.add_argument("--system-prompt", default=None)
     ap.add_argument("--prompt-template", default=None)
-    ap.add_argument("--chat-template-kwargs", type=json.loads, default=None, help='JSON, e.g. \'{"enable_thinking": false}\'')
+    ap.add_argument(
+        "--chat-template-kwargs", type=json.loads, default=None, help='JSON, e.g. \'{"enable_thinking": false}\''
+    )
     a = ap.parse_args(argv)
     dm = RolloutDataModule(
         train_data_path=a.files, tokenizer_path=a.tokenizer, max_prompt_length=a.max_prompt_length, judgers=a.judgers,

@@ -15,9 +15,10 @@ than jsonl (parquet, ``datasets`` saves, shard directories) lives in :mod:`rlflo
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_REPORTED_ERRORS = 10
@@ -53,7 +54,9 @@ def check_row(row: Any, where: str) -> PromptRecord:
         raise DataError(f"{where}: the row must be a JSON object, got {_type_name(row)}")
     if "prompt" not in row:
         hint = "; raw GSM8K? convert it with tools/convert_gsm8k.py" if {"question", "answer"} <= set(row) else ""
-        raise DataError(f"{where}: field 'prompt' is missing (columns present: {', '.join(sorted(row)) or 'none'}){hint}")
+        raise DataError(
+            f"{where}: field 'prompt' is missing (columns present: {', '.join(sorted(row)) or 'none'}){hint}"
+        )
     prompt = row["prompt"]
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -63,7 +66,10 @@ def check_row(row: Any, where: str) -> PromptRecord:
             raise DataError(f"{where}: field 'prompt' is an empty list of messages")
         for j, message in enumerate(prompt):
             if not isinstance(message, dict):
-                raise DataError(f"{where}: field 'prompt[{j}]' must be an object with 'role' and 'content', got {_type_name(message)}")
+                raise DataError(
+                    f"{where}: field 'prompt[{j}]' must be an object with 'role' and 'content', "
+                    f"got {_type_name(message)}"
+                )
             role, content = message.get("role"), message.get("content")
             if role not in ROLES:
                 raise DataError(f"{where}: field 'prompt[{j}].role' must be one of {', '.join(ROLES)}, got {role!r}")
@@ -71,20 +77,28 @@ def check_row(row: Any, where: str) -> PromptRecord:
                 raise DataError(f"{where}: field 'prompt[{j}].content' must be a string, got {_type_name(content)}")
         if prompt[-1].get("role") == "assistant":
             raise DataError(
-                f"{where}: field 'prompt[{len(prompt) - 1}].role' is 'assistant': a prompt must end with a user (or tool) "
+                f"{where}: field 'prompt[{len(prompt) - 1}].role' is 'assistant': "
+                "a prompt must end with a user (or tool) "
                 "message for the policy to answer; drop the trailing assistant turn"
             )
     else:
-        raise DataError(f"{where}: field 'prompt' must be a string or a list of chat messages, got {_type_name(prompt)}")
+        raise DataError(
+            f"{where}: field 'prompt' must be a string or a list of chat messages, got {_type_name(prompt)}"
+        )
     for key, kind in (("data_source", str), ("ability", str), ("reward_model", dict), ("extra_info", dict)):
         if key in row and row[key] is not None and not isinstance(row[key], kind):
-            raise DataError(f"{where}: field '{key}' must be a {'string' if kind is str else 'JSON object'}, got {_type_name(row[key])}")
+            raise DataError(
+                f"{where}: field '{key}' must be a {'string' if kind is str else 'JSON object'}, "
+                f"got {_type_name(row[key])}"
+            )
     columns = {key: value for key, value in row.items() if key != "prompt"}
     reward_model = row.get("reward_model") or {}
     if "ground_truth" in reward_model and "ground_truth" not in columns:
         truth = reward_model["ground_truth"]
         if not isinstance(truth, (str, int, float, list)) or isinstance(truth, bool):
-            raise DataError(f"{where}: field 'reward_model.ground_truth' must be a string or number, got {_type_name(truth)}")
+            raise DataError(
+                f"{where}: field 'reward_model.ground_truth' must be a string or number, got {_type_name(truth)}"
+            )
         columns["ground_truth"] = truth
     return PromptRecord(prompt=prompt, columns=columns, source=where)
 
@@ -170,7 +184,9 @@ class PromptFormat:
             except ValueError as exc:
                 raise ValueError(f"prompt_template {prompt_template!r} is not a valid format string: {exc}") from exc
             if "prompt" not in names:
-                raise ValueError(f"prompt_template {prompt_template!r} has no '{{prompt}}' placeholder for the prompt text")
+                raise ValueError(
+                    f"prompt_template {prompt_template!r} has no '{{prompt}}' placeholder for the prompt text"
+                )
             self._fields = [n for n in names if n]
 
     def render(self, record: PromptRecord, tokenizer: Any) -> str:
@@ -188,7 +204,9 @@ class PromptFormat:
             try:
                 return self.prompt_template.format(**values)
             except (KeyError, IndexError, AttributeError, TypeError) as exc:  # {extra_info[level]} on a row without it
-                raise DataError(f"{record.source}: prompt_template cannot be filled from this row: {type(exc).__name__}: {exc}") from exc
+                raise DataError(
+                    f"{record.source}: prompt_template cannot be filled from this row: {type(exc).__name__}: {exc}"
+                ) from exc
         messages = list(record.prompt)
         if self.system_prompt is not None:
             messages = [m for m in messages if m["role"] != "system"]
@@ -204,4 +222,6 @@ class PromptFormat:
                 messages, add_generation_prompt=True, tokenize=False, **self.chat_template_kwargs
             )
         except Exception as exc:  # jinja raises its own errors, e.g. "System message must be at the beginning"
-            raise DataError(f"{record.source}: the chat template rejected field 'prompt': {type(exc).__name__}: {exc}") from exc
+            raise DataError(
+                f"{record.source}: the chat template rejected field 'prompt': {type(exc).__name__}: {exc}"
+            ) from exc

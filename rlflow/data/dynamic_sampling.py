@@ -12,8 +12,9 @@ the last round is topped up with dropped groups, which carry advantage 0.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ class Groups:
         return self.records[g], self.completions[part], self.rewards[part], self.texts[part]
 
     @classmethod
-    def join(cls, groups: list[tuple[Any, list[Any], list[float], list[str]]]) -> "Groups":
+    def join(cls, groups: list[tuple[Any, list[Any], list[float], list[str]]]) -> Groups:
         return cls([g[0] for g in groups], [c for g in groups for c in g[1]], [r for g in groups for r in g[2]],
                    [t for g in groups for t in g[3]])
 

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterator, Sequence
 from fractions import Fraction
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 from torch.utils.data import Sampler

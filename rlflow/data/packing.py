@@ -70,7 +70,9 @@ def attention_layout(rows: list[tuple[list[int], int]]) -> dict[str, torch.Tenso
         q_col = torch.tensor([first for _, first in group])[:, None] + torch.arange(q_index.shape[1])[None, :]
         mask = (torch.arange(k_index.shape[1])[None, None, :] <= q_col[:, :, None]) & k_valid[:, None, :]
         take = q_valid.reshape(-1).nonzero().squeeze(1)
-        layout.update({f"attn{s}_q": q_index, f"attn{s}_k": k_index, f"attn{s}_mask": mask.unsqueeze(1), f"attn{s}_take": take})
+        layout.update({
+            f"attn{s}_q": q_index, f"attn{s}_k": k_index, f"attn{s}_mask": mask.unsqueeze(1), f"attn{s}_take": take
+        })
         order.append(q_index.reshape(-1)[take])
     positions = torch.cat(order)
     if positions.numel() != int(positions.max()) + 1 or torch.unique(positions).numel() != positions.numel():
@@ -81,7 +83,9 @@ def attention_layout(rows: list[tuple[list[int], int]]) -> dict[str, torch.Tenso
     return layout
 
 
-def varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, rlflow_pack=None, **kwargs):
+def varlen_sdpa_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, rlflow_pack=None, **kwargs
+):
     """Causal attention within each packed sequence, for implementations without a var-len kernel (CPU sdpa).
 
     For each row set of :func:`attention_layout` the packed ``[1, heads, tokens, dim]`` states are gathered into
@@ -105,7 +109,9 @@ def varlen_sdpa_attention(module, query, key, value, attention_mask, scaling=Non
         q_index, k_index = layout[f"attn{s}_q"], layout[f"attn{s}_k"]
         # index_select: its backward is index_add_, cheaper than advanced indexing's
         q = query[0].index_select(1, q_index.reshape(-1)).unflatten(1, q_index.shape).transpose(0, 1)
-        k, v = (t[0].index_select(1, k_index.reshape(-1)).unflatten(1, k_index.shape).transpose(0, 1) for t in (key, value))
+        k, v = (
+            t[0].index_select(1, k_index.reshape(-1)).unflatten(1, k_index.shape).transpose(0, 1) for t in (key, value)
+        )
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=layout[f"attn{s}_mask"], scale=scaling, dropout_p=dropout_p, enable_gqa=gqa)
         out = out.transpose(1, 2)  # [rows, q_width, heads, dim]
@@ -137,7 +143,9 @@ def _varlen_attention(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
     previous = getattr(config, "_attn_implementation", None)
     if not varlen_supported(model):
         if "attn1_q" in batch:
-            raise ValueError("a pack with shared prompts needs rlflow's var-len attention (sdpa/eager, no gradient checkpointing)")
+            raise ValueError(
+                "a pack with shared prompts needs rlflow's var-len attention (sdpa/eager, no gradient checkpointing)"
+            )
         yield {}
         return
     config._attn_implementation = ATTENTION_NAME
@@ -211,7 +219,9 @@ def prompt_units(experiences: list[Experience], pack_max_length: int, share_prom
     return units
 
 
-def pack_experiences(experiences: list[Experience], pack_max_length: int, share_prompts: bool = False) -> list[list[Experience]]:
+def pack_experiences(
+    experiences: list[Experience], pack_max_length: int, share_prompts: bool = False
+) -> list[list[Experience]]:
     """Split ``experiences`` into micro-batches of at most ``pack_max_length`` tokens (a group's members stay
     together when ``share_prompts``, their prompt counted once)."""
     units = prompt_units(experiences, pack_max_length, share_prompts)
@@ -237,7 +247,9 @@ def collate_packed(experiences: list[Experience], share_prompts: bool = False) -
         prompt = experiences[unit[0]].prompt_ids
         p = len(prompt)
         if p == 0:
-            raise ValueError("a packed sequence needs a non-empty prompt (its first completion token is predicted from it)")
+            raise ValueError(
+                "a packed sequence needs a non-empty prompt (its first completion token is predicted from it)"
+            )
         shared = share_prompts and len(unit) > 1
         for k, i in enumerate(unit):
             e = experiences[i]

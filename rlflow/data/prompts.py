@@ -63,7 +63,10 @@ class PromptSet:
         for source in self.sources:
             fmt = self.format_for(source)
             limit = source.max_prompt_length or self.max_prompt_length
-            setting = f"{source.name}.max_prompt_length={limit}" if source.max_prompt_length else f"data.max_prompt_length={limit}"
+            if source.max_prompt_length:
+                setting = f"{source.name}.max_prompt_length={limit}"
+            else:
+                setting = f"data.max_prompt_length={limit}"
             n_kept = n_dropped = 0
             for record in read_source(source):
                 record.prompt_text = fmt.render(record, tokenizer)
@@ -76,7 +79,9 @@ class PromptSet:
             if n_dropped:
                 info(f"{self.split}: dropped {n_dropped} prompt(s) of {source.name} longer than {setting} tokens")
             if not n_kept:
-                raise DataError(f"no usable {self.split} prompts in {source.path}: all {n_dropped} are longer than {setting}")
+                raise DataError(
+                    f"no usable {self.split} prompts in {source.path}: all {n_dropped} are longer than {setting}"
+                )
             self.sizes[source.name] = n_kept
             self.dropped_by_source[source.name] = n_dropped
         self.records = kept

@@ -9,7 +9,8 @@ run resumed mid-epoch continues with the batch it would have drawn next.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Sampler
@@ -34,7 +35,7 @@ class PromptBatchSampler(Sampler[list[int]]):
         self.consumed = 0  # batches of the current epoch handed to training (Lightning prefetches one more)
 
     @property
-    def sampler(self) -> "PromptBatchSampler":
+    def sampler(self) -> PromptBatchSampler:
         """Lightning calls ``batch_sampler.sampler.set_epoch(epoch)`` each epoch; pointing here makes it reach us."""
         return self
 

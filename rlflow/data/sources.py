@@ -19,9 +19,10 @@ import glob
 import json
 import math
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from rlflow.data.dataset import DataError, PromptFormat, PromptRecord, check_row, collect, iter_jsonl
 
@@ -131,11 +132,14 @@ def resolve(path: str | Path) -> tuple[str, list[Path]]:
         return "saved", [p]
     files = sorted(  # hidden entries skipped: huggingface-cli keeps its own metadata under .cache/
         f for f in p.rglob("*")
-        if f.is_file() and f.suffix in (*TEXT, *COLUMNAR) and not any(part.startswith(".") for part in f.relative_to(p).parts)
+        if f.is_file() and f.suffix in (*TEXT, *COLUMNAR)
+        and not any(part.startswith(".") for part in f.relative_to(p).parts)
     )
     if not files:
         present = ", ".join(sorted(f.name for f in p.iterdir())[:10]) or "nothing"
-        raise DataError(f"{p}: no data files (.jsonl, .json, .parquet, .arrow, .csv) in this directory; it holds {present}")
+        raise DataError(
+            f"{p}: no data files (.jsonl, .json, .parquet, .arrow, .csv) in this directory; it holds {present}"
+        )
     splits = sorted({m["split"] for f in files if (m := SHARD.match(f.name))})
     if len(splits) > 1:
         raise DataError(

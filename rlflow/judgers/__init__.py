@@ -7,7 +7,7 @@ from rlflow.judgers.math_verify import MathJudger
 from rlflow.judgers.overlong import OverlongJudger
 from rlflow.judgers.remote import RemoteJudger
 from rlflow.judgers.reward_model import RewardModelJudger
-from rlflow.judgers.runner import JudgerRunner, JudgeResult
+from rlflow.judgers.runner import JudgeResult, JudgerRunner
 from rlflow.judgers.think_format import ThinkFormatJudger
 
 __all__ = [

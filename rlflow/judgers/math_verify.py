@@ -18,7 +18,9 @@ from typing import Any
 
 from rlflow.judgers.base import Judger
 
-MISSING_EXTRA = "the 'math' judger needs the math-verify package: pip install 'rlflow[math]' (or pip install math-verify)"
+MISSING_EXTRA = (
+    "the 'math' judger needs the math-verify package: pip install 'rlflow[math]' (or pip install math-verify)"
+)
 
 
 class MathJudger(Judger):
@@ -69,7 +71,10 @@ class MathJudger(Judger):
         if not gold:
             return None
         answer = self._parse(
-            completion, extraction_config=self.answer_config, extraction_mode="first_match", parsing_timeout=parsing_timeout
+            completion,
+            extraction_config=self.answer_config,
+            extraction_mode="first_match",
+            parsing_timeout=parsing_timeout,
         )
         correct = self._verify(gold, answer, timeout_seconds=verify_timeout)
         return self.correct_score if correct else self.wrong_score

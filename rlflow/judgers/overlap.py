@@ -1,8 +1,9 @@
 """Judging overlapped with generation: groups are judged as soon as they finish, while the rest still generates.
 
 A backend whose :attr:`~rlflow.rollout.base.RolloutBackend.streams` is true (the ``engine`` backend) yields each
-prompt's group from ``stream(prompts, params, n)`` when its last completion ends. :class:`OverlappedJudging` hands the finished groups to one background worker thread, in
-chunks: whatever has finished since the last submission goes as soon as the worker is idle (the chunk size
+prompt's group from ``stream(prompts, params, n)`` when its last completion ends. :class:`OverlappedJudging`
+hands the finished groups to one background worker thread, in chunks: whatever has finished since the last
+submission goes as soon as the worker is idle (the chunk size
 adapts to how fast judging keeps up), and the rest after the stream ends. The caller gets completions in prompt
 order and the rewards, texts and judge metrics the whole batch judged at once would give: per-sample rewards do
 not depend on the batch, and ``rewards/<name>/mean|std`` and ``judger/unscored`` are recomputed over the whole
@@ -18,12 +19,14 @@ judger whose reward depends on the other samples of its call (none of the built-
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from rlflow.judgers.runner import judge_metrics
 
-Judge = Callable[[list[Any], list[Any], int], tuple[Any, list[str]]]  # (records, completions, k) -> (JudgeResult, texts)
+# (records, completions, k) -> (JudgeResult, texts)
+Judge = Callable[[list[Any], list[Any], int], tuple[Any, list[str]]]
 
 
 class OverlappedJudging:
@@ -97,7 +100,8 @@ class OverlappedJudging:
         self.jobs.append((chunk, pool.submit(self.judge, [records[i] for i in chunk], completions, self.k)))
 
     def collect(self, num_prompts: int) -> tuple[list[float], dict[str, float], list[str]]:
-        """Wait for every chunk; put rewards, texts and per-judger values back in prompt order; recompute the metrics."""
+        """Wait for every chunk; put rewards, texts and per-judger values back in prompt order; recompute the
+        metrics."""
         k, total = self.k, num_prompts * self.k
         rewards: list[float] = [0.0] * total
         texts: list[str] = [""] * total

@@ -8,7 +8,8 @@ judges sampled completions in TRL's layout (chat completions for chat prompts).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from rlflow.data.dataset import DataError, PromptRecord
 from rlflow.data.sources import DataSource
@@ -36,7 +37,9 @@ class SourceJudgers:
                 continue
             if source.name in self.runners:
                 if routing[source.name] != routes:
-                    raise ValueError(f"two data sources are named {source.name!r} with different judgers; give them distinct names")
+                    raise ValueError(
+                        f"two data sources are named {source.name!r} with different judgers; give them distinct names"
+                    )
                 continue
             self.runners[source.name] = JudgerRunner(routes, **runner_kwargs)
             routing[source.name] = routes
@@ -116,10 +119,14 @@ class JudgePanel:
                 problem = f"{record.source}: {exc.args[0] if exc.args else exc}"
             else:
                 missing = [f"judger {name!r} needs column {col!r}" for name in names
-                           for col in getattr(runner.judgers[name], "required_columns", ()) if record.columns.get(col) is None]
+                           for col in getattr(runner.judgers[name], "required_columns", ())
+                           if record.columns.get(col) is None]
                 if not missing:
                     continue
-                problem = f"{record.source}: {'; '.join(missing)}, which the row lacks (XTuner rows carry reward_model.ground_truth)"
+                problem = (
+                    f"{record.source}: {'; '.join(missing)}, "
+                    "which the row lacks (XTuner rows carry reward_model.ground_truth)"
+                )
             count += 1
             if len(problems) < 10:
                 problems.append(problem)
@@ -135,7 +142,9 @@ class JudgePanel:
         ids = [c.token_ids for c in completions]
         texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         reps = [r for r in records for _ in range(k)]
-        shaped = [[{"role": "assistant", "content": t}] if isinstance(r.prompt, list) else t for r, t in zip(reps, texts)]
+        shaped = [
+            [{"role": "assistant", "content": t}] if isinstance(r.prompt, list) else t for r, t in zip(reps, texts)
+        ]
         keys = sorted({key for r in records for key in r.columns})
         columns = {key: [r.columns.get(key) for r in reps] for key in keys}
         result = self.routing.judge([r.origin for r in reps], [r.prompt for r in reps], shaped, ids, columns,

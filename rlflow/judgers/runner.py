@@ -23,8 +23,9 @@ import math
 import numbers
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from rlflow import registry
 
@@ -49,8 +50,13 @@ def judger_name(spec: Any, judger: Any) -> str:
 
 
 def is_async(judger: Any) -> bool:
-    """Whether calling ``judger`` returns a coroutine: an ``async def`` function or an object with one as ``__call__``."""
-    return inspect.iscoroutinefunction(judger) or inspect.iscoroutinefunction(getattr(judger, "__call__", None))
+    """Whether calling ``judger`` returns a coroutine: an ``async def`` function or an object with one as
+    ``__call__``."""
+    # B004 does not apply: this reads the ``__call__`` method itself to see whether it is ``async def``; it is not a
+    # test of whether ``judger`` is callable, which ``callable()`` would answer instead
+    return inspect.iscoroutinefunction(judger) or inspect.iscoroutinefunction(
+        getattr(judger, "__call__", None)  # noqa: B004
+    )
 
 
 class JudgerTimeout(TimeoutError):
@@ -167,7 +173,9 @@ class JudgerRunner:
         self.weights = {name: 1.0 for name in self.judgers}
         for name, weight in (reward_weights or {}).items():
             if name not in self.weights:
-                raise ValueError(f"reward_weights names judger {name!r}, which is not configured; judgers: {sorted(self.weights)}")
+                raise ValueError(
+                    f"reward_weights names judger {name!r}, which is not configured; judgers: {sorted(self.weights)}"
+                )
             self.weights[name] = float(weight)
         self.failed_once: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -246,7 +254,9 @@ class JudgerRunner:
                 checked.append(None)
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(f"judger {name!r} returned {value!r} ({type(value).__name__}); rewards must be numbers or None")
+                raise TypeError(
+                    f"judger {name!r} returned {value!r} ({type(value).__name__}); rewards must be numbers or None"
+                )
             value = float(value)
             checked.append(None if math.isnan(value) else value)
         return checked
@@ -299,6 +309,8 @@ class JudgerRunner:
                 failures += int(consume())
         rewards = []
         for i in range(n):
-            parts = [self.weights[name] * per_judger[name][i] for name in self.judgers if per_judger[name][i] is not None]
+            parts = [
+                self.weights[name] * per_judger[name][i] for name in self.judgers if per_judger[name][i] is not None
+            ]
             rewards.append(sum(parts) if parts else 0.0)
         return JudgeResult(rewards, per_judger, judge_metrics(per_judger, failures))

@@ -15,13 +15,14 @@ trainer uses exactly what this class declares, nothing found by ``getattr`` or `
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
+
+from rlflow.config_error import ConfigError
 
 Progress = Callable[[int, int], None]
 """``progress(completions, tokens)``: called as completions finish, with how many and their token count."""
-
-from rlflow.config_error import ConfigError
 
 
 @dataclass
@@ -55,7 +56,9 @@ def stop_token_ids(tokenizer: Any, stop: list[str]) -> list[int]:
     for s in stop:
         encoded = tokenizer.encode(s, add_special_tokens=False)
         if len(encoded) != 1:
-            raise ValueError(f"data.stop entry {s!r} is {len(encoded)} tokens for this tokenizer; stop strings must be one token")
+            raise ValueError(
+                f"data.stop entry {s!r} is {len(encoded)} tokens for this tokenizer; stop strings must be one token"
+            )
         ids.append(encoded[0])
     return ids
 

@@ -88,7 +88,9 @@ class DecodeState:
     nobody else reads.
     """
 
-    def __init__(self, n: int, max_tokens: int, head: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None) -> None:
+    def __init__(
+        self, n: int, max_tokens: int, head: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    ) -> None:
         self.n = n
         self.head_k, self.head_v = head if head is not None else (None, None)
         self.max_tokens = max_tokens
@@ -145,7 +147,9 @@ class DecodeState:
         prompt = self.prompt_bias[:, None, :].expand(-1, self.n, -1)
         self.bias = torch.cat([prompt, self._suffix_bias(groups, device)], dim=2).contiguous()
 
-    def _group_cache(self, head: torch.Tensor | None, rest: torch.Tensor, width: int, zero_generated: bool) -> torch.Tensor:
+    def _group_cache(
+        self, head: torch.Tensor | None, rest: torch.Tensor, width: int, zero_generated: bool
+    ) -> torch.Tensor:
         """One layer's cache of new groups: ``head`` (``[kv, head_len, d]``) and ``rest`` (``[g, kv, w, d]``) in the
         prompt region of ``width`` columns, zeros after them (masked, but finite). The generated region is zeroed
         only for groups that join behind running ones (their unwritten slots are read, masked); otherwise every
@@ -159,7 +163,9 @@ class DecodeState:
         cache[:, :, h + w: None if zero_generated else width].zero_()
         return cache
 
-    def add_groups(self, prompt_ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor) -> None:
+    def add_groups(
+        self, prompt_ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor
+    ) -> None:
         """Add prefilled groups: per-layer ``[groups, kv_heads, width, dim]`` caches (of the prompts after the
         rollout-wide head, if any) and their 2D ``mask``."""
         g_new = len(prompt_ids)
@@ -321,7 +327,8 @@ def sample_tokens(
         # the CDF in float64 so that the tail of a large vocabulary keeps its mass. u is in (0, total], and the
         # first index whose CDF reaches u always has positive mass (a token of zero mass repeats the CDF before it)
         cdf = torch.cumsum(filtered.exp(), dim=-1, dtype=torch.float64)
-        u = (1.0 - torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=torch.float64)) * cdf[:, -1:]
+        uniform = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=torch.float64)
+        u = (1.0 - uniform) * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, u).squeeze(-1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
@@ -385,7 +392,9 @@ class EngineRollout(RolloutBackend):
             keys, values, _, _ = self._prefill_fused([head], device, None)
             return [k[0] for k in keys], [v[0] for v in values]
         cache = DynamicCache(config=self.model.config)
-        self.model(input_ids=torch.tensor([head], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        self.model(
+            input_ids=torch.tensor([head], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
         return [layer.keys[0] for layer in cache.layers], [layer.values[0] for layer in cache.layers]
 
     def _prefill(self, prompts: list[list[int]], device: torch.device, head=None):
@@ -450,7 +459,9 @@ class EngineRollout(RolloutBackend):
             if head_len:
                 k = torch.cat([head[0][layer].expand(batch, -1, -1, -1), k], dim=2)
                 v = torch.cat([head[1][layer].expand(batch, -1, -1, -1), v], dim=2)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=heads != kv_heads)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=allowed, scale=scaling, enable_gqa=heads != kv_heads
+            )
             return out.transpose(1, 2).reshape(batch * width, heads * dim)
 
         last = torch.arange(batch, device=device) * width + lengths - 1
@@ -573,7 +584,8 @@ class EngineRollout(RolloutBackend):
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
                  progress: Progress | None = None) -> list[list[Completion]]:
-        """``n`` completions per prompt in prompt order; ``progress(completions, tokens)`` is called per finished group."""
+        """``n`` completions per prompt in prompt order; ``progress(completions, tokens)`` is called per finished
+        group."""
         groups: list[list[Completion] | None] = [None] * len(prompts)
         for i, group in self.stream(prompts, params, n, progress=progress):
             groups[i] = group

@@ -65,7 +65,8 @@ class _Layer:
     def __init__(self, layer: torch.nn.Module, fold: bool) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1_w, self.ln1_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
-        self.ln2_w, self.ln2_eps = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
+        post_norm = layer.post_attention_layernorm
+        self.ln2_w, self.ln2_eps = post_norm.weight, post_norm.variance_epsilon
         self.qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
         self.qkv_b = _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
@@ -176,7 +177,9 @@ class FusedDecoder:
                 return "a decoder layer's norms are not RMSNorms with weight and variance_epsilon"
         return None
 
-    def step(self, tokens: torch.Tensor, positions: torch.Tensor, attend, select: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, attend, select: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits ``[rows, vocab]`` of one decode step (or, with ``attend`` doing causal attention over many tokens
         of each prompt, of a prefill: every operation but attention acts on each token alone).
 

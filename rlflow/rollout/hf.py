@@ -8,8 +8,6 @@ logits tensor is never built.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from transformers import GenerationConfig
 
@@ -82,7 +80,10 @@ class HFRollout(RolloutBackend):
                     for t, logits in enumerate(out.logits)
                 ]
                 logprobs = torch.stack(steps, dim=1) if steps else new.new_zeros((new.shape[0], 0), dtype=torch.float)
-                done = [trim_at_stop(row, lp, stop_ids, params.max_tokens) for row, lp in zip(new.tolist(), logprobs.tolist())]
+                done = [
+                    trim_at_stop(row, lp, stop_ids, params.max_tokens)
+                    for row, lp in zip(new.tolist(), logprobs.tolist())
+                ]
                 flat.extend(done)
                 if progress is not None:
                     progress(len(done), sum(len(c.token_ids) for c in done))

@@ -34,8 +34,9 @@ import time
 import urllib.error
 import urllib.request
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -128,7 +129,9 @@ def wakeup_params(tags: list[str]) -> dict[str, Any]:
     return {"tags": list(tags)}
 
 
-def weight_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def weight_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """Group ``(name, tensor)`` pairs, in order, into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
     if bucket_bytes < 1:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
@@ -179,7 +182,8 @@ def server_command(model_path: str, port: int, tp: int, cache_max_entry_count: f
 
 
 def full_named_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """The policy's weights by Hugging Face name, each gathered whole (DTensor ``full_tensor``) and cast to ``dtype``."""
+    """The policy's weights by Hugging Face name, each gathered whole (DTensor ``full_tensor``) and cast to
+    ``dtype``."""
     for name, tensor in model.state_dict().items():
         full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
         yield name, full.detach().to(dtype)
@@ -322,9 +326,11 @@ class LMDeployRollout(RolloutBackend):
             try:
                 self._request("GET", "/health", timeout=10)
                 return
-            except (urllib.error.URLError, ConnectionError, OSError):
+            except (urllib.error.URLError, ConnectionError, OSError) as err:
                 if time.monotonic() > deadline:
-                    raise LMDeployError(f"no lmdeploy server answered at {self.url} within {self.startup_timeout:.0f} s")
+                    raise LMDeployError(
+                        f"no lmdeploy server answered at {self.url} within {self.startup_timeout:.0f} s"
+                    ) from err
                 time.sleep(2.0)
 
     def _request(
@@ -342,7 +348,9 @@ class LMDeployRollout(RolloutBackend):
             with urllib.request.urlopen(req, timeout=timeout or self.request_timeout) as resp:
                 text = resp.read().decode()
         except urllib.error.HTTPError as exc:
-            raise LMDeployError(f"lmdeploy {method} {path} failed: HTTP {exc.code}: {exc.read().decode()[:500]}") from exc
+            raise LMDeployError(
+                f"lmdeploy {method} {path} failed: HTTP {exc.code}: {exc.read().decode()[:500]}"
+            ) from exc
         try:
             return json.loads(text) if text else None
         except json.JSONDecodeError:
@@ -405,7 +413,9 @@ class LMDeployRollout(RolloutBackend):
 
         if not hasattr(utils, "serialize_named_tensors_safetensors"):
             raise LMDeployError("pushing weights to a remote lmdeploy server needs lmdeploy with safetensors updates")
-        return (lambda bucket: utils.serialize_named_tensors_safetensors(dict((n, t.cpu()) for n, t in bucket))), "safetensors"
+        return (
+            lambda bucket: utils.serialize_named_tensors_safetensors(dict((n, t.cpu()) for n, t in bucket))
+        ), "safetensors"
 
     # ----------------------------------------------------------------------------------------- generate
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
@@ -415,7 +425,8 @@ class LMDeployRollout(RolloutBackend):
             raise LMDeployError("bind() the policy first")
         if params.temperature not in (0.0, 1.0) and not self._warned_temperature:
             warnings.warn(f"lmdeploy returns log-probs of the unscaled logits; at temperature {params.temperature} the "
-                          "rollout log-probs differ from the trainer's (rollout corrections compare them)", stacklevel=2)
+                          "rollout log-probs differ from the trainer's (rollout corrections compare them)",
+                          stacklevel=2)
             self._warned_temperature = True
         self._ensure_server()
         if not self.weights_current:

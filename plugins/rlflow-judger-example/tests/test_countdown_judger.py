@@ -3,7 +3,6 @@
 from fractions import Fraction
 
 import pytest
-
 from rlflow_judger_example.countdown import CountdownJudger, NotAnEquation, evaluate
 
 
@@ -15,7 +14,8 @@ def judge(text, target=60, numbers=(3, 5, 25), **kwargs):
 def test_correct_equation_scores_one():
     assert judge("I think <answer>(25 - 5) * 3</answer>") == 1.0
     # chat layout (TRL's completions) works too
-    out = CountdownJudger()(prompts=["p"], completions=[[{"role": "assistant", "content": "<answer>3*(25-5)</answer>"}]],
+    out = CountdownJudger()(prompts=["p"],
+                            completions=[[{"role": "assistant", "content": "<answer>3*(25-5)</answer>"}]],
                             target=[60], numbers=[[3, 5, 25]])
     assert out == [1.0]
 

@@ -20,7 +20,12 @@ from rlflow.judgers import Judger
 
 ANSWER = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 MAX_CHARS = 200  # longer "equations" are not Countdown answers (and would be slow to parse)
-_OPS = {ast.Add: lambda a, b: a + b, ast.Sub: lambda a, b: a - b, ast.Mult: lambda a, b: a * b, ast.Div: lambda a, b: a / b}
+_OPS = {
+    ast.Add: lambda a, b: a + b,
+    ast.Sub: lambda a, b: a - b,
+    ast.Mult: lambda a, b: a * b,
+    ast.Div: lambda a, b: a / b,
+}
 
 
 class NotAnEquation(ValueError):
@@ -77,7 +82,13 @@ class CountdownJudger(Judger):
         return all(used_count[n] <= given[n] for n in used_count)
 
     def score(
-        self, completion: str, target: Any = None, numbers: Any = None, nums: Any = None, ground_truth: Any = None, **_: Any
+        self,
+        completion: str,
+        target: Any = None,
+        numbers: Any = None,
+        nums: Any = None,
+        ground_truth: Any = None,
+        **_: Any,
     ) -> float:
         if isinstance(ground_truth, dict):  # TinyZero keeps both in reward_model.ground_truth
             target = ground_truth.get("target", target)
