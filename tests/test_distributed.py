@@ -185,12 +185,17 @@ def _sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> 
         dist.destroy_process_group()
 
 
-@pytest.mark.slow
-def test_sharded_generation_logprobs_grads_and_export_on_two_gloo_ranks(tiny_model, tmp_path):
+def on_two_ranks(worker, tiny_model, tmp_path) -> list[dict]:
+    """Run ``worker(rank, init_dir, model_dir, out_dir)`` on two gloo ranks; each rank's saved results."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_sharded_worker, args=(str(tmp_path / "init"), str(tiny_model), str(tmp_path)), nprocs=2, join=True)
-    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    mp.spawn(worker, args=(str(tmp_path / "init"), str(tiny_model), str(tmp_path)), nprocs=2, join=True)
+    return [torch.load(tmp_path / f"rank{rank}.pt") for rank in (0, 1)]
+
+
+@pytest.mark.slow
+def test_sharded_generation_logprobs_grads_and_export_on_two_gloo_ranks(tiny_model, tmp_path):
+    r0, r1 = on_two_ranks(_sharded_worker, tiny_model, tmp_path)
     for r in (r0, r1):
         assert r["generate_equal"] and r["resharded"]
         assert r["root_resharded_after_no_grad"] and r["no_grad_equal"]
@@ -255,11 +260,7 @@ def _packed_sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: s
 
 @pytest.mark.slow
 def test_packed_logprobs_grads_and_auto_rollout_under_fsdp(tiny_model, tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_packed_sharded_worker, args=(str(tmp_path / "init"), str(tiny_model), str(tmp_path)), nprocs=2, join=True)
-    for rank in (0, 1):
-        r = torch.load(tmp_path / f"rank{rank}.pt")
+    for r in on_two_ranks(_packed_sharded_worker, tiny_model, tmp_path):
         assert r["probe"] is None  # the fit-start check finds packing exact under FSDP
         assert r["backend"] == ("EngineRollout", "fused decode")  # weights unsharded for the rollout: fused
         assert r["root_resharded_after_no_grad"]
