@@ -1,0 +1,95 @@
+"""A real pretrained model end to end: SmolLM2-135M-Instruct (Llama architecture, tied embeddings, real BPE
+tokenizer whose chat template adds a default system prompt), built from its GGUF file by tools/get_smollm2.py.
+
+Sized for 2 CPU cores: two GSM8K prompts, short completions. Skipped, with the reason, where the package index
+cannot be reached to install the GGUF package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, fit_args
+from test_engine import assert_logprobs_match_a_full_forward
+
+pytestmark = pytest.mark.slow
+DATA = ROOT / "tests" / "data" / "train_example.jsonl"
+
+
+def load_tool():
+    spec = importlib.util.spec_from_file_location("get_smollm2", ROOT / "tools" / "get_smollm2.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    tool = load_tool()
+    try:
+        return tool.write_model(ROOT / "checkpoints" / "smollm2-135m-instruct")
+    except tool.SmolLM2Unavailable as exc:
+        pytest.skip(f"SmolLM2 could not be installed from the package index: {exc}")
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(smollm2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(smollm2).eval(), AutoTokenizer.from_pretrained(smollm2)
+
+
+def gsm8k_prompts(tokenizer, n: int) -> list[list[int]]:
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()[:n]]
+    return [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+            for r in rows]
+
+
+def test_the_tool_is_idempotent_and_the_model_is_the_real_one(smollm2, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    before = (smollm2 / "model.safetensors").stat().st_mtime
+    assert load_tool().write_model(smollm2) == smollm2
+    assert (smollm2 / "model.safetensors").stat().st_mtime == before  # kept, not rewritten
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.tie_word_embeddings
+    assert "quantization_config" not in json.loads((smollm2 / "config.json").read_text())  # plain float weights
+    assert 134_000_000 < sum(p.numel() for p in model.parameters()) < 135_000_000
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert "<|im_start|>system" in text  # the template's default system prompt
+
+
+@torch.no_grad()
+def test_engine_logprobs_equal_a_full_forward_of_the_real_model(model_and_tokenizer):
+    from rlflow.rollout.base import SamplingParams
+    from rlflow.rollout.engine import EngineRollout
+
+    model, tokenizer = model_and_tokenizer
+    prompts = gsm8k_prompts(tokenizer, 2)
+    assert all(60 < len(p) < 300 for p in prompts)  # real GSM8K questions after the default system prompt
+    engine = EngineRollout(seed=0)
+    engine.bind(model, tokenizer)
+    groups = engine.generate(prompts, SamplingParams(0.7, 1.0, 0, max_tokens=12), n=2)
+    assert all(len(c.token_ids) > 0 for g in groups for c in g)
+    assert_logprobs_match_a_full_forward(model, prompts, groups, 0.7, atol=1e-4)
+
+
+def test_one_fit_step_on_the_real_model_and_the_export_reloads(smollm2, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlflow.cli import cli_main
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("\n".join(DATA.read_text().splitlines()[:4]) + "\n")
+    cli = cli_main(fit_args(smollm2, data, tmp_path, "--data.global_batch_size=2", "--data.prompt_repeat_k=2",
+                            "--data.max_tokens=8", "--data.max_prompt_length=512", "--model.lr=1e-5", steps=1))
+    assert cli.trainer.global_step == 1
+    assert type(cli.datamodule.backend).__name__ == "EngineRollout" and cli.model.packing  # the defaults apply
+    policy = cli.model.policy.eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(Path(cli.trainer.log_dir) / "hf").eval()
+    ids = torch.tensor([gsm8k_prompts(cli.datamodule.tokenizer, 1)[0][:32]])
+    with torch.no_grad():
+        assert torch.equal(policy(ids).logits, reloaded(ids).logits)
