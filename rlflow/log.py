@@ -20,6 +20,12 @@ if not logger.handlers:
     logger.addHandler(_handler)
     logger.setLevel(logging.INFO)
 
+# torchao (the adamw_bf16_sr optimizer; transformers imports it whenever it is installed) warns at import that its
+# CUDA kernels do not load on a CPU build of torch, and torch's pytree warns about its enums: noise in every run.
+# Errors still show.
+for _name in ("torchao", "torch.utils._pytree"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
 
 @rank_zero_only
 def info(message: str) -> None:

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from rlflow import registry
 from rlflow.rollout.base import SamplingParams
-from rlflow.rollout.engine import DecodeState, EngineRollout, common_prefix_len
+from rlflow.rollout.engine import DecodeState, EngineRollout, cache_kwargs, common_prefix_len
 from rlflow.rollout.fused import FusedDecoder
 from rlflow.rollout.hf import HFRollout
 
@@ -289,7 +289,7 @@ def test_prefill_after_a_shared_head_returns_the_separate_prefills_last_logits(m
     for i, p in enumerate(prompts):
         with torch.no_grad():
             plain_cache = DynamicCache(config=model.config)
-            plain = model(torch.tensor([p]), past_key_values=plain_cache, use_cache=True).logits[0, -1]
+            plain = model(torch.tensor([p]), use_cache=True, **cache_kwargs(model, plain_cache)).logits[0, -1]
         torch.testing.assert_close(logits[i], plain, atol=1e-5, rtol=0)
         real = mask[i].bool()
         for layer in range(model.config.num_hidden_layers):

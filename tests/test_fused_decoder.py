@@ -14,6 +14,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from rlflow.rollout.engine import cache_kwargs
 from rlflow.rollout.fused import FusedDecoder
 
 SMALL = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -58,7 +59,7 @@ def test_decode_step_logits_equal_the_model_forward(kind):
     assert FusedDecoder(model).rope_table == (kind != "llama-dynamic-rope")
     ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(1))
     cache = DynamicCache(config=model.config)
-    model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+    model(input_ids=ids[:, :-1], use_cache=True, **cache_kwargs(model, cache))
     decoder = FusedDecoder(model)
     logits = decoder.step(ids[:, -1], torch.full((3,), 11), plain_attend(cache, model.config.num_attention_heads))
     torch.testing.assert_close(logits, model(ids).logits[:, -1], atol=1e-4, rtol=1e-4)
@@ -70,7 +71,7 @@ def test_the_folded_weights_follow_the_live_model_when_rebuilt():
     with torch.no_grad():
         model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # an optimizer step between two rollouts
         cache = DynamicCache(config=model.config)
-        model(input_ids=ids[:, :-1], past_key_values=cache, use_cache=True)
+        model(input_ids=ids[:, :-1], use_cache=True, **cache_kwargs(model, cache))
         logits = FusedDecoder(model).step(ids[:, -1], torch.full((2,), 5), plain_attend(cache, 4))
         torch.testing.assert_close(logits, model(ids).logits[:, -1], atol=1e-4, rtol=1e-4)
 

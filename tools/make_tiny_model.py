@@ -50,7 +50,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from rlflow.rollout.engine import common_prefix_len
+from rlflow.rollout.engine import cache_kwargs, common_prefix_len
 
 PAD, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END, UNK]
@@ -238,8 +238,7 @@ def batch_loss(model, examples, pad_id: int) -> torch.Tensor:
     cache = model.model(input_ids=prefix, use_cache=True).past_key_values
     cache.batch_repeat_interleave(len(examples))
     full_mask = torch.cat([torch.ones(len(examples), n, dtype=mask.dtype), mask], dim=1)
-    return model(input_ids=input_ids, attention_mask=full_mask, past_key_values=cache,
-                 labels=labels).loss
+    return model(input_ids=input_ids, attention_mask=full_mask, labels=labels, **cache_kwargs(model, cache)).loss
 
 
 def sft(model, tokenizer, pool, steps: int, seed: int, batch_size=32, lr=5e-3,

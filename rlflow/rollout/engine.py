@@ -37,6 +37,8 @@ model (:mod:`rlflow.rollout.engine_support`).
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -289,6 +291,17 @@ def attend_cached(state: DecodeState, layer: int, query: torch.Tensor, scaling: 
 AttentionInterface.register(ATTENTION_NAME, shared_prefix_attention)
 
 
+def cache_kwargs(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
+    """The forward keyword that takes a KV cache: ``cache`` in transformers >= 5.2x (``past_key_values`` is
+    deprecated there and goes in 5.40), ``past_key_values`` before."""
+    return {"cache": cache} if _forward_takes_cache(type(model)) else {"past_key_values": cache}
+
+
+@functools.cache
+def _forward_takes_cache(cls: type) -> bool:
+    return "cache" in inspect.signature(cls.forward).parameters
+
+
 def common_prefix_len(prompts: list[list[int]]) -> int:
     """Length of the token prefix shared by every prompt, leaving at least one own token per prompt."""
     first, n = prompts[0], min(len(p) for p in prompts) - 1
@@ -393,7 +406,8 @@ class EngineRollout(RolloutBackend):
             return [k[0] for k in keys], [v[0] for v in values]
         cache = DynamicCache(config=self.model.config)
         self.model(
-            input_ids=torch.tensor([head], device=device), past_key_values=cache, use_cache=True, logits_to_keep=1
+            input_ids=torch.tensor([head], device=device), use_cache=True, logits_to_keep=1,
+            **cache_kwargs(self.model, cache),
         )
         return [layer.keys[0] for layer in cache.layers], [layer.values[0] for layer in cache.layers]
 
@@ -424,7 +438,7 @@ class EngineRollout(RolloutBackend):
         position_ids = (mask.cumsum(1) - 1).clamp(min=0)[:, head_len:]
         out = self.model(
             input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=position_ids.to(device),
-            past_key_values=cache, use_cache=True, logits_to_keep=1,
+            use_cache=True, logits_to_keep=1, **cache_kwargs(self.model, cache),
         )
         keys = [layer.keys[:, :, head_len:] for layer in cache.layers]
         values = [layer.values[:, :, head_len:] for layer in cache.layers]
@@ -484,7 +498,7 @@ class EngineRollout(RolloutBackend):
             try:
                 logits = self.model(
                     input_ids=pending[:, None], position_ids=pos[:, None], attention_mask=None,
-                    rlflow_decode_state=state, past_key_values=state, use_cache=True,
+                    rlflow_decode_state=state, use_cache=True, **cache_kwargs(self.model, state),
                 ).logits[:, -1]
             finally:
                 config._attn_implementation = previous
