@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, fit_args
+from conftest import ROOT
 from test_engine import assert_logprobs_match_a_full_forward
 
 pytestmark = pytest.mark.slow
@@ -76,18 +76,20 @@ def test_engine_logprobs_equal_a_full_forward_of_the_real_model(model_and_tokeni
     assert_logprobs_match_a_full_forward(model, prompts, groups, 0.7, atol=1e-4)
 
 
-def test_one_fit_step_on_the_real_model_and_the_export_reloads(smollm2, tmp_path):
+def test_the_shipped_cpu_config_trains_a_step_on_the_real_model_and_the_export_reloads(smollm2, tmp_path):
+    """configs/smollm2_gsm8k_cpu.yaml as shipped (4 prompts x 4, up to 64 tokens), one rollout step."""
     from transformers import AutoModelForCausalLM
 
     from rlflow.cli import cli_main
 
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "train.jsonl").write_text("\n".join(DATA.read_text().splitlines()[:4]) + "\n")
-    cli = cli_main(fit_args(smollm2, data, tmp_path, "--data.global_batch_size=2", "--data.prompt_repeat_k=2",
-                            "--data.max_tokens=8", "--data.max_prompt_length=512", "--model.lr=1e-5", steps=1))
+    cli = cli_main(["fit", f"--config={ROOT / 'configs' / 'smollm2_gsm8k_cpu.yaml'}", f"--model.model_path={smollm2}",
+                    f"--data.train_data_path={DATA}", "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}",
+                    f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false"])
     assert cli.trainer.global_step == 1
     assert type(cli.datamodule.backend).__name__ == "EngineRollout" and cli.model.packing  # the defaults apply
+    rollout = cli.model.last_rollout
+    assert len(rollout.experiences) == 16 and max(len(e.completion_ids) for e in rollout.experiences) <= 64
+    assert all(60 < len(e.prompt_ids) < 200 for e in rollout.experiences)  # GSM8K rows after the system prompt
     policy = cli.model.policy.eval()
     reloaded = AutoModelForCausalLM.from_pretrained(Path(cli.trainer.log_dir) / "hf").eval()
     ids = torch.tensor([gsm8k_prompts(cli.datamodule.tokenizer, 1)[0][:32]])
