@@ -3,7 +3,8 @@
 The processor is a character tokenizer (``tokenizers``, as ``tools/make_tiny_model.py`` builds one) with Qwen's
 vision special tokens and a Qwen2-VL-style chat template that renders ``{"type": "image"}`` parts, plus the
 PIL backend of the Qwen2-VL image processor (no torchvision) with small ``min_pixels``/``max_pixels``, wrapped in
-``Qwen2_5_VLProcessor``. Nothing is downloaded.
+``Qwen2_5_VLProcessor`` without its video processor (:func:`rlflow.vision.image_text_processor`; transformers
+builds video processors only with torchvision). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -56,13 +57,14 @@ def build_processor():
     from transformers import Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    from rlflow.vision import image_text_processor  # Qwen2_5_VLProcessor wants a video processor: torchvision
+
     pixels = IMAGE_SIZE * IMAGE_SIZE
     image_processor = Qwen2VLImageProcessorPil(
         min_pixels=pixels, max_pixels=pixels, size={"shortest_edge": pixels, "longest_edge": pixels},
         patch_size=14, merge_size=2, temporal_patch_size=2,
     )
-    return Qwen2_5_VLProcessor(image_processor=image_processor, tokenizer=build_tokenizer(),
-                               chat_template=CHAT_TEMPLATE)
+    return image_text_processor(Qwen2_5_VLProcessor, image_processor, build_tokenizer(), CHAT_TEMPLATE)
 
 
 def tiny_vlm(processor, seed: int = 0):
@@ -79,12 +81,14 @@ def tiny_vlm(processor, seed: int = 0):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                           "mrope_section": [2, 1, 1]},
-                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id),
+                         tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         bos_token_id=None),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
                            fullatt_block_indexes=[0], in_channels=3),
         image_token_id=ids["image"], video_token_id=ids["video"], vision_start_token_id=ids["start"],
-        vision_end_token_id=ids["end"], tie_word_embeddings=True,
+        vision_end_token_id=ids["end"], tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
     )
     config._attn_implementation = "sdpa"
     return Qwen2_5_VLForConditionalGeneration(config).eval()

@@ -9,7 +9,8 @@ columns. The report gives counts, prompt-length percentiles, dropped rows with t
 per-step shares, and the first errors with ``file:line``. Rows with images (``images``/``image``) have every
 image resolved, opened and decoded, and are tokenized with the model's processor, image tokens included. The exit
 code is 1 when a row is malformed, a row has no usable judger, a judger fails, or a source has no usable prompt;
-over-long prompts only warn (training drops them too). Simplification: judgers are probed on a few rows per source, not run on every row.
+over-long prompts only warn (training drops them too). Simplification: judgers are probed on a few rows per
+source, not run on every row.
 """
 
 from __future__ import annotations
