@@ -346,6 +346,7 @@ def test_fit_one_step_on_hf_and_the_export_reloads_with_its_processor(vlm_dir, s
     log_dir = Path(cli.trainer.log_dir)
     rows = list(csv.DictReader((log_dir / "metrics.csv").open()))
     assert rows and rows[-1]["loss"] != "" and float(rows[-1]["kl"]) >= 0.0
+    assert float(rows[-1]["judger/failures"]) == 0.0  # the judger opened every image it was given
     export = log_dir / "hf"
     reloaded = model_auto_class(str(export)).from_pretrained(str(export))
     processor = load_processor(str(export))
@@ -359,3 +360,9 @@ def test_fit_one_step_on_hf_and_the_export_reloads_with_its_processor(vlm_dir, s
     enc = encode(processor, "How many red squares?", [image_bytes({"red": 1}, 0)])
     with torch.no_grad():
         assert torch.isfinite(reloaded(**enc).logits).all()
+    # a finished run continues (the replay buffer and its image references come back from the checkpoint)
+    resumed = cli_main([*[a for a in args if not a.startswith("--trainer.max_steps")], "--trainer.max_steps=2",
+                        "--ckpt_path=last"])
+    assert resumed.trainer.global_step == 2
+    resumed_rows = [r for r in csv.DictReader((Path(resumed.trainer.log_dir) / "metrics.csv").open()) if r["loss"]]
+    assert [int(r["step"]) for r in resumed_rows] == [1]  # it went on from the checkpoint: one more step only
