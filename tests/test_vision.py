@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import tiny_vlm
+import torch
 from conftest import fit_args
 
 from rlflow.data.dataset import DataError
@@ -33,7 +33,6 @@ from rlflow.vision import (
     freeze_vision_tower,
     load_processor,
     model_auto_class,
-    rollout_prompts,
     vision_tower,
 )
 
@@ -146,7 +145,8 @@ def test_image_tokens_never_enter_the_loss(vlm, processor):
     trained_inputs = batch["input_ids"][:, -width:][mask]
     assert not (trained_inputs == image_pad).any()
     image_positions = (batch["input_ids"] == image_pad).nonzero()[:, 1]
-    assert image_positions.numel() == 3 * TOKENS_PER_IMAGE and (image_positions < batch["input_ids"].shape[1] - width).all()
+    assert image_positions.numel() == 3 * TOKENS_PER_IMAGE
+    assert (image_positions < batch["input_ids"].shape[1] - width).all()  # all of them in the prompts
     with torch.no_grad():  # the forward runs: placeholders and images agree in number
         lp, _ = completion_logprobs(vlm, batch)
     assert torch.isfinite(lp[mask]).all()
@@ -366,3 +366,53 @@ def test_fit_one_step_on_hf_and_the_export_reloads_with_its_processor(vlm_dir, s
     assert resumed.trainer.global_step == 2
     resumed_rows = [r for r in csv.DictReader((Path(resumed.trainer.log_dir) / "metrics.csv").open()) if r["loss"]]
     assert [int(r["step"]) for r in resumed_rows] == [1]  # it went on from the checkpoint: one more step only
+
+
+# ----------------------------------------------------------------------------------------- FSDP2 on 2 ranks
+def _vlm_sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from rlflow.distributed import full_tensor, shard_model, sharded_completion_logprobs
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        processor = load_processor(model_dir)
+        plain = model_auto_class(model_dir).from_pretrained(model_dir)
+        sharded = model_auto_class(model_dir).from_pretrained(model_dir)
+        for model in (plain, sharded):
+            freeze_vision_tower(model)  # the default: frozen tower blocks are FSDP units of their own
+        shard_model(sharded, init_device_mesh("cpu", (2,)))
+        exps = experiences_of(processor, CASES)
+        batch = VisionBatches(plain, processor).add_inputs(collate(exps, 0), exps, 0)
+        lp, _ = sharded_completion_logprobs(sharded, batch, chunk_size=3)
+        want, _ = completion_logprobs(plain, batch)
+        mask = batch["completion_mask"]
+        (lp[mask].sum()).backward()
+        (want[mask].sum()).backward()
+        grad_err, trained = 0.0, 0
+        for (_name, p), q in zip(sharded.named_parameters(), plain.parameters()):
+            assert (p.grad is None) == (q.grad is None)
+            if q.grad is not None:
+                trained += 1
+                grad_err = max(grad_err, float((full_tensor(p.grad) - q.grad).abs().max()))
+        units = {type(m).__name__.removeprefix("FSDP") for m in sharded.modules() if isinstance(m, FSDPModule)}
+        results = {"logprob_err": float((lp - want).detach()[mask].abs().max()), "grad_err": grad_err,
+                   "trained": trained, "units": sorted(units)}
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_vlm_logprobs_and_gradients_on_two_gloo_ranks(vlm_dir, tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_vlm_sharded_worker, args=(str(tmp_path / "init"), str(vlm_dir), str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        r = torch.load(tmp_path / f"rank{rank}.pt")
+        assert r["logprob_err"] < 1e-5 and r["grad_err"] < 1e-5 and r["trained"] > 0
+        assert {"Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock", "Qwen2_5_VLForConditionalGeneration"} <= set(
+            r["units"])
