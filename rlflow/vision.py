@@ -116,11 +116,11 @@ def image_text_processor(processor_class: type, image_processor: Any, tokenizer:
 def load_processor(path: str) -> Any | None:
     """The processor of a VLM checkpoint (``AutoProcessor``), or None for a text-only model.
 
-    Without torchvision, ``AutoProcessor`` cannot build the video processor Qwen2-VL-style processors require; the
-    processor is then built from ``AutoImageProcessor`` and ``AutoTokenizer`` (:func:`image_text_processor`).
+    Without torchvision, ``AutoProcessor`` cannot build the video processor Qwen2-VL-style processors require (and a
+    checkpoint saved by such a processor has no video processor config); the processor is then built from
+    ``AutoImageProcessor`` and ``AutoTokenizer`` (:func:`image_text_processor`).
     """
-    import transformers
-    from transformers import AutoConfig, AutoImageProcessor, AutoProcessor, AutoTokenizer
+    from transformers import AutoConfig, AutoProcessor
     from transformers.utils import is_torchvision_available
 
     try:
@@ -131,9 +131,20 @@ def load_processor(path: str) -> Any | None:
         return None
     try:
         return AutoProcessor.from_pretrained(path)
-    except Exception:
-        if is_torchvision_available():
+    except Exception as exc:
+        try:
+            return _image_text_processor_from(path)
+        except Exception:
+            if is_torchvision_available():
+                raise exc from None
             raise
+
+
+def _image_text_processor_from(path: str) -> Any:
+    """:func:`image_text_processor` from a checkpoint's ``processor_config.json``, image processor and tokenizer."""
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
     local = Path(path)
     saved = json.loads((local / "processor_config.json").read_text()) if (local / "processor_config.json").is_file() \
         else {}
