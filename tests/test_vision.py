@@ -337,7 +337,8 @@ def test_fit_one_step_on_hf_and_the_export_reloads_with_its_processor(vlm_dir, s
     from rlflow.cli import cli_main
 
     args = fit_args(vlm_dir, squares.parent, tmp_path, "--data.rollout=auto", "--data.max_tokens=6",
-                    "--data.judgers={'*': 'test_vision:image_judger'}", "--model.kl_coef=0.01", steps=1)
+                    "--data.judgers={'*': 'test_vision:image_judger'}", "--model.kl_coef=0.01",
+                    f"--data.eval_data_path={squares}", "--evaluate_every_n_steps=1", steps=1)
     args = [a for a in args if not a.startswith("--data.train_data_path")] + [f"--data.train_data_path={squares}"]
     cli = cli_main(args)
     module = cli.model
@@ -345,8 +346,10 @@ def test_fit_one_step_on_hf_and_the_export_reloads_with_its_processor(vlm_dir, s
     assert module.packing is False  # packing refused for VLMs: padded micro-batches
     log_dir = Path(cli.trainer.log_dir)
     rows = list(csv.DictReader((log_dir / "metrics.csv").open()))
-    assert rows and rows[-1]["loss"] != "" and float(rows[-1]["kl"]) >= 0.0
-    assert float(rows[-1]["judger/failures"]) == 0.0  # the judger opened every image it was given
+    (train,) = [r for r in rows if r["loss"]]
+    assert float(train["kl"]) >= 0.0
+    assert float(train["judger/failures"]) == 0.0  # the judger opened every image it was given
+    assert any(r.get("eval/accuracy") not in (None, "") for r in rows)  # evaluation generates with the images too
     export = log_dir / "hf"
     reloaded = model_auto_class(str(export)).from_pretrained(str(export))
     processor = load_processor(str(export))
@@ -416,3 +419,17 @@ def test_fsdp2_sharded_vlm_logprobs_and_gradients_on_two_gloo_ranks(vlm_dir, tmp
         assert r["logprob_err"] < 1e-5 and r["grad_err"] < 1e-5 and r["trained"] > 0
         assert {"Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock", "Qwen2_5_VLForConditionalGeneration"} <= set(
             r["units"])
+
+
+def test_the_shipped_vlm_config_checks_with_a_tiny_vlm(vlm_dir, squares, capsys):
+    """``configs/grpo_vlm_qwen2_5_vl_3b.yaml`` as shipped (its judger, limits, rollout), on the tiny model and data."""
+    from conftest import ROOT
+
+    from rlflow.data.check import main
+
+    code = main(["check", "--config", str(ROOT / "configs" / "grpo_vlm_qwen2_5_vl_3b.yaml"),
+                 f"--model.model_path={vlm_dir}", f"--data.train_data_path={squares}",
+                 f"--data.eval_data_path={squares}"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "judgers: * -> math" in out and "max_prompt_length 1536" in out
