@@ -192,7 +192,7 @@ class RolloutDataModule(L.LightningDataModule):
                 raise FileNotFoundError(f"tokenizer path {self.tokenizer_path!r} does not exist")
             self.processor = load_processor(self.tokenizer_path)  # None unless the model is a VLM
             if self.processor is not None:
-                self.image_inputs = ImageInputs(self.processor)
+                self.image_inputs = ImageInputs(self.processor, cache_size=0)  # each prompt processed once a step
             tokenizer = self.processor.tokenizer if self.processor is not None else \
                 AutoTokenizer.from_pretrained(self.tokenizer_path)
             if tokenizer.pad_token_id is None:
