@@ -299,6 +299,9 @@ def test_data_check_validates_every_image_with_file_and_line(tmp_path, vlm_dir, 
                                                       .render(_with_image(data), load_processor(str(vlm_dir)))],
                                                  images=[tiny_vlm.squares_image({})])["input_ids"][0])
     assert f"max {expected}" in lengths
+    assert main(["check", str(data), "--judgers", '{"*": "gsm8k"}']) == 1  # no tokenizer: the images are still read
+    out = capsys.readouterr().out
+    assert f"{data}:2: field 'images[0]'" in out and f"{data}:3: field 'images[0]'" in out
 
 
 def _with_image(data: Path):
