@@ -198,8 +198,9 @@ class GRPOModule(L.LightningModule):
                 or gradient.
             export_hf: At the end of ``fit``, write the policy and tokenizer with ``save_pretrained`` to
                 ``<log_dir>/hf``.
-            freeze_vision_tower: Vision-language models only: keep the vision encoder's weights fixed (only the
-                language model and the projector outside the tower train); see :mod:`rlflow.vision`.
+            freeze_vision_tower: Vision-language models only: keep the vision encoder's weights fixed (the module
+                named ``visual``/``vision_tower``/``vision_model``; Qwen2-VL's patch merger lives inside it, so it
+                stays fixed too); the language model trains. See :mod:`rlflow.vision`.
         """
         check_model_args(locals())
         super().__init__()
