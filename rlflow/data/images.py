@@ -38,6 +38,15 @@ URL_SCHEMES = ("http://", "https://", "ftp://", "s3://", "gs://", "hf://")
 MAX_ASPECT_RATIO = 200  # Qwen2-VL's resize refuses more elongated images
 
 
+def pil_image() -> Any:
+    """PIL's ``Image`` module, or an ImportError saying how to install it."""
+    try:
+        from PIL import Image
+    except ImportError as exc:  # pragma: no cover - the dev extra installs it
+        raise ImportError("images need Pillow: pip install 'rlflow[vision]'") from exc
+    return Image
+
+
 def image_column(record: PromptRecord) -> str | None:
     """The name of the record's image column (``images`` or ``image``) if it holds any image, else None."""
     for name in IMAGE_COLUMNS:
@@ -91,11 +100,8 @@ def to_ref(value: Any, base_dir: Path, where: str) -> ImageRef:
             )
         path = Path(text).expanduser()
         return str(path if path.is_absolute() else (base_dir / path).resolve())
-    try:  # a decoded ``datasets`` Image feature
-        from PIL import Image
-    except ImportError:  # pragma: no cover - Pillow comes with transformers' vision extras
-        Image = None
-    if Image is not None and isinstance(value, Image.Image):
+    Image = pil_image()
+    if isinstance(value, Image.Image):  # a decoded ``datasets`` Image feature
         buffer = io.BytesIO()
         value.save(buffer, format="PNG")
         return buffer.getvalue()
@@ -125,9 +131,7 @@ def image_refs(record: PromptRecord) -> list[ImageRef]:
 
 def open_image(ref: ImageRef):
     """The image ``ref`` names, decoded, in RGB (what vision processors take)."""
-    from PIL import Image
-
-    with Image.open(io.BytesIO(ref) if isinstance(ref, bytes) else ref) as img:
+    with pil_image().open(io.BytesIO(ref) if isinstance(ref, bytes) else ref) as img:
         img.load()
         return img.convert("RGB")
 
@@ -138,14 +142,14 @@ def describe(ref: ImageRef) -> str:
 
 def check_image(ref: ImageRef, where: str) -> tuple[int, int]:
     """Open and decode one image; its ``(width, height)``, or a DataError saying what is wrong with it."""
-    from PIL import Image, UnidentifiedImageError
+    Image = pil_image()
 
     if isinstance(ref, str) and not Path(ref).is_file():
         raise DataError(f"{where}: image file {ref} not found" if not Path(ref).exists() else f"{where}: {ref} is "
                         "not a file")
     try:
         img = open_image(ref)
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:  # UnidentifiedImageError is an OSError
         raise DataError(f"{where}: cannot decode image {describe(ref)}: {type(exc).__name__}: {exc}") from exc
     width, height = img.size
     if min(width, height) < 1 or max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
