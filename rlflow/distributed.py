@@ -226,13 +226,11 @@ def sharded_completion_logprobs(
     by chunk to the unsharded head weight, which the root keeps until its backward (FSDP2 does not reshard the
     root after forward).
     """
-    from rlflow.logprobs import naive_token_stats, token_stats_from_hidden
+    from rlflow.logprobs import model_inputs, naive_token_stats, token_stats_from_hidden
 
     targets = batch["completion_ids"]
     width = targets.shape[1]
-    inputs = dict(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
-    )
+    inputs = model_inputs(batch)
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
     config = getattr(model, "config", None)
     postprocessed = any(getattr(config, n, None) for n in ("final_logit_softcapping", "logit_scale", "logits_scaling"))

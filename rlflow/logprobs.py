@@ -161,6 +161,17 @@ def _has_logit_postprocessing(model: torch.nn.Module) -> bool:
     return any(getattr(config, name, None) for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
 
 
+#: Keys of a collated batch that are forward inputs: the token layout, and a vision-language batch's images
+#: (:class:`rlflow.vision.VisionBatches`).
+INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
+def model_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The forward's keyword arguments from a collated batch (a batch with images has no ``position_ids``: the
+    model computes its multimodal positions itself)."""
+    return {key: batch[key] for key in INPUT_KEYS if key in batch}
+
+
 def completion_logprobs(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0, chunk_size: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,9 +182,7 @@ def completion_logprobs(
     """
     targets = batch["completion_ids"]
     width = targets.shape[1]
-    inputs = dict(
-        input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
-    )
+    inputs = model_inputs(batch)
     lm_head = model.get_output_embeddings()
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
     if lm_head is None or base is None or _has_logit_postprocessing(model):

@@ -71,9 +71,10 @@ class NonFiniteLossError(RuntimeError):
 def load_causal_lm(
     path: str, dtype: str = "float32", attn_implementation: str | None = None, key: str = "model.model_path"
 ) -> torch.nn.Module:
-    """``AutoModelForCausalLM.from_pretrained`` with a fast, clear error (naming ``key``) for a path that is
-    neither on disk nor loadable from the hub (see :mod:`rlflow.model_path`)."""
-    from transformers import AutoModelForCausalLM
+    """``AutoModelForCausalLM.from_pretrained`` (``AutoModelForImageTextToText`` for a vision-language model, see
+    :mod:`rlflow.vision`) with a fast, clear error (naming ``key``) for a path that is neither on disk nor loadable
+    from the hub (see :mod:`rlflow.model_path`)."""
+    from rlflow.vision import model_auto_class
 
     if dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -82,7 +83,8 @@ def load_causal_lm(
     kwargs: dict[str, Any] = {"dtype": DTYPES[dtype]}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    return AutoModelForCausalLM.from_pretrained(str(local) if local.exists() else path, **kwargs)
+    path = str(local) if local.exists() else path
+    return model_auto_class(path).from_pretrained(path, **kwargs)
 
 
 def build_loss(loss: Any, settings: dict[str, Any], max_tokens: int) -> Any:
@@ -141,6 +143,7 @@ class GRPOModule(L.LightningModule):
         pack_max_length: int = 4096,
         max_consecutive_skipped_steps: int = 3,
         export_hf: bool = True,
+        freeze_vision_tower: bool = True,
     ) -> None:
         """
         Args:
@@ -195,6 +198,9 @@ class GRPOModule(L.LightningModule):
                 or gradient.
             export_hf: At the end of ``fit``, write the policy and tokenizer with ``save_pretrained`` to
                 ``<log_dir>/hf``.
+            freeze_vision_tower: Vision-language models only: keep the vision encoder's weights fixed (the module
+                named ``visual``/``vision_tower``/``vision_model``; Qwen2-VL's patch merger lives inside it, so it
+                stays fixed too); the language model trains. See :mod:`rlflow.vision`.
         """
         check_model_args(locals())
         super().__init__()
@@ -214,6 +220,7 @@ class GRPOModule(L.LightningModule):
         self.consecutive_skips = 0
         self.trained_versions: list[tuple[int, int]] = []  # (policy_version at the update, versions sampled)
         self.packing_checked: bool | None = None  # model.packing after the check at fit start (None: not checked)
+        self.vision: Any = None  # rlflow.vision.VisionBatches for a vision-language policy
 
     # --------------------------------------------------------------------------------------------- models
     @property
@@ -232,6 +239,7 @@ class GRPOModule(L.LightningModule):
         hp = self.hparams
         self.policy = load_causal_lm(hp.model_path, hp.dtype, hp.attn_implementation)
         self.policy.train()
+        self.setup_vision()
         if hp.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
             self.policy.config.use_cache = False
@@ -241,6 +249,18 @@ class GRPOModule(L.LightningModule):
             ref.eval().requires_grad_(False)
             self.__dict__["_ref_model"] = ref
         self.shard_models()
+
+    def setup_vision(self) -> None:
+        """A vision-language policy: its processor for the training forwards, and its vision tower frozen unless
+        ``model.freeze_vision_tower`` is false (:mod:`rlflow.vision`)."""
+        from rlflow.vision import VisionBatches, freeze_vision_tower, is_vision_model, load_processor
+
+        if not is_vision_model(self.policy):
+            return
+        self.vision = VisionBatches(self.policy, load_processor(self.hparams.model_path))
+        if self.hparams.get("freeze_vision_tower", True):
+            frozen = freeze_vision_tower(self.policy)
+            info(f"model.freeze_vision_tower: {frozen:,} vision-tower parameters frozen")
 
     @property
     def sharded(self) -> bool:
@@ -312,7 +332,10 @@ class GRPOModule(L.LightningModule):
             logprobs, entropy = packed_completion_logprobs(
                 model, batch, self.hparams.temperature, self.hparams.logprob_chunk_size, sharded=self.sharded)
             return logprobs, entropy, batch
-        batch = {k: v.to(self.device) for k, v in collate(experiences, self.pad_id).items()}
+        batch = collate(experiences, self.pad_id)
+        if self.vision is not None:  # each sequence's images in context (rlflow.vision)
+            batch = self.vision.add_inputs(batch, experiences, self.pad_id)
+        batch = {k: v.to(self.device) for k, v in batch.items()}
         stats = sharded_completion_logprobs if self.sharded else completion_logprobs
         logprobs, entropy = stats(model, batch, self.hparams.temperature, self.hparams.logprob_chunk_size)
         return logprobs, entropy, batch
@@ -570,6 +593,7 @@ class GRPOModule(L.LightningModule):
         """Write the policy (or ``state_dict``, its gathered full weights) and tokenizer with ``save_pretrained``."""
         out_dir.mkdir(parents=True, exist_ok=True)
         self.policy.save_pretrained(out_dir, state_dict=state_dict)
-        self.experience.tokenizer.save_pretrained(out_dir)
+        processor = self.vision.images.processor if self.vision is not None else None
+        (processor or self.experience.tokenizer).save_pretrained(out_dir)  # a VLM's processor holds its tokenizer
         info(f"exported the policy to {out_dir}")
         return out_dir

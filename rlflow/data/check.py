@@ -6,9 +6,11 @@
 present), rendered with the chat template or prompt template, and tokenized; each judger is also called once
 on a few rows of every source with an empty completion, to catch a judger that cannot read that source's
 columns. The report gives counts, prompt-length percentiles, dropped rows with the reason, the mix's
-per-step shares, and the first errors with ``file:line``. The exit code is 1 when a row is malformed, a row has
-no usable judger, a judger fails, or a source has no usable prompt; over-long prompts only warn (training
-drops them too). Simplification: judgers are probed on a few rows per source, not run on every row.
+per-step shares, and the first errors with ``file:line``. Rows with images (``images``/``image``) have every
+image resolved, opened and decoded, and are tokenized with the model's processor, image tokens included. The exit
+code is 1 when a row is malformed, a row has no usable judger, a judger fails, or a source has no usable prompt;
+over-long prompts only warn (training drops them too). Simplification: judgers are probed on a few rows per
+source, not run on every row.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlflow.data.dataset import DataError, PromptRecord
+from rlflow.data.images import has_images
 from rlflow.data.sources import DataSource, iter_records
+from rlflow.vision import image_prompt_length
 
 MAX_SHOWN = 10
 PROBE_ROWS = 4
@@ -128,17 +132,20 @@ def check_source(dm: Any, source: DataSource, split: str, tokenizer: Any) -> Sou
     probes: dict[str, list[PromptRecord]] = {}
     pending: list[tuple[str, str]] = []
 
+    def add_length(where: str, length: int) -> None:
+        if length > limit:
+            report.too_long += 1
+            if len(report.dropped) < MAX_SHOWN:
+                report.dropped.append(f"{where}: {length} prompt tokens > max_prompt_length {limit}")
+        else:
+            report.lengths.append(length)
+
     def flush() -> None:
         if not pending:
             return
         ids = tokenizer([text for _, text in pending], add_special_tokens=False)["input_ids"]
         for (where, _), row_ids in zip(pending, ids):
-            if len(row_ids) > limit:
-                report.too_long += 1
-                if len(report.dropped) < MAX_SHOWN:
-                    report.dropped.append(f"{where}: {len(row_ids)} prompt tokens > max_prompt_length {limit}")
-            else:
-                report.lengths.append(len(row_ids))
+            add_length(where, len(row_ids))
         pending.clear()
 
     try:
@@ -167,6 +174,18 @@ def check_source(dm: Any, source: DataSource, split: str, tokenizer: Any) -> Sou
             for name in names:
                 if len(probes.setdefault(name, [])) < PROBE_ROWS:
                     probes[name].append(item)
+            if has_images(item):  # every image read and decoded; image tokens counted (rlflow.vision)
+                try:
+                    length = image_prompt_length(item, fmt, getattr(dm, "processor", None), tokenizer is not None)
+                except DataError as exc:
+                    report.malformed += 1
+                    report.error(str(exc))
+                    continue
+                if tokenizer is not None:
+                    add_length(where, length)
+                else:
+                    report.lengths.append(0)
+                continue
             if tokenizer is None:
                 report.lengths.append(0)
                 continue

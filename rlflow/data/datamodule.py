@@ -49,6 +49,7 @@ from rlflow.judgers.overlap import generate_and_judge
 from rlflow.judgers.panel import JudgePanel
 from rlflow.rollout.base import RolloutBackend, SamplingParams, stop_token_ids
 from rlflow.rollout.select import resolve_backend
+from rlflow.vision import ImageInputs, check_backend_accepts_images, load_processor, rollout_prompts
 
 
 def _keep_records(batch: list[PromptRecord]) -> list[PromptRecord]:
@@ -167,6 +168,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.sampler: PromptBatchSampler | MixBatchSampler | None = None
         self.rollout_progress: Any = None  # a listener with start(total), update(completions, tokens), close()
         self.tokenizer: Any = None
+        self.processor: Any = None  # a vision-language model's processor (rlflow.vision); None for text-only models
+        self.image_inputs: ImageInputs | None = None
         self.tokenizer_path = tokenizer_path
         self.stop = list(stop or [])
         self.prompt_repeat_k = prompt_repeat_k
@@ -187,7 +190,11 @@ class RolloutDataModule(L.LightningDataModule):
                 raise ValueError("data.tokenizer_path is not set (the CLI links it to model.model_path)")
             if not Path(self.tokenizer_path).exists() and self.tokenizer_path.startswith((".", "/", "~")):
                 raise FileNotFoundError(f"tokenizer path {self.tokenizer_path!r} does not exist")
-            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+            self.processor = load_processor(self.tokenizer_path)  # None unless the model is a VLM
+            if self.processor is not None:
+                self.image_inputs = ImageInputs(self.processor, cache_size=0)  # each prompt processed once a step
+            tokenizer = self.processor.tokenizer if self.processor is not None else \
+                AutoTokenizer.from_pretrained(self.tokenizer_path)
             if tokenizer.pad_token_id is None:
                 tokenizer.pad_token = tokenizer.eos_token
             stops = stop_token_ids(tokenizer, self.stop)
@@ -218,13 +225,13 @@ class RolloutDataModule(L.LightningDataModule):
     def setup(self, stage: str) -> None:
         tokenizer = self.load_tokenizer()
         if stage == "fit" and self.sampler is None:
-            self.judges.check_rows(self.train_prompts.load(tokenizer), "train")
+            self.judges.check_rows(self.train_prompts.load(tokenizer, self.processor), "train")
             if self.global_batch_size % self.world_size:
                 raise ValueError(f"data.global_batch_size={self.global_batch_size} must be a multiple of the "
                                  f"{self.world_size} ranks")
             self.sampler = self.train_prompts.sampler(self.global_batch_size, self.seed)
         if stage in ("fit", "validate") and self.eval_prompts.sources and not self.eval_records:
-            self.judges.check_rows(self.eval_prompts.load(tokenizer), "eval")
+            self.judges.check_rows(self.eval_prompts.load(tokenizer, self.processor), "eval")
 
     def train_dataloader(self) -> DataLoader:
         assert self.sampler is not None, "setup('fit') must run first"
@@ -244,9 +251,14 @@ class RolloutDataModule(L.LightningDataModule):
         """Build the rollout backend (once; ``auto`` chooses it for ``policy``) and point it at the live policy."""
         if self.backend is None:
             self.backend = resolve_backend(self.rollout_spec, policy, self.load_tokenizer())
+            check_backend_accepts_images(self.backend, self.train_records + self.eval_records)
         else:
             self.backend.bind(policy, self.load_tokenizer())
         return self.backend
+
+    def rollout_prompts(self, records: list[PromptRecord]) -> list[list[int]]:
+        """What the backend is given for ``records``: token ids, with the images of prompts that have any."""
+        return rollout_prompts(records, self.image_inputs)
 
     @property
     def reads_policy_weights(self) -> bool:
@@ -267,7 +279,8 @@ class RolloutDataModule(L.LightningDataModule):
         k = self.prompt_repeat_k
         records = self.rank_share(batch)
         groups, rewards, metrics, texts, gen_time = generate_and_judge(
-            self.backend, self.judges.judge, records, self.sampling, k, self.overlap_judging, self.rollout_progress)
+            self.backend, self.judges.judge, records, self.sampling, k, self.overlap_judging, self.rollout_progress,
+            prompts=self.rollout_prompts(records))
         chosen = Groups(records, [c for group in groups for c in group], rewards, texts)
         if self.dynamic_sampling is not None:
             chosen, sampling_metrics, extra_time = self.dynamic_sampling.fill(
@@ -282,6 +295,7 @@ class RolloutDataModule(L.LightningDataModule):
                 prompt_ids=chosen.records[i // k].prompt_ids, completion_ids=c.token_ids, rollout_logprobs=c.logprobs,
                 reward=chosen.rewards[i], advantage=advantages[i], group=i // k, finish_reason=c.finish_reason,
                 policy_version=policy_version, data_source=chosen.records[i // k].data_source,
+                images=chosen.records[i // k].images,
             ) for i, c in enumerate(chosen.completions)
         ]
         self.buffer.add(experiences)
@@ -301,7 +315,7 @@ class RolloutDataModule(L.LightningDataModule):
         """Generate and judge the training prompts at ``indices`` (dynamic sampling's extra rounds)."""
         records = [self.train_records[i] for i in indices]
         k = self.prompt_repeat_k
-        groups = self.backend.generate([r.prompt_ids for r in records], self.sampling, n=k)
+        groups = self.backend.generate(self.rollout_prompts(records), self.sampling, n=k)
         completions = [c for group in groups for c in group]
         result, texts = self.judges.judge(records, completions, k)
         return Groups(records, completions, result.rewards, texts)
@@ -335,7 +349,7 @@ class RolloutDataModule(L.LightningDataModule):
         assert self.backend is not None, "bind() the policy first"
         k = self.eval_k
         with isolated_rng(eval_seed(self.seed, step, batch_idx)):
-            groups = self.backend.generate([r.prompt_ids for r in batch], self.eval_sampling, n=k)
+            groups = self.backend.generate(self.rollout_prompts(batch), self.eval_sampling, n=k)
         result, _ = self.judges.judge(batch, [c for group in groups for c in group], k)
         per_prompt = [result.rewards[i * k: (i + 1) * k] for i in range(len(batch))]
         return {

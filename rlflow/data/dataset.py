@@ -38,6 +38,7 @@ class PromptRecord:
     prompt_ids: list[int] = field(default_factory=list)
     prompt_text: str = ""
     origin: str = ""  # the name of the configured data source it was read from
+    images: list[str | bytes] | None = None  # resolved images (rlflow.data.images), set when the prompt is encoded
 
     @property
     def data_source(self) -> str | None:

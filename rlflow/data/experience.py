@@ -29,6 +29,7 @@ class Experience:
     old_logprobs: list[float] | None = None
     ref_logprobs: list[float] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    images: list[str | bytes] | None = None  # the prompt's images (paths or bytes; rlflow.vision re-processes them)
 
     @property
     def truncated(self) -> bool:

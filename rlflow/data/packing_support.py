@@ -24,8 +24,12 @@ HALF_TOLERANCE = 0.1
 
 
 def static_unsupported_reason(model: Any) -> str | None:
-    """What in ``model``'s configuration rlflow's var-len attention does not implement (sliding windows), or None."""
+    """What in ``model``'s configuration rlflow's packing does not implement (sliding windows, images), or None."""
     config = model.config
+    from rlflow.vision import PACKING_REASON, is_vision_config
+
+    if is_vision_config(config):
+        return PACKING_REASON.format(name=type(model).__name__)
     types = set(getattr(config, "layer_types", None) or [])
     sliding = (types and types != {"full_attention"}) or (not types and getattr(config, "sliding_window", None))
     if sliding and varlen_supported(model):

@@ -12,10 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from rlflow.data.dataset import DataError, PromptFormat, PromptRecord
+from rlflow.data.images import has_images
 from rlflow.data.mix import MixBatchSampler
 from rlflow.data.sampler import PromptBatchSampler
 from rlflow.data.sources import DataSource, read_source
 from rlflow.log import info
+from rlflow.vision import encode_prompt
 
 
 class PromptSet:
@@ -54,8 +56,12 @@ class PromptSet:
         template = self.prompt_template if source is None or source.prompt_template is None else source.prompt_template
         return PromptFormat(system, template, self.chat_template_kwargs)
 
-    def load(self, tokenizer: Any) -> list[PromptRecord]:
-        """Read, render and tokenize every prompt of every source (once); drop those over the length limit."""
+    def load(self, tokenizer: Any, processor: Any = None) -> list[PromptRecord]:
+        """Read, render and tokenize every prompt of every source (once); drop those over the length limit.
+
+        ``processor``: a vision-language model's processor; rows with images are rendered and tokenized by it, image
+        tokens included (:func:`rlflow.vision.encode_prompt`).
+        """
         if self.records:
             return self.records
         kept: list[PromptRecord] = []
@@ -69,8 +75,11 @@ class PromptSet:
                 setting = f"data.max_prompt_length={limit}"
             n_kept = n_dropped = 0
             for record in read_source(source):
-                record.prompt_text = fmt.render(record, tokenizer)
-                record.prompt_ids = tokenizer(record.prompt_text, add_special_tokens=False)["input_ids"]
+                if has_images(record):  # a vision-language row: rlflow.vision
+                    record.prompt_text, record.prompt_ids = encode_prompt(record, fmt, processor)
+                else:
+                    record.prompt_text = fmt.render(record, tokenizer)
+                    record.prompt_ids = tokenizer(record.prompt_text, add_special_tokens=False)["input_ids"]
                 if len(record.prompt_ids) > limit:
                     n_dropped += 1
                     continue

@@ -121,13 +121,16 @@ class OverlappedJudging:
 
 
 def generate_and_judge(backend: Any, judge: Judge, records: list[Any], params: Any, k: int, overlap: bool = True,
-                       listener: Any = None) -> tuple[list[list[Any]], list[float], dict[str, float], list[str], float]:
+                       listener: Any = None, prompts: list[list[int]] | None = None,
+                       ) -> tuple[list[list[Any]], list[float], dict[str, float], list[str], float]:
     """One rollout step's generation and judging: ``(groups, rewards, metrics, texts, generation seconds)``.
 
     Overlapped when ``overlap`` and the backend :attr:`~rlflow.rollout.base.RolloutBackend.streams`, else
     generate everything, then judge once. ``listener`` (``start``/``update``/``close``) follows the generation.
+    ``prompts``: what the backend is given for ``records`` (default: their token ids; prompts with images are
+    :class:`rlflow.vision.ImagePrompt` s).
     """
-    prompt_ids = [r.prompt_ids for r in records]
+    prompt_ids = prompts if prompts is not None else [r.prompt_ids for r in records]
     t0 = time.perf_counter()
     if overlap and backend.streams:
         overlapped = OverlappedJudging(judge, k)

@@ -98,6 +98,10 @@ class RolloutBackend:
     #: Generation runs the policy module itself (True: ``hf``, ``engine``), so an FSDP-sharded policy must be
     #: unsharded around it; False for an engine with its own copy of the weights (``lmdeploy``).
     reads_policy_weights: bool = True
+    #: The backend generates from prompts with images: it is given :class:`rlflow.vision.ImagePrompt` s (token-id
+    #: lists that carry their images) and uses the images. A backend that would ignore them keeps False, and data
+    #: with images is then refused with a ConfigError instead of silently generating without the pixels.
+    accepts_images: bool = False
     #: :meth:`stream` yields each group as soon as it finishes, so judging can overlap generation; when False,
     #: the default :meth:`stream` yields the groups only after :meth:`generate` returned them all.
     streams: bool = False

@@ -33,6 +33,10 @@ def static_unsupported_reason(model: Any) -> str | None:
         return "the model has no transformers config"
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder models are not supported"
+    from rlflow.vision import ENGINE_REASON, is_vision_config
+
+    if is_vision_config(config):
+        return ENGINE_REASON.format(name=type(model).__name__)
     types = getattr(config, "layer_types", None)
     if types and set(types) != {"full_attention"}:
         return f"the engine supports full-attention decoders only; this model's layer types are {sorted(set(types))}"

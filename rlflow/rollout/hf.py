@@ -12,6 +12,7 @@ import torch
 from transformers import GenerationConfig
 
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams
+from rlflow.vision import generation_inputs, is_vision_model, placeholder_ids
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,7 +36,13 @@ def trim_at_stop(tokens: list[int], logprobs: list[float], stop_ids: set[int], m
 
 
 class HFRollout(RolloutBackend):
-    """Generates with ``model.generate`` on the live policy weights (the embedded CPU default)."""
+    """Generates with ``model.generate`` on the live policy weights (the embedded CPU default).
+
+    Vision-language models: prompts with images (:class:`rlflow.vision.ImagePrompt`) are generated with their
+    processed pixels, and the vision placeholder tokens are never sampled (``suppress_tokens``).
+    """
+
+    accepts_images = True
 
     def __init__(self, batch_size: int = 256) -> None:
         """``batch_size``: most sequences per ``generate`` call (bounds the KV cache's memory)."""
@@ -65,6 +72,8 @@ class HFRollout(RolloutBackend):
         stop_ids = set(params.stop_token_ids)
         expanded = [p for p in prompts for _ in range(n)]
         config = self.generation_config(params, pad_id)
+        if is_vision_model(model):  # a sampled image placeholder would have no image to fill it in training
+            config.suppress_tokens = placeholder_ids(model.config) or None
         temperature = params.temperature if not params.greedy else 1.0
         device = next(model.parameters()).device
         was_training = model.training
@@ -72,8 +81,11 @@ class HFRollout(RolloutBackend):
         flat: list[Completion] = []
         try:
             for start in range(0, len(expanded), self.batch_size):
-                ids, mask = left_pad(expanded[start: start + self.batch_size], pad_id)
-                out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)
+                chunk = expanded[start: start + self.batch_size]
+                ids, mask = left_pad(chunk, pad_id)
+                vision = {k: v.to(device) for k, v in generation_inputs(model, chunk, ids).items()}
+                out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
+                                     **vision)
                 new = out.sequences[:, ids.shape[1]:]
                 steps = [
                     torch.log_softmax(logits.float() / temperature, dim=-1).gather(1, new[:, t: t + 1]).squeeze(1)

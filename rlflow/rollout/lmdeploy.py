@@ -20,6 +20,9 @@ Simplifications: LMDeploy's ``raw_logprobs`` are log-softmax of the unscaled log
 ``rollout_logprobs`` follow rlflow's contract exactly only at temperature 1.0 (a warning says so otherwise);
 colocated engines are single-GPU (``tp`` 1); the in-process ``pipeline`` API is not used because its token-id
 generation signature changes between LMDeploy versions, while ``/generate`` is the schema XTuner relies on.
+Vision-language prompts go as the rendered text (one placeholder per image) with the images as ``image_data``
+data URIs, per ``/generate``'s ``GenerateReqInput`` schema; this path has not been run against a server (no GPU
+here), and it relies on LMDeploy's processor expanding the placeholders as the trainer's processor does.
 """
 
 from __future__ import annotations
@@ -75,9 +78,28 @@ def generate_payload(prompt_ids: list[int], params: SamplingParams, model_name: 
         "skip_special_tokens": False,
         "stream": False,
     }
+    images = getattr(prompt_ids, "images", None)  # a vision-language prompt (rlflow.vision.ImagePrompt)
+    if images:
+        # LMDeploy's /generate takes images as ``image_data`` (data URIs) and expands their placeholders with the
+        # model's own processor, so the prompt goes as the rendered text with one placeholder per image
+        del body["input_ids"]
+        body["prompt"] = prompt_ids.text
+        body["image_data"] = [image_data_uri(ref) for ref in images]
     if model_name:
         body["model"] = model_name
     return body
+
+
+def image_data_uri(ref: str | bytes) -> str:
+    """One image for LMDeploy's ``image_data``: a ``data:image/png;base64,...`` URI of the decoded image."""
+    import base64
+    import io
+
+    from rlflow.data.images import open_image
+
+    buffer = io.BytesIO()
+    open_image(ref).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 def parse_generate_response(body: dict[str, Any], params: SamplingParams) -> Completion:
@@ -195,6 +217,8 @@ class LMDeployRollout(RolloutBackend):
 
     #: Generation reads the engine's copy of the weights, not the policy module: no unsharding needed.
     reads_policy_weights = False
+    #: Prompts with images are sent as text + ``image_data`` (:func:`generate_payload`).
+    accepts_images = True
 
     def __init__(
         self,
