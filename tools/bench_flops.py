@@ -1,0 +1,195 @@
+r"""Benchmark: achieved FLOP/s of GRPO training and of decoding, against the machine's measured matmul peak.
+
+The physical limit of a dense decoder on a CPU is its matrix-multiply throughput, so each phase is reported as
+achieved FLOP/s and as a share of that peak, all measured in one run::
+
+    python tools/bench_flops.py --model checkpoints/smollm2-135m-instruct --data tests/data/train_example.jsonl \
+        --threads 2
+    ...
+    flops: peak 131.2 GFLOP/s (2048^3 float32 matmul, 2 threads); training 88.0 GFLOP/s (0.67 of peak);
+        engine decode 35.1 GFLOP/s (0.27); hf decode 21.0 GFLOP/s (0.16)
+
+What is counted (:func:`model_flops`; the usual dense-transformer arithmetic, as in the PaLM/Chinchilla papers):
+``2 x (weights of every linear layer, LM head included)`` per token and pass, plus attention's two products,
+``4 x layers x heads x head_dim`` per (query, key) pair the causal mask lets through. A backward pass costs two
+forwards. Embedding lookups, norms, activations, softmax and RoPE are not counted (they are memory-bound work the
+profile below shows). Decoding counts only the generated tokens' passes, at their real context lengths.
+
+Phases, each timed over ``--repeats`` runs (median):
+
+* peak: a ``--peak-size`` cubed float32 matmul (``2 n^3`` FLOPs);
+* training: forward + backward of the chunked completion log-probs (:func:`rlflow.logprobs.completion_logprobs`,
+  what a GRPO update runs) on ``--seqs`` padded sequences of a data prompt plus ``--completion`` tokens;
+* decoding: the ``engine`` and ``hf`` backends sampling ``--prompts`` x ``--n`` completions of up to
+  ``--completion`` tokens (prefill included in the time, not in the FLOPs: a lower bound on decode efficiency).
+
+``--profile`` prints torch.profiler's top operators of one training pass and one engine rollout: where the time
+that is not matrix products goes. Simplifications: CPU or one device, float32, no packing in the training phase
+(packing changes which tokens are padded, not the FLOPs per real token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from bench_rollout import load_prompts
+
+
+def linear_weights(model: torch.nn.Module) -> int:
+    """Weights of every ``nn.Linear`` (the LM head counted even when tied to the embeddings, since it multiplies)."""
+    total = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    head = model.get_output_embeddings()
+    if head is not None and not isinstance(head, torch.nn.Linear):
+        total += head.weight.numel()
+    return total
+
+
+def attention_width(model: torch.nn.Module) -> tuple[int, int]:
+    """``(layers, heads x head_dim)`` of the query projection."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, config.num_attention_heads * head_dim
+
+
+def model_flops(model: torch.nn.Module, tokens: int, attended_pairs: int, passes: int = 1) -> float:
+    """Forward FLOPs for ``tokens`` positions attending to ``attended_pairs`` (query, key) pairs in all, times
+    ``passes`` (3 for forward + backward)."""
+    layers, width = attention_width(model)
+    return passes * (2.0 * linear_weights(model) * tokens + 4.0 * layers * width * attended_pairs)
+
+
+def causal_pairs(length: int) -> int:
+    """(query, key) pairs of one causal sequence of ``length`` tokens."""
+    return length * (length + 1) // 2
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_peak(size: int, repeats: int) -> float:
+    a, b = torch.randn(size, size), torch.randn(size, size)
+    seconds = min(median_time(lambda: a @ b, 1) for _ in range(repeats))
+    return 2.0 * size**3 / seconds
+
+
+def training_batch(prompts: list[list[int]], completion: int, vocab: int, pad_id: int, seed: int):
+    from rlflow.data.experience import Experience, collate
+
+    gen = torch.Generator().manual_seed(seed)
+    experiences = [
+        Experience(prompt_ids=p, completion_ids=torch.randint(vocab, (completion,), generator=gen).tolist(),
+                   rollout_logprobs=[0.0] * completion, reward=0.0, advantage=1.0, group=i, finish_reason="length",
+                   policy_version=0)
+        for i, p in enumerate(prompts)
+    ]
+    return collate(experiences, pad_id)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="checkpoints/tiny-qwen3", help="Hugging Face model directory")
+    ap.add_argument("--data", default="checkpoints/arith/train.jsonl", help="jsonl with a 'prompt' field")
+    ap.add_argument("--seqs", type=int, default=8, help="sequences in the training pass")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per rollout")
+    ap.add_argument("--n", type=int, default=8, help="completions per prompt")
+    ap.add_argument("--completion", type=int, default=48, help="completion tokens (training) / most new tokens")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--peak-size", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--profile", action="store_true", help="print the top operators of training and decoding")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlflow.logprobs import completion_logprobs
+    from rlflow.rollout.base import SamplingParams
+    from rlflow.rollout.engine import EngineRollout
+    from rlflow.rollout.hf import HFRollout
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not Path(args.model).exists():
+        raise FileNotFoundError(f"--model {args.model} does not exist (tools/get_smollm2.py, tools/make_tiny_model.py)")
+    torch.manual_seed(args.seed)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    prompts = load_prompts(args.data, tok, max(args.seqs, args.prompts))
+    threads = torch.get_num_threads()
+
+    peak = matmul_peak(args.peak_size, args.repeats)
+    print(f"peak: {peak / 1e9:.1f} GFLOP/s ({args.peak_size}^3 float32 matmul, {threads} threads)", flush=True)
+
+    # training: forward + backward of the completion log-probs, as a GRPO update runs them
+    batch = training_batch(prompts[: args.seqs], args.completion, model.config.vocab_size, pad_id, args.seed)
+    model.train()
+
+    def train_pass():
+        model.zero_grad(set_to_none=True)
+        logprobs, _ = completion_logprobs(model, batch)
+        (logprobs * batch["completion_mask"]).sum().backward()
+
+    lengths = batch["attention_mask"].sum(1).tolist()
+    train_flops = model_flops(model, sum(lengths), sum(causal_pairs(n) for n in lengths), passes=3)
+    train_s = median_time(train_pass, args.repeats)
+    train_rate = train_flops / train_s
+    print(f"training: {args.seqs} sequences, {sum(lengths)} tokens, {train_s:.2f} s = {train_rate / 1e9:.1f} GFLOP/s "
+          f"({train_rate / peak:.2f} of peak)", flush=True)
+
+    # decoding: generated tokens only, at their real context lengths
+    model.eval()
+    params = SamplingParams(1.0, 1.0, 0, args.completion, [tok.eos_token_id] if tok.eos_token_id is not None else [])
+    rollout_prompts = prompts[: args.prompts]
+    decode: dict[str, float] = {}
+    for name, backend in {"engine": EngineRollout(seed=args.seed), "hf": HFRollout()}.items():
+        backend.bind(model, tok)
+        result: list = []
+
+        def rollout(backend=backend, result=result):
+            result[:] = backend.generate(rollout_prompts, params, n=args.n)
+
+        seconds = median_time(rollout, args.repeats)
+        tokens = pairs = 0
+        for prompt, group in zip(rollout_prompts, result):
+            for c in group:
+                tokens += len(c.token_ids)
+                pairs += sum(len(prompt) + t + 1 for t in range(len(c.token_ids)))
+        decode[name] = model_flops(model, tokens, pairs) / seconds
+        print(f"{name} decode: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s, "
+              f"{decode[name] / 1e9:.1f} GFLOP/s ({decode[name] / peak:.2f} of peak)", flush=True)
+
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        engine = EngineRollout(seed=args.seed)
+        engine.bind(model, tok)
+        phases = (("training pass", train_pass, True),
+                  ("engine rollout", lambda: engine.generate(rollout_prompts, params, n=args.n), False))
+        for name, fn, training in phases:
+            model.train(training)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn()
+            print(f"--- profile of one {name}")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+
+    print(f"flops: peak {peak / 1e9:.1f} GFLOP/s ({args.peak_size}^3 float32 matmul, {threads} threads); training "
+          f"{train_rate / 1e9:.1f} GFLOP/s ({train_rate / peak:.2f} of peak); engine decode "
+          f"{decode['engine'] / 1e9:.1f} GFLOP/s ({decode['engine'] / peak:.2f}); hf decode "
+          f"{decode['hf'] / 1e9:.1f} GFLOP/s ({decode['hf'] / peak:.2f})")
+    return {"peak": peak, "training": train_rate, **{f"{k}_decode": v for k, v in decode.items()}}
+
+
+if __name__ == "__main__":
+    main()
