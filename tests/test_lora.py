@@ -305,3 +305,43 @@ def test_lora_under_fsdp2_on_two_gloo_ranks_resumes_and_exports(tiny_model, tiny
                                         resumed_root / "lightning_logs" / "version_0" / "hf_adapter")
     for (name, a), b in zip(final_a.named_parameters(), final_b.parameters()):
         assert torch.equal(a, b), name  # the resumed run ends with the straight run's adapters
+
+
+# ------------------------------------------------------------------------------------------ the 1-GPU recipe
+def test_single_gpu_lora_recipe_resolves_and_its_memory_arithmetic_holds(tiny_model):
+    """The recipe parses (model.lora typed and validated), and the parameter counts its comments' memory
+    arithmetic rests on are those of a Qwen3-8B-shaped model (built on the meta device) under its LoRA settings."""
+    import subprocess
+    import sys
+
+    import yaml
+    from conftest import ROOT
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    recipe = ROOT / "configs" / "grpo_gsm8k_qwen3_8b_lora_1gpu.yaml"
+    out = subprocess.run([sys.executable, "-m", "rlflow", "fit", "--config", str(recipe),
+                          f"--model.model_path={tiny_model}", "--print_config"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    cfg = yaml.safe_load(out.stdout)
+    lora = cfg["model"]["lora"]
+    assert (lora["r"], lora["alpha"], lora["target_modules"]) == (32, 64.0, "all-linear")
+    assert (cfg["trainer"]["devices"], cfg["trainer"]["precision"], cfg["model"]["dtype"]) == (1, "bf16-mixed",
+                                                                                               "bfloat16")
+    config = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(config)
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 8.19  # "8.19B parameters"
+    apply_lora(model, LoraSettings(r=lora["r"], alpha=lora["alpha"], target_modules=lora["target_modules"]))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert trainable == 32 * 75_776 * 36 and round(trainable / 1e6, 1) == 87.3  # "87.3M parameters"
+
+
+def test_adapters_are_float32_over_a_bfloat16_base():
+    """The recipe's bf16 base keeps fp32 adapters (PEFT's autocast_adapter_dtype), so plain AdamW loses nothing."""
+    model = tiny_causal_lm("qwen3").to(torch.bfloat16)
+    apply_lora(model, LoraSettings(r=4))
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    assert all(d == torch.float32 for n, d in dtypes.items() if "lora_" in n)
+    assert all(d == torch.bfloat16 for n, d in dtypes.items() if "lora_" not in n)
