@@ -4,7 +4,8 @@ Each mode runs in a fresh process (so one mode's freed memory cannot hide the ot
 (``--dtype``), with ``--mode lora`` inject PEFT adapters the way ``model.lora`` does (:func:`rlflow.lora.apply_lora`),
 then take one step on a random batch of ``--seqs`` sequences of ``--prompt`` + ``--completion`` tokens: rlflow's
 chunked completion log-probs, a policy-gradient loss, backward, AdamW step (its moments are allocated here, as in the
-first step of a run). A thread samples the process's resident memory (VmRSS) every 2 ms; reported are the RSS
+first step of a run). Every weight is read once before the step, so pages of a memory-mapped checkpoint count
+as loaded, not as the step's. A thread samples the process's resident memory (VmRSS) every 2 ms; reported are the RSS
 after loading, the peak during the step and their difference (what the step itself needs: activations, gradients,
 optimizer state), plus the trainable parameter count. The last line is the LoRA/full ratio of the step's memory.
 
@@ -81,6 +82,8 @@ def child(args: argparse.Namespace) -> dict:
     exps = [Experience(row[: args.prompt].tolist(), row[args.prompt:].tolist(), [0.0] * args.completion,
                        0.0, 1.0 if i % 2 else -1.0, i // 4, "length", 0) for i, row in enumerate(ids)]
     batch = collate(exps, pad_id=0)
+    with torch.no_grad():  # read every weight once: memory-mapped checkpoint pages count before the step, not in it
+        sum(float(p.sum()) for p in model.parameters())
     loaded = rss_mib()
     start = time.perf_counter()
     with PeakSampler() as sampler:
