@@ -80,8 +80,8 @@ class LoraSettings:
             names = {f.name for f in dataclasses.fields(cls)}
             unknown = sorted(set(value) - names)
             if unknown:
-                raise ConfigError(f"model.lora has no option {unknown[0]!r}; its options are {', '.join(sorted(names))} "
-                                  "(other LoraConfig fields go in model.lora.options)")
+                raise ConfigError(f"model.lora has no option {unknown[0]!r}; its options are "
+                                  f"{', '.join(sorted(names))} (other LoraConfig fields go in model.lora.options)")
             return cls(**value)
         raise ConfigError(f"model.lora must be a mapping of {cls.__name__} fields or None, got {type(value).__name__}")
 

@@ -53,8 +53,8 @@ from rlflow.distributed import (
 )
 from rlflow.evaluation import EvalMetrics
 from rlflow.log import info
-from rlflow.lora import LoraSettings
 from rlflow.logprobs import completion_logprobs
+from rlflow.lora import LoraSettings
 from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
 from rlflow.model_path import check_model_path
 from rlflow.optim import UpdateFraction, build_lr_scheduler, build_optimizer, check_optimizer, rebuild_lr_scheduler

@@ -83,7 +83,8 @@ def test_merged_tensors_for_lmdeploy_equal_peft_merge_and_unload():
                            model.model.layers[0].self_attn.q_proj.base_layer.weight)  # the adapters moved it
     with wrapper.disable_adapter():  # adapters off: the base weights
         off = dict(merge_lora_tensors(model, model.state_dict().items()))
-        assert torch.equal(off["model.layers.0.mlp.down_proj.weight"], model.model.layers[0].mlp.down_proj.base_layer.weight)
+        down = model.model.layers[0].mlp.down_proj.base_layer.weight
+        assert torch.equal(off["model.layers.0.mlp.down_proj.weight"], down)
 
 
 def test_lmdeploy_push_names_are_the_base_models():
@@ -345,3 +346,23 @@ def test_adapters_are_float32_over_a_bfloat16_base():
     dtypes = {n: p.dtype for n, p in model.named_parameters()}
     assert all(d == torch.float32 for n, d in dtypes.items() if "lora_" in n)
     assert all(d == torch.bfloat16 for n, d in dtypes.items() if "lora_" not in n)
+
+
+def test_gradient_checkpointing_keeps_the_adapters_gradients():
+    """The recipe's gradient checkpointing with a frozen base: the adapters' gradients equal those without it
+    (reentrant checkpointing would drop them, as no input of a checkpointed layer requires grad)."""
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_causal_lm("qwen3")
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+            model.config.use_cache = False
+        random_lora(model)
+        model.train()
+        ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))
+        forward_logprobs(model, ids).sum().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[0].items():
+        assert grads[1][name] is not None, name
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -128,7 +128,8 @@ def main() -> None:
               f"{r['step_mib']:>11.1f}{r['seconds']:>9.2f}")
     full, lora = results["full"], results["lora"]
     print(f"LoRA/full: step memory {lora['step_mib'] / full['step_mib']:.3f}, peak RSS "
-          f"{lora['peak_mib'] / full['peak_mib']:.3f}, trainable parameters {lora['trainable'] / full['trainable']:.4f}")
+          f"{lora['peak_mib'] / full['peak_mib']:.3f}, "
+          f"trainable parameters {lora['trainable'] / full['trainable']:.4f}")
 
 
 if __name__ == "__main__":
