@@ -286,6 +286,10 @@ def test_lora_under_fsdp2_on_two_gloo_ranks_resumes_and_exports(tiny_model, tiny
     straight = read_metrics(log_dir)
     ckpt = log_dir / "checkpoints" / "epoch=0-step=2.ckpt"
     assert ckpt.is_dir() and len(list(ckpt.glob("*.distcp"))) == 2
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = [k for k in FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata if k.startswith("state_dict")]
+    assert saved and all("lora_" in k for k in saved), saved[:5]  # the sharded checkpoint holds the adapters only
     resumed_root = tmp_path / "resumed"
     run_two_ranks([a.replace(str(root), str(resumed_root)) for a in args] + [f"--ckpt_path={ckpt}"], tmp_path)
     resumed = read_metrics(resumed_root / "lightning_logs" / "version_0")
