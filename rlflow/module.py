@@ -9,7 +9,8 @@ so dashboards compare.
 The loss owns its hyper-parameters (``model.loss.init_args``). ``model.epsilon_low``, ``epsilon_high``,
 ``kl_coef`` and ``kl_type`` are shortcuts into them: None (the default) leaves the loss's value, a value is
 given to the loss, and a loss whose own setting differs is one :class:`~rlflow.config_error.ConfigError`
-naming both keys. A reference model is loaded iff the loss that results has ``kl_coef > 0``.
+naming both keys. A reference model is loaded iff the loss that results has ``kl_coef > 0`` (with ``model.lora``
+the reference is the policy with its adapters disabled, :mod:`rlflow.lora`).
 """
 
 from __future__ import annotations

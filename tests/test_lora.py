@@ -55,6 +55,17 @@ def test_settings_errors_name_the_config_key():
     assert set(config.target_modules) == {"q_proj"}
 
 
+def test_without_peft_model_lora_says_how_to_install_it(monkeypatch, tiny_model):
+    import sys
+
+    from rlflow.module import GRPOModule
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
+    with pytest.raises(ConfigError, match=r"model\.lora needs the PEFT library: pip install 'rlflow\[lora\]'"):
+        GRPOModule(model_path=str(tiny_model), lora={"r": 4})
+    assert GRPOModule(model_path=str(tiny_model)).lora is None  # full fine-tuning needs no PEFT
+
+
 def test_unknown_target_module_is_a_config_error():
     with pytest.raises(ConfigError, match="model.lora: PEFT cannot adapt"):
         apply_lora(tiny_causal_lm("qwen3"), LoraSettings(target_modules=["no_such_proj"]))
