@@ -16,6 +16,11 @@ with its KV cache released, so a push is: sleep, wake the weights, update, wake 
 the engine sleeps at ``sleep_level`` (1: weights to host memory, KV cache freed; 2: both freed, since they are
 replaced anyway) so training has the GPU memory.
 
+Under ``model.lora`` the push sends merged weights (each adapted projection's ``W + scaling * B @ A`` under the base
+model's names, :func:`rlflow.lora.merge_lora_tensors`), not the adapter: ``/update_weights`` replaces base
+weights, and LMDeploy loads LoRA adapters only from disk at server start (``--adapters``), with no call that
+replaces a running adapter's weights.
+
 Simplifications: LMDeploy's ``raw_logprobs`` are log-softmax of the unscaled logits, so the returned
 ``rollout_logprobs`` follow rlflow's contract exactly only at temperature 1.0 (a warning says so otherwise);
 colocated engines are single-GPU (``tp`` 1); the in-process ``pipeline`` API is not used because its token-id
