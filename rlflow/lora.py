@@ -154,13 +154,6 @@ def complete_state(state: dict[str, Any], live: dict[str, Any], frozen: set[str]
 
 
 # ---------------------------------------------------------------------------------------------- exports
-def adapter_state(wrapper: Any, base_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """PEFT's adapter state dict (as ``save_pretrained`` writes it) from the base model's full ``state_dict``."""
-    from peft import get_peft_model_state_dict
-
-    return get_peft_model_state_dict(wrapper, state_dict={"base_model.model." + k: v for k, v in base_state.items()})
-
-
 def export_adapter(wrapper: Any, out_dir: Path, base_state: dict[str, torch.Tensor] | None = None) -> Path:
     """``PeftModel.save_pretrained`` of the adapter (``base_state``: the base model's gathered full weights, for
     a sharded model; None reads the live model)."""
