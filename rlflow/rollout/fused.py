@@ -64,18 +64,13 @@ def _residual(h: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor, bias: to
     return torch.addmm(h, x, weight_t) if bias is None else h + torch.addmm(bias, x, weight_t)
 
 
-def _cat_bias(*linears: torch.nn.Module) -> torch.Tensor | None:
-    biases = [linear_weights(lin)[1] for lin in linears]
-    if all(b is None for b in biases):
-        return None
-    return torch.cat([b if b is not None else linear_weights(lin)[0].new_zeros(lin.out_features)
-                      for b, lin in zip(biases, linears)])
-
-
-def _weight(lin: torch.nn.Module) -> torch.Tensor:
-    """The weight ``lin`` applies: its own, or under LoRA the base weight plus the adapters' delta
-    (:func:`rlflow.lora.linear_weights`; a copy per decoder, like the concatenations)."""
-    return linear_weights(lin)[0]
+def _cat(*linears: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenated weights and biases (None if no projection has one) of ``(weight, bias)`` pairs, the weights
+    those the projections apply (:func:`rlflow.lora.linear_weights`: under LoRA, base plus the adapters' delta)."""
+    weight = torch.cat([w for w, _ in linears])
+    if all(b is None for _, b in linears):
+        return weight, None
+    return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in linears])
 
 
 class _Layer:
@@ -87,8 +82,7 @@ class _Layer:
         self.ln1_w, self.ln1_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         post_norm = layer.post_attention_layernorm
         self.ln2_w, self.ln2_eps = post_norm.weight, post_norm.variance_epsilon
-        self.qkv_w = torch.cat([_weight(attn.q_proj), _weight(attn.k_proj), _weight(attn.v_proj)])
-        self.qkv_b = _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.qkv_w, self.qkv_b = _cat(*(linear_weights(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)))
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
         self.o_w, self.o_b = linear_weights(attn.o_proj)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -100,8 +94,7 @@ class _Layer:
         elif q_norm is not None or k_norm is not None:
             raise ValueError("FusedDecoder: q_norm and k_norm must both exist with one epsilon")
         self.scaling = attn.scaling
-        self.gate_up_w = torch.cat([_weight(mlp.gate_proj), _weight(mlp.up_proj)])
-        self.gate_up_b = _cat_bias(mlp.gate_proj, mlp.up_proj)
+        self.gate_up_w, self.gate_up_b = _cat(linear_weights(mlp.gate_proj), linear_weights(mlp.up_proj))
         if fold:  # W @ (g * x) == (W * g) @ x; scale * q == q computed with scaled weights (RoPE is linear)
             self.qkv_w, self.ln1_w = self.qkv_w * self.ln1_w, None
             self.gate_up_w, self.ln2_w = self.gate_up_w * self.ln2_w, None
