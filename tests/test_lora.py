@@ -120,17 +120,21 @@ def test_dora_is_not_folded_by_the_fused_decoder():
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+@pytest.mark.parametrize("arch", ["qwen3", "llama", "qwen3-dora"])
 def test_engine_fused_decode_samples_from_the_adapted_model(arch):
+    """LoRA deltas folded into the fused decoder's copies; DoRA (not a weight delta) through the model's forward."""
     from rlflow.rollout.base import SamplingParams
     from rlflow.rollout.engine import EngineRollout
 
-    model = tiny_causal_lm(arch)
+    model = tiny_causal_lm(arch.split("-")[0])
     base = copy.deepcopy(model)
-    wrapper = random_lora(model)
+    wrapper = random_lora(model, use_dora=arch.endswith("dora"))
     engine = EngineRollout()
     engine.bind(model, IdTokenizer())
-    assert engine.decode_path == "fused decode"  # the LoRA projections are folded, not a fallback
+    if arch.endswith("dora"):
+        assert engine.decode_path.startswith("decode through the model's forward") and "variant" in engine.decode_path
+    else:
+        assert engine.decode_path == "fused decode"  # the LoRA projections are folded, not a fallback
     prompts = [[5, 9, 17, 33, 2], [8, 3, 60]]
     groups = engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=10), n=3)
     worst_adapted = worst_base = 0.0
