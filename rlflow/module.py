@@ -9,11 +9,13 @@ so dashboards compare.
 The loss owns its hyper-parameters (``model.loss.init_args``). ``model.epsilon_low``, ``epsilon_high``,
 ``kl_coef`` and ``kl_type`` are shortcuts into them: None (the default) leaves the loss's value, a value is
 given to the loss, and a loss whose own setting differs is one :class:`~rlflow.config_error.ConfigError`
-naming both keys. A reference model is loaded iff the loss that results has ``kl_coef > 0``.
+naming both keys. A reference model is loaded iff the loss that results has ``kl_coef > 0`` (with ``model.lora``
+the reference is the policy with its adapters disabled, :mod:`rlflow.lora`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -53,6 +55,7 @@ from rlflow.distributed import (
 from rlflow.evaluation import EvalMetrics
 from rlflow.log import info
 from rlflow.logprobs import completion_logprobs
+from rlflow.lora import LoraSettings
 from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
 from rlflow.model_path import check_model_path
 from rlflow.optim import UpdateFraction, build_lr_scheduler, build_optimizer, check_optimizer, rebuild_lr_scheduler
@@ -144,6 +147,7 @@ class GRPOModule(L.LightningModule):
         max_consecutive_skipped_steps: int = 3,
         export_hf: bool = True,
         freeze_vision_tower: bool = True,
+        lora: LoraSettings | None = None,
     ) -> None:
         """
         Args:
@@ -170,7 +174,8 @@ class GRPOModule(L.LightningModule):
                 keeps the loss's own (0). A reference model is loaded iff the loss's ``kl_coef`` is > 0.
             kl_type: Shortcut for the loss's ``kl_type``, the KL estimator: ``k1``, ``k2``, ``k3`` (``low_var_kl``) or
                 ``abs``; None keeps the loss's own (``k3``).
-            ref_model_path: Reference model; defaults to ``model_path``.
+            ref_model_path: Reference model; defaults to ``model_path`` (with ``lora``: the policy with its adapters
+                disabled, no second copy, unless this is set).
             rollout_is: Rollout/training mismatch correction from the rollout engine's log-probs: ``token_truncate``,
                 ``sequence_truncate`` (TIS), ``token_mask``, ``sequence_mask`` (MIS); None disables it.
             rollout_is_cap: Upper bound of the rollout importance ratio (truncated to it, or masked above it).
@@ -197,14 +202,22 @@ class GRPOModule(L.LightningModule):
             max_consecutive_skipped_steps: Stop the run after this many optimizer steps in a row with a NaN/inf loss
                 or gradient.
             export_hf: At the end of ``fit``, write the policy and tokenizer with ``save_pretrained`` to
-                ``<log_dir>/hf``.
+                ``<log_dir>/hf`` (with ``lora``: the merged model there, the adapter in ``<log_dir>/hf_adapter``).
             freeze_vision_tower: Vision-language models only: keep the vision encoder's weights fixed (the module
                 named ``visual``/``vision_tower``/``vision_model``; Qwen2-VL's patch merger lives inside it, so it
                 stays fixed too); the language model trains. See :mod:`rlflow.vision`.
+            lora: Train PEFT LoRA adapters instead of the full weights (``r``, ``alpha``, ``dropout``,
+                ``target_modules``, any other ``peft.LoraConfig`` field in ``options``; ``pip install
+                'rlflow[lora]'``). Only the adapters train and are checkpointed; the KL reference is the same model
+                with its adapters disabled. None (the default): full fine-tuning.
         """
         check_model_args(locals())
         super().__init__()
-        self.save_hyperparameters()
+        self.lora = LoraSettings.coerce(lora)
+        if self.lora is not None:
+            self.lora.peft_config()  # PEFT installed and the options valid: fail now, not after loading the model
+        self.save_hyperparameters(ignore=["lora"])
+        self.hparams["lora"] = None if self.lora is None else dataclasses.asdict(self.lora)  # plain data in checkpoints
         self.automatic_optimization = False
         check_optimizer(optimizer)
         check_model_path(model_path, "model.model_path")  # before anything slow: a wrong path fails in a second
@@ -243,7 +256,11 @@ class GRPOModule(L.LightningModule):
         if hp.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
             self.policy.config.use_cache = False
-        if self.uses_reference:
+        if self.lora is not None:  # adapters injected in place: self.policy stays the model that runs
+            from rlflow.lora import apply_lora
+
+            self.__dict__["_peft_model"] = apply_lora(self.policy, self.lora)
+        if self.uses_reference and (self.lora is None or hp.ref_model_path):  # LoRA: the base is the reference
             key = "model.ref_model_path" if hp.ref_model_path else "model.model_path"
             ref = load_causal_lm(hp.ref_model_path or hp.model_path, hp.dtype, hp.attn_implementation, key)
             ref.eval().requires_grad_(False)
@@ -261,6 +278,12 @@ class GRPOModule(L.LightningModule):
         if self.hparams.get("freeze_vision_tower", True):
             frozen = freeze_vision_tower(self.policy)
             info(f"model.freeze_vision_tower: {frozen:,} vision-tower parameters frozen")
+
+    @property
+    def peft_model(self) -> Any:
+        """PEFT's wrapper of the policy under ``model.lora`` (None otherwise); kept out of the module tree, the
+        policy itself being the model that runs (:mod:`rlflow.lora`)."""
+        return self.__dict__.get("_peft_model")
 
     @property
     def sharded(self) -> bool:
@@ -381,6 +404,11 @@ class GRPOModule(L.LightningModule):
             self.fill_logprobs(everything, "old_logprobs", self.policy)
         if self.ref_model is not None:
             self.fill_logprobs(everything, "ref_logprobs", self.ref_model)
+        elif self.uses_reference and self.peft_model is not None:  # the same model with its adapters disabled
+            from rlflow.lora import adapters_disabled
+
+            with adapters_disabled(self.peft_model):
+                self.fill_logprobs(everything, "ref_logprobs", self.policy)
         if self.correction is not None:
             batch_all = collate(everything, self.pad_id)
             metrics.update(self.correction.metrics(
@@ -539,6 +567,24 @@ class GRPOModule(L.LightningModule):
         self.eval_metrics.reset()
 
     # --------------------------------------------------------------------------------------- checkpoints
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Under ``model.lora`` without the frozen base weights (they are ``model.model_path``'s): checkpoints
+        hold the adapters, and the optimizer state holds only theirs."""
+        state = super().state_dict(*args, **kwargs)
+        if self.peft_model is None or args or kwargs.get("destination") is not None:
+            return state
+        from rlflow.lora import frozen_keys, trainable_state
+
+        return trainable_state(state, frozen_keys(self.policy, kwargs.get("prefix", "") + "policy."))
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, **kwargs: Any) -> Any:
+        """Under ``model.lora`` a checkpoint's missing base weights are the live (never trained) ones."""
+        if self.peft_model is not None:
+            from rlflow.lora import complete_state, frozen_keys
+
+            state_dict = complete_state(state_dict, super().state_dict(), frozen_keys(self.policy, "policy."))
+        return super().load_state_dict(state_dict, strict=strict, **kwargs)
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rlflow"] = {
             "policy_version": self.policy_version, "num_tokens": self.num_tokens, "skipped_steps": self.skipped_steps,
@@ -587,7 +633,10 @@ class GRPOModule(L.LightningModule):
         log_dir = self.trainer.log_dir  # read on every rank: it is a broadcast under a distributed strategy
         state_dict = gather_full_state_dict(self.policy) if self.sharded else None  # a collective: every rank
         if self.trainer.is_global_zero and log_dir:
-            self.export_hf(Path(log_dir) / "hf", state_dict)
+            if self.peft_model is not None:
+                self.export_lora(Path(log_dir), state_dict)
+            else:
+                self.export_hf(Path(log_dir) / "hf", state_dict)
 
     def export_hf(self, out_dir: Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
         """Write the policy (or ``state_dict``, its gathered full weights) and tokenizer with ``save_pretrained``."""
@@ -597,3 +646,18 @@ class GRPOModule(L.LightningModule):
         (processor or self.experience.tokenizer).save_pretrained(out_dir)  # a VLM's processor holds its tokenizer
         info(f"exported the policy to {out_dir}")
         return out_dir
+
+    def export_lora(self, log_dir: Path, state_dict: dict[str, torch.Tensor] | None = None) -> tuple[Path, Path]:
+        """Write the adapter (``PeftModel.save_pretrained``) to ``<log_dir>/hf_adapter`` and the merged model
+        (``merge_and_unload`` on a CPU copy of the base from ``model.model_path``) to ``<log_dir>/hf``, each with
+        the tokenizer. ``state_dict``: the policy's gathered full weights (sharded runs)."""
+        from rlflow.lora import export_adapter, export_merged
+
+        hp = self.hparams
+        adapter_dir = export_adapter(self.peft_model, log_dir / "hf_adapter", state_dict)
+        base = load_causal_lm(hp.model_path, hp.dtype, hp.attn_implementation)
+        merged_dir = export_merged(base, adapter_dir, log_dir / "hf")
+        for out in (adapter_dir, merged_dir):
+            self.experience.tokenizer.save_pretrained(out)
+        info(f"exported the LoRA adapter to {adapter_dir} and the merged policy to {merged_dir}")
+        return adapter_dir, merged_dir

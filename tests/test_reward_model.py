@@ -154,3 +154,41 @@ def test_fit_one_step_with_the_reward_model_as_a_judger(rm_path, tiny_model, tin
         row = {k: float(v) for k, v in next(csv.DictReader(f)).items() if v != ""}
     assert row["judger/failures"] == 0 and "rewards/gsm8k/mean" in row
     assert row["rewards/reward_model/mean"] != 0.0 and row["rewards/reward_model/std"] > 0.0
+
+
+def test_in_the_panel_a_hanging_or_broken_reward_model_is_a_counted_failure(rm_path, tmp_path, caplog):
+    """A reward model slower than ``data.judger_timeout`` and one whose weights cannot load each give None for
+    their samples, are counted in ``judger/failures`` (the error naming the model and the cause), and the other
+    judgers' rewards stand."""
+    import shutil
+    import threading
+    import time
+
+    broken = shutil.copytree(rm_path, tmp_path / "broken")
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+
+    def spec(path, name):
+        return {"class_path": RM, "init_args": {"model_path": str(path), "device": "cpu", "name": name}}
+
+    runner = JudgerRunner({"*": ["gsm8k", spec(rm_path, "slow_rm"), spec(broken, "broken_rm")]}, timeout=0.5)
+    slow = runner.judgers["slow_rm"]
+    slow.load()
+    forward, finished = slow.model.forward, threading.Event()
+
+    def slow_forward(*args, **kwargs):
+        time.sleep(1.5)
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            finished.set()
+
+    slow.model.forward = slow_forward
+    completions = [[{"role": "assistant", "content": c}] for c in ["#### 3", "#### 5"]]
+    result = runner.judge(CHAT[:2], completions, [[1]] * 2, {"data_source": ["x", "x"], "ground_truth": ["3", "3"]})
+    assert result.per_judger["slow_rm"] == [None, None] and result.per_judger["broken_rm"] == [None, None]
+    assert result.per_judger["gsm8k"] == [1.0, 0.0] and result.rewards == [1.0, 0.0]
+    assert result.metrics["judger/failures"] == 4
+    messages = " ".join(r.getMessage() for r in caplog.records)
+    assert "judger_timeout=0.5" in messages
+    assert f"reward model {str(broken)!r}: cannot load it as a sequence classifier" in messages
+    assert finished.wait(10)  # the abandoned call ends on its own (not left running into the next test)

@@ -136,14 +136,22 @@ class RewardModelJudger(Judger):
 
         if self.model is not None:
             return
-        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        except Exception as exc:
+            raise RewardModelError(f"reward model {self.model_path!r}: cannot load its tokenizer from "
+                                   f"{self.tokenizer_path!r}: {type(exc).__name__}: {exc}") from exc
         if tokenizer.pad_token_id is None:
             if tokenizer.eos_token is None:
                 raise RewardModelError(f"reward model {self.model_path!r}: its tokenizer ({self.tokenizer_path!r}) "
                                        "has neither a pad nor an EOS token to pad batches with")
             tokenizer.pad_token = tokenizer.eos_token  # as TRL
         tokenizer.truncation_side = "left"
-        model = AutoModelForSequenceClassification.from_pretrained(self.model_path, dtype=self.dtype)
+        try:
+            model = AutoModelForSequenceClassification.from_pretrained(self.model_path, dtype=self.dtype)
+        except Exception as exc:
+            raise RewardModelError(f"reward model {self.model_path!r}: cannot load it as a sequence classifier: "
+                                   f"{type(exc).__name__}: {exc}") from exc
         model.config.pad_token_id = tokenizer.pad_token_id  # the head scores the last token that is not this one
         self.tokenizer, self.model = tokenizer, model.to(self.device).eval()
 
@@ -171,6 +179,11 @@ class RewardModelJudger(Judger):
                 batch = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
                                        padding_side="right", add_special_tokens=False,
                                        truncation=self.max_length is not None, max_length=self.max_length)
-                logits = self.model(**batch.to(self.device)).logits
+                try:
+                    logits = self.model(**batch.to(self.device)).logits
+                except Exception as exc:  # e.g. a text longer than the model's positions, out of memory
+                    raise RewardModelError(f"reward model {self.model_path!r}: scoring a batch of "
+                                           f"{batch['input_ids'].shape[1]} tokens failed: {type(exc).__name__}: "
+                                           f"{exc}") from exc
                 rewards.extend(logits[:, 0].float().tolist())
             return rewards

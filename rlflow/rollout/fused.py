@@ -12,6 +12,10 @@ recomputed), and ``rotate_half(x) * sin`` is ``roll(x, dim / 2) * (sign * sin)``
 float rounding, so logits agree with the model's forward to float32 precision; other dtypes keep the model's
 own order of operations.
 
+LoRA (PEFT) projections are folded: each one's weight copy is its base weight plus the adapters' delta
+(:func:`rlflow.lora.linear_weights`), computed when the decoder is built, so a rollout samples from the adapted
+model; DoRA and other variants are refused (the engine then decodes through the model's forward).
+
 Simplifications: only the architectures listed in :data:`SUPPORTED_MODEL_TYPES` (RMSNorm, rotary embeddings from
 the model's own ``rotary_emb``, optional q/k RMSNorm as in Qwen3, optional projection biases as in Qwen2,
 SwiGLU-style MLP, full attention); weights must be plain tensors on one device (FSDP-sharded DTensors are not,
@@ -26,10 +30,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rlflow.lora import fold_problem, linear_weights
+
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # frequencies that do not depend on the sequence length
+
+
+def _unwrap(model: Any) -> Any:
+    """The transformers model inside a PEFT ``PeftModel`` (whose attributes resolve one level too deep)."""
+    get_base = getattr(type(model), "get_base_model", None)
+    return model.get_base_model() if get_base is not None and hasattr(model, "peft_config") else model
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -52,10 +64,13 @@ def _residual(h: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor, bias: to
     return torch.addmm(h, x, weight_t) if bias is None else h + torch.addmm(bias, x, weight_t)
 
 
-def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
-    if all(lin.bias is None for lin in linears):
-        return None
-    return torch.cat([lin.bias if lin.bias is not None else lin.weight.new_zeros(lin.out_features) for lin in linears])
+def _cat(*linears: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenated weights and biases (None if no projection has one) of ``(weight, bias)`` pairs, the weights
+    those the projections apply (:func:`rlflow.lora.linear_weights`: under LoRA, base plus the adapters' delta)."""
+    weight = torch.cat([w for w, _ in linears])
+    if all(b is None for _, b in linears):
+        return weight, None
+    return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in linears])
 
 
 class _Layer:
@@ -67,10 +82,9 @@ class _Layer:
         self.ln1_w, self.ln1_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         post_norm = layer.post_attention_layernorm
         self.ln2_w, self.ln2_eps = post_norm.weight, post_norm.variance_epsilon
-        self.qkv_w = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-        self.qkv_b = _cat_bias(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.qkv_w, self.qkv_b = _cat(*(linear_weights(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)))
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
-        self.o_w, self.o_b = attn.o_proj.weight, attn.o_proj.bias
+        self.o_w, self.o_b = linear_weights(attn.o_proj)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.qk_norm = None  # Qwen3: RMSNorm over each head of q and k; one op over both with a stacked weight
         if q_norm is not None and k_norm is not None and q_norm.variance_epsilon == k_norm.variance_epsilon:
@@ -80,8 +94,7 @@ class _Layer:
         elif q_norm is not None or k_norm is not None:
             raise ValueError("FusedDecoder: q_norm and k_norm must both exist with one epsilon")
         self.scaling = attn.scaling
-        self.gate_up_w = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-        self.gate_up_b = _cat_bias(mlp.gate_proj, mlp.up_proj)
+        self.gate_up_w, self.gate_up_b = _cat(linear_weights(mlp.gate_proj), linear_weights(mlp.up_proj))
         if fold:  # W @ (g * x) == (W * g) @ x; scale * q == q computed with scaled weights (RoPE is linear)
             self.qkv_w, self.ln1_w = self.qkv_w * self.ln1_w, None
             self.gate_up_w, self.ln2_w = self.gate_up_w * self.ln2_w, None
@@ -94,7 +107,7 @@ class _Layer:
                     self.qkv_b[: self.q_size] *= self.scaling
             self.scaling = 1.0
         self.inter = mlp.gate_proj.out_features
-        self.down_w, self.down_b = mlp.down_proj.weight, mlp.down_proj.bias
+        self.down_w, self.down_b = linear_weights(mlp.down_proj)
         self.act = mlp.act_fn
         # transposed copies for _linear (made per decoder, i.e. per rollout call, like the concatenations)
         self.qkv_w, self.o_w = self.qkv_w.t().contiguous(), self.o_w.t().contiguous()
@@ -109,6 +122,7 @@ class FusedDecoder:
         reason = self.unsupported_reason(model)
         if reason:
             raise ValueError(f"FusedDecoder: {reason}")
+        model = _unwrap(model)
         config, inner = model.config, model.model
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -143,6 +157,7 @@ class FusedDecoder:
     @staticmethod
     def unsupported_reason(model: Any) -> str | None:
         """Why ``model`` cannot be decoded by this class, or None when it can."""
+        model = _unwrap(model)
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             return f"model type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -162,16 +177,22 @@ class FusedDecoder:
     @staticmethod
     def _layout_problem(model: Any) -> str | None:
         """What in ``model``'s modules this class would read wrongly: it reads the weights of plain ``nn.Linear``
-        projections and RMSNorms directly, so an adapter (LoRA) or quantised wrapper around them must not pass."""
+        projections (plain ``nn.Linear``, or PEFT LoRA layers over them, whose deltas it folds into its copies)
+        and RMSNorms directly, so another adapter or a quantised wrapper around them must not pass."""
         inner = getattr(model, "model", None)
         if inner is None or not all(hasattr(inner, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
             return "the model has no model.embed_tokens/layers/norm/rotary_emb"
+        if not isinstance(inner.embed_tokens, torch.nn.Embedding):
+            return f"the embeddings are a {type(inner.embed_tokens).__name__}, not a plain nn.Embedding"
         for layer in inner.layers:
             attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
             linears = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
             linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-            if any(type(lin) is not torch.nn.Linear for lin in linears):
-                return "a decoder layer's projections are not all plain nn.Linear (adapters or quantisation)"
+            if any(lin is None for lin in linears):
+                return "a decoder layer lacks one of the q/k/v/o or gate/up/down projections"
+            problem = next((p for p in map(fold_problem, linears) if p), None)
+            if problem:
+                return f"{problem} (adapters or quantisation)"
             norms = [getattr(layer, "input_layernorm", None), getattr(layer, "post_attention_layernorm", None)]
             if not all(hasattr(n, "weight") and hasattr(n, "variance_epsilon") for n in norms):
                 return "a decoder layer's norms are not RMSNorms with weight and variance_epsilon"

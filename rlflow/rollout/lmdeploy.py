@@ -16,6 +16,11 @@ with its KV cache released, so a push is: sleep, wake the weights, update, wake 
 the engine sleeps at ``sleep_level`` (1: weights to host memory, KV cache freed; 2: both freed, since they are
 replaced anyway) so training has the GPU memory.
 
+Under ``model.lora`` the push sends merged weights (each adapted projection's ``W + scaling * B @ A`` under the base
+model's names, :func:`rlflow.lora.merge_lora_tensors`), not the adapter: ``/update_weights`` replaces base
+weights, and LMDeploy loads LoRA adapters only from disk at server start (``--adapters``), with no call that
+replaces a running adapter's weights.
+
 Simplifications: LMDeploy's ``raw_logprobs`` are log-softmax of the unscaled logits, so the returned
 ``rollout_logprobs`` follow rlflow's contract exactly only at temperature 1.0 (a warning says so otherwise);
 colocated engines are single-GPU (``tp`` 1); the in-process ``pipeline`` API is not used because its token-id
@@ -205,9 +210,15 @@ def server_command(model_path: str, port: int, tp: int, cache_max_entry_count: f
 
 def full_named_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights by Hugging Face name, each gathered whole (DTensor ``full_tensor``) and cast to
-    ``dtype``."""
-    for name, tensor in model.state_dict().items():
-        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+    ``dtype``. Under ``model.lora`` each adapted projection is sent merged (``W + scaling * B @ A``, under the
+    base model's names; :func:`rlflow.lora.merge_lora_tensors`): LMDeploy's ``update_weights`` replaces base
+    weights, and its LoRA support loads adapters from disk at server start (``--adapters``), with no call to
+    replace an adapter's weights in a running engine, so merged weights after every optimizer step are what keeps
+    the engine on-policy (the push costs as much as a full model's, the training step far less)."""
+    from rlflow.lora import merge_lora_tensors
+
+    named = ((name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in model.state_dict().items())
+    for name, full in merge_lora_tensors(model, named):
         yield name, full.detach().to(dtype)
 
 
