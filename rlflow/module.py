@@ -638,12 +638,16 @@ class GRPOModule(L.LightningModule):
             else:
                 self.export_hf(Path(log_dir) / "hf", state_dict)
 
+    @property
+    def text_processor(self) -> Any:
+        """What the exports save beside the weights: a VLM's processor (it holds the tokenizer), else the tokenizer."""
+        return self.vision.images.processor if self.vision is not None else self.experience.tokenizer
+
     def export_hf(self, out_dir: Path, state_dict: dict[str, torch.Tensor] | None = None) -> Path:
         """Write the policy (or ``state_dict``, its gathered full weights) and tokenizer with ``save_pretrained``."""
         out_dir.mkdir(parents=True, exist_ok=True)
         self.policy.save_pretrained(out_dir, state_dict=state_dict)
-        processor = self.vision.images.processor if self.vision is not None else None
-        (processor or self.experience.tokenizer).save_pretrained(out_dir)  # a VLM's processor holds its tokenizer
+        self.text_processor.save_pretrained(out_dir)
         info(f"exported the policy to {out_dir}")
         return out_dir
 
@@ -658,6 +662,6 @@ class GRPOModule(L.LightningModule):
         base = load_causal_lm(hp.model_path, hp.dtype, hp.attn_implementation)
         merged_dir = export_merged(base, adapter_dir, log_dir / "hf")
         for out in (adapter_dir, merged_dir):
-            self.experience.tokenizer.save_pretrained(out)
+            self.text_processor.save_pretrained(out)
         info(f"exported the LoRA adapter to {adapter_dir} and the merged policy to {merged_dir}")
         return adapter_dir, merged_dir
