@@ -1,3 +1,4 @@
+# ruff: noqa: E501 - the chat template is kept as Qwen3 ships it
 """Helpers of the multi-turn tests: Qwen3's chat template on the character tokenizer, scripted and recording
 backends, and small tools (one of each failure kind)."""
 

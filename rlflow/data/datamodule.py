@@ -298,7 +298,8 @@ class RolloutDataModule(L.LightningDataModule):
         k = self.prompt_repeat_k
         records = self.rank_share(batch)
         groups, rewards, metrics, texts, gen_time = generate_and_judge(
-            self.rollout_backend(records), self.judges.judge, records, self.sampling, k, self.overlap_judging, self.rollout_progress)
+            self.rollout_backend(records), self.judges.judge, records, self.sampling, k, self.overlap_judging,
+            self.rollout_progress)
         chosen = Groups(records, [c for group in groups for c in group], rewards, texts)
         if self.dynamic_sampling is not None:
             chosen, sampling_metrics, extra_time = self.dynamic_sampling.fill(
