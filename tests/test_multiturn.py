@@ -39,7 +39,8 @@ def ids(tok, text):
     return tok.encode(text, add_special_tokens=False)
 
 
-CALL_ADD = '<think>\nI should add.\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 30}}\n</tool_call>'
+CALL_ADD = ('<think>\nI should add.\n</think>\n\n'
+            '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 30}}\n</tool_call>')
 
 
 def test_tool_turn_is_token_exact_and_masked(tok):
