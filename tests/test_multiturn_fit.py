@@ -53,3 +53,17 @@ def test_multiturn_run_continues_exactly(tiny_model, small_data, tmp_path, one_t
     assert_same_run(straight, chained, 3)
     assert_same_final_state(straight, chained, 3)
     assert any(row["turns/mean"] > 1.0 for row in metrics_by_step(straight).values())
+
+
+def test_the_example_environment_package_passes_its_own_tests():
+    """``plugins/rlflow-env-example`` (installed by tools/setup_env.sh) with its own tests, as CI runs them."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          str(ROOT / "plugins" / "rlflow-env-example" / "tests")], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT / "plugins" / "rlflow-env-example")
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "4 passed" in out.stdout
