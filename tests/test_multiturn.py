@@ -238,3 +238,20 @@ def test_real_backend_multiturn_is_token_exact_and_logprobs_match_a_full_forward
         mask = torch.tensor(e.sampled_mask)
         assert torch.allclose(lp_padded[i, :n][mask], expected[mask], atol=2e-4)
         assert torch.allclose(lp_packed[i, :n][mask], expected[mask], atol=2e-4)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"tools": ["nope"]}, "PluginError", "unknown rlflow.tools plugin 'nope'; available: calculator, python"),
+    ({"tools": ["calculator"], "tool_parser": "nope"}, "PluginError", "rlflow.tool_parsers plugin 'nope'; available: "
+                                                                       "hermes"),
+    ({"environment": "nope"}, "PluginError", "available: guess_number"),
+    ({"tools": ["calculator"], "max_turns": 0}, "ConfigError", "data.max_turns"),
+    ({"tools": ["calculator"], "tool_timeout": -1}, "ConfigError", "data.tool_timeout"),
+])
+def test_bad_multiturn_settings_fail_at_construction(kwargs, error, message, tmp_path):
+    from rlflow.data.datamodule import RolloutDataModule
+
+    (tmp_path / "train.jsonl").write_text('{"prompt": "x", "ground_truth": "1"}\n')
+    with pytest.raises(Exception, match=message.replace("(", r"\(")) as info:
+        RolloutDataModule(train_data_path=str(tmp_path / "train.jsonl"), **kwargs)
+    assert type(info.value).__name__ == error
