@@ -33,7 +33,7 @@ def test_sft_examples_match_the_multiturn_rollout_layout():
 
 def test_build_writes_rows_and_a_loadable_model(tmp_path):
     mod = load_tool("make_tiny_tool_model")
-    out = mod.build(tmp_path / "model", tmp_path / "data", sft_steps=0, n_train=8, n_val=4, eval_prompts=0)
+    out = mod.build(tmp_path / "model", tmp_path / "data", phases=(), n_train=8, n_val=4, eval_prompts=0)
     rows = [json.loads(line) for line in (tmp_path / "data" / "train.jsonl").read_text().splitlines()]
     assert len(rows) == 8
     for row in rows:

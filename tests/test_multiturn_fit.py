@@ -67,3 +67,20 @@ def test_the_example_environment_package_passes_its_own_tests():
                          timeout=300, cwd=ROOT / "plugins" / "rlflow-env-example")
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "4 passed" in out.stdout
+
+
+def test_the_shipped_tools_demo_config_runs(tmp_path, one_thread):
+    """``configs/demo_tools_cpu.yaml`` as shipped, for one step, on an un-trained build of its model and data."""
+    from conftest import ROOT, load_tool
+
+    build = load_tool("make_tiny_tool_model").build
+    model = build(tmp_path / "model", tmp_path / "data", phases=(), n_train=16, n_val=4, eval_prompts=0)
+    cli = cli_main(["fit", "--config", str(ROOT / "configs" / "demo_tools_cpu.yaml"), f"--model.model_path={model}",
+                    f"--data.train_data_path={tmp_path / 'data' / 'train.jsonl'}",
+                    f"--data.eval_data_path={tmp_path / 'data' / 'val.jsonl'}", "--trainer.max_steps=1",
+                    f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}", "--trainer.enable_progress_bar=false",
+                    "--model.export_hf=false", "--data.max_tokens=40"])
+    assert cli.trainer.global_step == 1
+    metrics = cli.trainer.callback_metrics
+    assert "tools/call_frequency" in metrics and "turns/mean" in metrics
+    assert cli.datamodule.multiturn is not None and list(cli.datamodule.tools) == ["calculator"]
