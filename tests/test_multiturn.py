@@ -255,3 +255,33 @@ def test_bad_multiturn_settings_fail_at_construction(kwargs, error, message, tmp
     with pytest.raises(Exception, match=message.replace("(", r"\(")) as info:
         RolloutDataModule(train_data_path=str(tmp_path / "train.jsonl"), **kwargs)
     assert type(info.value).__name__ == error
+
+
+def test_lmdeploy_multiturn_sends_token_ids_once_per_turn(tok, monkeypatch):
+    """On a fake ``lmdeploy serve api_server``: every turn of every trajectory is one ``/generate`` request whose
+    ``input_ids`` are the trajectory's ids so far (the real engine needs a GPU: ``pytest -m gpu``)."""
+    from test_lmdeploy_rollout import EOS, FakeServer
+
+    from rlflow.environments import Environment
+    from rlflow.rollout.lmdeploy import LMDeployRollout
+
+    class Always(Hint, Environment):
+        pass
+
+    server = FakeServer()
+    try:
+        backend = LMDeployRollout(server_url=server.url, bucket_mb=1)
+        monkeypatch.setattr(backend, "push_weights", lambda: setattr(backend, "weights_current", True))
+        backend.bind(torch.nn.Linear(2, 2), tok)
+        mt = MultiTurn(tok, {}, environment=Always(), max_turns=2)
+        rec = record(tok, "Guess.")
+        (group,) = mt.generate(backend, [rec], SamplingParams(max_tokens=200, stop_token_ids=[EOS]), n=2)
+    finally:
+        server.httpd.shutdown()
+    bodies = [body for path, body in server.calls if path == "/generate"]
+    assert len(bodies) == 4  # 2 trajectories x 2 turns
+    assert [b["input_ids"] for b in bodies[:2]] == [rec.prompt_ids] * 2
+    for c in group:
+        start = c.mask.index(True, c.mask.index(False))  # the second turn's first sampled token
+        assert rec.prompt_ids + c.token_ids[:start] in [b["input_ids"] for b in bodies[2:]]
+        assert c.info["turns"] == 2 and not all(c.mask)
