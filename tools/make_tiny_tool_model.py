@@ -30,7 +30,8 @@ Usage::
 
 The demo's model was built in three runs, one per phase (``--phases 400:0.3:0.005``, then ``--init`` of that with
 ``--seed 1 --phases 300:0.8:0.003``, then ``--seed 2 --phases 40:0.35:0.001``), which is what the default
-``--phases`` does in one run. Under a load of ~10 on 2 cores the phases took 20, 9 and 1 minutes.
+``--phases`` does in one run (the same phases, seeds and data; that one-run form was not re-timed). Under a load
+of ~10 on 2 shared cores the phases took 20, 9 and 1 minutes.
 """
 
 from __future__ import annotations
