@@ -40,7 +40,7 @@ def test_multiturn_fit(backend, extra, tiny_model, small_data, tmp_path, one_thr
     assert len(lines) == 2 * 4 * 4
     multi = [t for t in lines if "is wrong: my number is" in t["completion"]]
     assert multi and all("<|im_start|>user" in t["completion"] for t in multi)  # the whole conversation
-    assert all("Guess my number" in t["prompt"] or t["prompt"] for t in lines)
+    assert all("Guess my number between -20 and 20" in t["prompt"] for t in lines)  # the environment's prompt
 
 
 def test_multiturn_run_continues_exactly(tiny_model, small_data, tmp_path, one_thread):

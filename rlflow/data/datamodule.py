@@ -359,11 +359,17 @@ class RolloutDataModule(L.LightningDataModule):
         k = self.prompt_repeat_k
         return [{
             "step": step, "rank": self.rank, "group": e.group, "data_source": records[i // k].data_source,
-            "prompt": records[i // k].prompt_text, "completion": text,
+            "prompt": self.prompt_text(records[i // k], e), "completion": text,
             "ground_truth": records[i // k].columns.get("ground_truth"),
             "reward": e.reward, "advantage": e.advantage, "finish_reason": e.finish_reason,
             "num_tokens": len(e.completion_ids), "policy_version": e.policy_version,
         } for i, (text, e) in enumerate(zip(texts, experiences))]
+
+    def prompt_text(self, record: PromptRecord, experience: Experience) -> str:
+        """The prompt a sample was generated from: the record's, or the one its environment wrote (decoded)."""
+        if experience.prompt_ids is record.prompt_ids or experience.prompt_ids == record.prompt_ids:
+            return record.prompt_text
+        return self.tokenizer.decode(experience.prompt_ids, skip_special_tokens=False)
 
     def evaluate(self, batch: list[PromptRecord], step: int, batch_idx: int) -> dict[str, Any]:
         """Generate ``eval_k`` completions per prompt with the evaluation sampling settings and judge them.
