@@ -285,3 +285,38 @@ def test_lmdeploy_multiturn_sends_token_ids_once_per_turn(tok, monkeypatch):
         start = c.mask.index(True, c.mask.index(False))  # the second turn's first sampled token
         assert rec.prompt_ids + c.token_ids[:start] in [b["input_ids"] for b in bodies[2:]]
         assert c.info["turns"] == 2 and not all(c.mask)
+
+
+def test_tools_of_a_finished_group_run_while_other_groups_generate(tok):
+    """On a backend that streams groups (the engine), the first group's tool call starts before the second group is
+    generated: the stream below waits for the tool before yielding the second group."""
+    import threading
+
+    started = threading.Event()
+
+    def ping(x: int) -> int:
+        """Marks that a tool ran.
+
+        Args:
+            x: Returned as is.
+        """
+        started.set()
+        return x
+
+    class Streaming(ScriptedBackend):
+        streams = True
+
+        def stream(self, prompts, params, n=1, progress=None):
+            groups = self.generate(prompts, params, n=n)
+            for i, group in enumerate(groups):
+                if i == 1 and len(self.calls) == 1:  # the first turn's second group
+                    self.waited = started.wait(timeout=10)
+                yield i, group
+
+    tools = load_tools([ping])
+    mt = MultiTurn(tok, tools, max_turns=2)
+    call = '<tool_call>{"name": "ping", "arguments": {"x": 1}}</tool_call>' + END
+    backend = Streaming(tok, [[call], ["done" + END]])
+    groups = mt.generate(backend, [record(tok, "A.", tools), record(tok, "B.", tools)], params(tok), n=1)
+    assert backend.waited is True  # the tool ran before the stream went on
+    assert [g[0].messages[1]["content"] for g in groups] == ["1", "1"] and all(g[0].info["turns"] == 2 for g in groups)

@@ -27,8 +27,10 @@ A trajectory ends when a turn has no tool call and no environment observation, t
 
 Backends: ``hf`` and ``engine`` re-prefill the trajectory each turn (the engine shares the prefix common to all
 rows of a call, not each row's own history: continuing from a group's KV cache is not implemented); ``lmdeploy``
-sends one token-id ``/generate`` request per trajectory and turn. Simplification: turns are synchronous across the
-batch, so a trajectory waiting on a slow tool holds up the next turn of the others (finished trajectories leave).
+sends one token-id ``/generate`` request per trajectory and turn. A trajectory's tool calls start as soon as its
+group is generated (on the ``engine``, which streams finished groups, while the other groups still generate).
+Simplification: turns are synchronous across the batch, so the next turn starts when every trajectory's tools
+have answered; a slow tool delays the next turn of the others (finished trajectories leave).
 """
 
 from __future__ import annotations
@@ -163,77 +165,81 @@ class MultiTurn:
         """``n`` multi-turn trajectories per record, in record order."""
         trajectories = [self.start(r) for r in records for _ in range(n)]
         budget = params.max_tokens
-        same_prompts = self.environment is None
-        turn_outputs = self._first_turn(backend, trajectories, records, params, n, same_prompts)
+        if self.environment is None:  # n samples of each prompt: the backend shares the prompt's prefill
+            prompts, owners, k = [r.prompt_ids for r in records], [list(range(i * n, (i + 1) * n))
+                                                                    for i in range(len(records))], n
+        else:
+            prompts, owners, k = [t.prompt_ids for t in trajectories], [[i] for i in range(len(trajectories))], 1
         active = list(range(len(trajectories)))
         while True:
-            self.apply_turn([trajectories[i] for i in active], turn_outputs, budget)
+            self.run_turn(backend, trajectories, prompts, owners, dataclasses.replace(params, max_tokens=min(
+                budget, max(budget - len(trajectories[i].ids) for i in active))), k, budget)
             active = [i for i in active if not trajectories[i].done]
             if not active:
                 break
-            rest = max(budget - len(trajectories[i].ids) for i in active)
-            turn_params = dataclasses.replace(params, max_tokens=rest)
-            groups = backend.generate([trajectories[i].prompt_ids + trajectories[i].ids for i in active],
-                                      turn_params, n=1)
-            turn_outputs = [g[0] for g in groups]
+            prompts = [trajectories[i].prompt_ids + trajectories[i].ids for i in active]
+            owners, k = [[i] for i in active], 1
         done = [t.completion() for t in trajectories]
         if progress is not None:
             progress(len(done), sum(sum(c.mask) for c in done))
         return [done[i * n: (i + 1) * n] for i in range(len(records))]
 
-    def _first_turn(self, backend: RolloutBackend, trajectories: list[_Trajectory], records: list[Any],
-                    params: SamplingParams, n: int, same_prompts: bool) -> list[Completion]:
-        if same_prompts:  # n samples of each prompt: the backend shares the prompt's prefill
-            groups = backend.generate([r.prompt_ids for r in records], params, n=n)
-            return [c for g in groups for c in g]
-        return [g[0] for g in backend.generate([t.prompt_ids for t in trajectories], params, n=1)]
+    def run_turn(self, backend: RolloutBackend, trajectories: list[_Trajectory], prompts: list[list[int]],
+                 owners: list[list[int]], params: SamplingParams, n: int, budget: int) -> None:
+        """One model turn of the trajectories ``owners`` names (``n`` per prompt): each finished group's tool calls
+        start at once (on a backend that streams, while the others still generate), then the tool results and the
+        environment's answers are inserted, trajectory by trajectory in order."""
+        pending: dict[int, tuple[Completion, str, list[ToolCall], Any]] = {}
+        for p, group in backend.stream(prompts, params, n=n):
+            for i, out in zip(owners[p], group):
+                text, calls = self.take_turn(trajectories[i], out, budget)
+                pending[i] = (out, text, calls, self.runner.submit(calls) if calls else None)
+        for i in sorted(pending):
+            out, text, calls, future = pending[i]
+            self.finish_turn(trajectories[i], out, text, calls, future.result() if future is not None else [], budget)
 
-    def apply_turn(self, trajectories: list[_Trajectory], outputs: list[Completion], budget: int) -> None:
-        """Append each trajectory's sampled turn, run the tools and the environment, insert their messages."""
-        calls_of: list[list[ToolCall]] = []
-        texts: list[str] = []
-        for t, out in zip(trajectories, outputs):
-            room = budget - len(t.ids)
-            tokens, lps = out.token_ids[:room], out.logprobs[:room]
-            cut = len(tokens) < len(out.token_ids)
-            t.ids += tokens
-            t.logprobs += [float(x) for x in lps]
-            t.mask += [True] * len(tokens)
-            t.turns += 1
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            content, calls = self.parser.parse(text) if self.tools else (text, [])
-            t.messages.append(assistant_message(content, calls))
-            texts.append(text)
-            if cut or out.finish_reason == "length" or len(t.ids) >= budget:
-                t.finish_reason, t.done = "length", True
-            calls_of.append([] if t.done or t.turns >= self.max_turns else calls)
-        flat = [c for calls in calls_of for c in calls]
-        results = iter(self.runner.run(flat))
-        for t, out, calls, text in zip(trajectories, outputs, calls_of, texts):
-            if t.done:
-                continue
-            new: list[dict[str, Any]] = []
-            for call in calls:
-                result: ToolResult = next(results)
-                t.tool_calls[call.name or "?"] += 1
-                if not result.ok:
-                    t.tool_failures[result.failure or "failed"] += 1
-                new.append({"role": "tool", "name": result.name, "content": result.content})
-            step = self.env_step(t, text) if t.env is not None else EnvStep()
-            if step.reward is not None:
-                t.env_reward = (t.env_reward or 0.0) + float(step.reward)
-            new += list(step.observation)
-            if step.done or not new or t.turns >= self.max_turns:
-                t.done = True
-                continue
-            inserted = self.insert_ids(new, out.token_ids[-1] if out.finish_reason == "stop" else None)
-            t.messages += new
-            if len(t.ids) + len(inserted) >= budget:  # no room left for another model turn
-                t.finish_reason, t.done = "length", True
-                continue
-            t.ids += inserted
-            t.logprobs += [0.0] * len(inserted)
-            t.mask += [False] * len(inserted)
+    def take_turn(self, t: _Trajectory, out: Completion, budget: int) -> tuple[str, list[ToolCall]]:
+        """Append a sampled turn to ``t`` (cut to the budget left); return its text and the calls to run."""
+        room = budget - len(t.ids)
+        tokens, lps = out.token_ids[:room], out.logprobs[:room]
+        cut = len(tokens) < len(out.token_ids)
+        t.ids += tokens
+        t.logprobs += [float(x) for x in lps]
+        t.mask += [True] * len(tokens)
+        t.turns += 1
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        content, calls = self.parser.parse(text) if self.tools else (text, [])
+        t.messages.append(assistant_message(content, calls))
+        if cut or out.finish_reason == "length" or len(t.ids) >= budget:
+            t.finish_reason, t.done = "length", True
+        return text, [] if t.done or t.turns >= self.max_turns else calls
+
+    def finish_turn(self, t: _Trajectory, out: Completion, text: str, calls: list[ToolCall],
+                    results: list[ToolResult], budget: int) -> None:
+        """Count the calls, ask the environment, and insert the new messages' tokens (or end the trajectory)."""
+        if t.done:
+            return
+        new: list[dict[str, Any]] = []
+        for call, result in zip(calls, results):
+            t.tool_calls[call.name or "?"] += 1
+            if not result.ok:
+                t.tool_failures[result.failure or "failed"] += 1
+            new.append({"role": "tool", "name": result.name, "content": result.content})
+        step = self.env_step(t, text) if t.env is not None else EnvStep()
+        if step.reward is not None:
+            t.env_reward = (t.env_reward or 0.0) + float(step.reward)
+        new += list(step.observation)
+        if step.done or not new or t.turns >= self.max_turns:
+            t.done = True
+            return
+        inserted = self.insert_ids(new, out.token_ids[-1] if out.finish_reason == "stop" else None)
+        t.messages += new
+        if len(t.ids) + len(inserted) >= budget:  # no room left for another model turn
+            t.finish_reason, t.done = "length", True
+            return
+        t.ids += inserted
+        t.logprobs += [0.0] * len(inserted)
+        t.mask += [False] * len(inserted)
 
     @staticmethod
     def env_step(t: _Trajectory, text: str) -> EnvStep:

@@ -18,6 +18,7 @@ a tool's return value is turned into text with ``str`` (``json.dumps`` for dicts
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import json
 import threading
@@ -180,6 +181,10 @@ class ToolRunner:
 
     async def _call_all(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         return list(await asyncio.gather(*(self._call(c) for c in calls)))
+
+    def submit(self, calls: Sequence[ToolCall]) -> concurrent.futures.Future:
+        """Start ``calls`` on the runner's loop; the future's result is :meth:`run`'s."""
+        return asyncio.run_coroutine_threadsafe(self._call_all(calls), self.loop())
 
     def run(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Run ``calls`` concurrently; one result per call, in order."""
