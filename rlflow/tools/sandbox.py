@@ -6,10 +6,10 @@ What the sandbox does:
   script directory not on ``sys.path``) child process, in its own session and an empty temporary working
   directory that is deleted afterwards, with an environment of only ``PATH``;
 * limits (``setrlimit`` in the child before the code is compiled): address space ``RLIMIT_AS`` (512 MiB), CPU time
-  ``RLIMIT_CPU`` (the timeout, rounded up), file size ``RLIMIT_FSIZE`` (16 MiB), no core files; a wall-clock
-  timeout kills the whole process group;
+  ``RLIMIT_CPU`` (the timeout rounded up, plus a second), file size ``RLIMIT_FSIZE`` (16 MiB), no core files; a
+  wall-clock timeout kills the whole process group;
 * no network: where ``unshare --user --net`` works (Linux with unprivileged user namespaces) the child gets a
-  network namespace with no interfaces; the module attribute :data:`NETWORK_ISOLATED` says whether it does on this
+  network namespace with no interfaces; :func:`network_isolation_available` says whether it does on this
   machine. Where it does not, **network access is not blocked** (a warning is logged once);
 * stdout and stderr are returned, truncated to ``max_output`` characters.
 
@@ -79,7 +79,7 @@ def run_python(code: str, timeout: float = 10.0, memory: int = MEMORY_BYTES, max
     """Run ``code`` in the sandbox; its stdout, then stderr, truncated, and a line naming a non-zero exit or the
     timeout."""
     workdir = tempfile.mkdtemp(prefix="rlflow-sandbox-")
-    cpu = max(1, int(timeout + 0.999))
+    cpu = max(1, int(timeout + 0.999)) + 1  # the wall clock normally ends it first
     cmd = [sys.executable, "-I", "-c", _BOOT, str(cpu), str(memory), str(FILE_BYTES), code]
     if network_isolation_available():
         cmd = [shutil.which("unshare") or "unshare", "--user", "--net", *cmd]
@@ -89,7 +89,10 @@ def run_python(code: str, timeout: float = 10.0, memory: int = MEMORY_BYTES, max
                                 start_new_session=True)
         try:
             out, err = proc.communicate(timeout=timeout)
-            status = "" if proc.returncode == 0 else f"\n[exit status {proc.returncode}]"
+            if proc.returncode == -signal.SIGXCPU:
+                status = f"\n[killed: CPU time limit of {cpu} s]"
+            else:
+                status = "" if proc.returncode == 0 else f"\n[exit status {proc.returncode}]"
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
