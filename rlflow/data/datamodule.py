@@ -141,7 +141,8 @@ class RolloutDataModule(L.LightningDataModule):
                 thread while the rest of the batch is still generating (same rewards and metrics as judging the
                 whole batch at once); see :mod:`rlflow.judgers.overlap`.
             tools: Tools the policy may call, each an import path (``my_pkg.tools:search``, a TRL-style typed function
-                with a Google docstring) or a short name of the ``rlflow.tools`` group (``calculator``, ``python``).
+                with a Google docstring) or a short name of the ``rlflow.tools`` group (``calculator``, ``python``);
+                from Python, the functions themselves.
                 Their schemas reach the chat template (``tools=``) and rollouts become multi-turn: ``max_tokens`` is
                 then the budget of the whole trajectory; see :mod:`rlflow.rollout.multiturn`.
             tool_parser: How tool calls are found in a completion: a short name of ``rlflow.tool_parsers``
