@@ -18,7 +18,7 @@ no log-prob, no KL). Each turn:
    template and keeping only what it adds after the model's turn: :meth:`MultiTurn.insert_ids` renders a
    placeholder conversation ``[user, assistant(PLACEHOLDER), *new messages]`` with the generation prompt and takes
    the text after ``PLACEHOLDER``, minus the stop token the model already sampled (``<|im_end|>``), so the
-   template's end-of-turn remainder (``\n``), the new messages and the next ``<|im_start|>assistant\n`` are
+   template's end-of-turn remainder (``\\n``), the new messages and the next ``<|im_start|>assistant\\n`` are
    inserted. The sampled text is never re-rendered or re-tokenized, so a template that is not append-only
    (Qwen3 drops earlier turns' ``<think>`` blocks) cannot make the trained ids drift from the sampled ones.
 
