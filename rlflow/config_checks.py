@@ -108,6 +108,8 @@ DATA_RULES: dict[str, Rule] = {
     "eval_temperature": at_least(0.0),
     "eval_batch_size": at_least(1),
     "eval_k": at_least(1),
+    "max_turns": at_least(1),
+    "tool_timeout": greater_than(0.0, optional=True),
 }
 
 MODEL_RULES: dict[str, Rule] = {

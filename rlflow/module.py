@@ -514,7 +514,7 @@ class GRPOModule(L.LightningModule):
     def loss_tokens(self, experiences: list[Experience]) -> int:
         """Completion tokens the loss trains on (without truncated completions where the loss masks them)."""
         skip = getattr(self.loss_fn, "mask_truncated_completions", False)
-        return sum(len(e.completion_ids) for e in experiences if not (skip and e.truncated))
+        return sum(e.num_sampled for e in experiences if not (skip and e.truncated))
 
     def global_counts(self, values: list[int]) -> list[int]:
         """``values`` summed over ranks: the batch sizes the loss normalisers divide by."""

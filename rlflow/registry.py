@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-GROUPS = ("rlflow.judgers", "rlflow.losses", "rlflow.advantages", "rlflow.rollout")
+GROUPS = ("rlflow.judgers", "rlflow.losses", "rlflow.advantages", "rlflow.rollout", "rlflow.tools",
+          "rlflow.tool_parsers", "rlflow.environments")
 #: The base class (import path) a plugin argument of each group is typed with; see the module docstring.
 PLUGIN_BASES = {
     "rlflow.judgers": "rlflow.judgers.base.Judger",

@@ -30,11 +30,15 @@ def main() -> None:
     train = [r for r in rows if r.get("reward")]
     evals = [r for r in rows if r.get("eval/accuracy")]
     print(f"run: {run}")
-    print("step  reward  reward_std  mean_len  clipped  step_time")
+    tools = bool(train) and bool(train[0].get("tools/call_frequency"))  # a multi-turn run with tools
+    header = "step  reward  reward_std  mean_len  clipped  step_time"
+    print(header + ("  tool_calls  tool_fail  turns" if tools else ""))
     for r in train:
+        extra = (f"  {float(r['tools/call_frequency']):10.3f}  {float(r['tools/failure_frequency']):9.3f}  "
+                 f"{float(r['turns/mean']):5.2f}" if tools else "")
         print(f"{int(float(r['step'])):4d}  {float(r['reward']):6.3f}  {float(r['reward_std']):10.3f}  "
               f"{float(r['completions/mean_length']):8.1f}  {float(r['completions/clipped_ratio']):7.2f}  "
-              f"{float(r['step_time']):8.2f}s")
+              f"{float(r['step_time']):8.2f}s" + extra)
     for r in evals:
         print(f"eval at step {int(float(r['step']))}: accuracy {float(r['eval/accuracy']):.3f}")
     rewards = [float(r["reward"]) for r in train]
@@ -43,6 +47,10 @@ def main() -> None:
         total = sum(float(r["step_time"]) for r in train)
         print(f"mean reward: first 5 steps {first:.3f}, last 5 steps {last:.3f}, gain {last - first:+.3f} "
               f"over {len(rewards)} steps in {total:.0f}s of step time")
+        if tools:
+            calls = [float(r["tools/call_frequency"]) for r in train]
+            print(f"tool calls per trajectory: first 5 steps {sum(calls[:5]) / 5:.3f}, last 5 steps "
+                  f"{sum(calls[-5:]) / 5:.3f}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ Each part is its own module with its own interface; the datamodule only wires th
   with generation where the backend streams (:mod:`rlflow.judgers.overlap`);
 * advantages: the estimator (the ``rlflow.advantages`` group) over every rank's batch;
 * :class:`~rlflow.data.dynamic_sampling.DynamicSampling` (optional) and the
-  :class:`~rlflow.data.replay_buffer.ReplayBuffer`.
+  :class:`~rlflow.data.replay_buffer.ReplayBuffer`;
+* multi-turn rollouts (optional, with ``tools`` or an ``environment``): :class:`~rlflow.rollout.multiturn.MultiTurn`
+  drives the backend turn by turn (:mod:`rlflow.rollout.multiturn`).
 
 Writers (``trajectories.jsonl``, the W&B samples table, the summary line) are callbacks that read the
 :class:`~rlflow.data.experience.RolloutStep` the module keeps (:mod:`rlflow.callbacks`).
@@ -48,6 +50,7 @@ from rlflow.judgers.base import Judger
 from rlflow.judgers.overlap import generate_and_judge
 from rlflow.judgers.panel import JudgePanel
 from rlflow.rollout.base import RolloutBackend, SamplingParams, stop_token_ids
+from rlflow.rollout.multiturn import MultiTurn, RecordsRollout, multiturn_metrics
 from rlflow.rollout.select import resolve_backend
 from rlflow.vision import ImageInputs, check_backend_accepts_images, load_processor, rollout_prompts
 
@@ -88,6 +91,11 @@ class RolloutDataModule(L.LightningDataModule):
         eval_k: int = 1,
         seed: int = 0,
         overlap_judging: bool = True,
+        tools: list[str] | None = None,
+        tool_parser: str = "hermes",
+        tool_timeout: float | None = 30.0,
+        environment: str | dict[str, Any] | None = None,
+        max_turns: int = 4,
     ) -> None:
         """
         Args:
@@ -133,6 +141,18 @@ class RolloutDataModule(L.LightningDataModule):
             overlap_judging: With a backend that streams finished groups (``engine``), judge them in a background
                 thread while the rest of the batch is still generating (same rewards and metrics as judging the
                 whole batch at once); see :mod:`rlflow.judgers.overlap`.
+            tools: Tools the policy may call, each an import path (``my_pkg.tools:search``, a TRL-style typed function
+                with a Google docstring) or a short name of the ``rlflow.tools`` group (``calculator``, ``python``);
+                from Python, the functions themselves.
+                Their schemas reach the chat template (``tools=``) and rollouts become multi-turn: ``max_tokens`` is
+                then the budget of the whole trajectory; see :mod:`rlflow.rollout.multiturn`.
+            tool_parser: How tool calls are found in a completion: a short name of ``rlflow.tool_parsers``
+                (``hermes``: ``<tool_call>{json}</tool_call>``) or an import path.
+            tool_timeout: Seconds one tool call may take; past it (or if the tool raises, or gets bad arguments) the
+                model gets an error message as the tool's result, counted in ``tools/failure_frequency``.
+            environment: A multi-turn environment (``rlflow.environments`` short name, import path or
+                ``class_path``/``init_args``), one instance per trajectory; see :mod:`rlflow.environments.base`.
+            max_turns: Most model turns per trajectory in multi-turn rollouts.
         """
         check_data_args(locals())  # every invalid value is one ConfigError naming its option
         super().__init__()
@@ -150,6 +170,16 @@ class RolloutDataModule(L.LightningDataModule):
         if not train_sources:
             raise ValueError("data.train_data_path is empty")
         eval_sources = parse_sources(eval_data_path, "data.eval_data_path")
+        from rlflow.tools.base import load_tools
+
+        self.tools = load_tools(tools)
+        if self.tools:  # the prompts are rendered with the tools' schemas, as the multi-turn messages are
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": [t.schema for t in self.tools.values()]}
+        self.multiturn_args = dict(parser=tool_parser, environment=environment, max_turns=max_turns,
+                                   tool_timeout=tool_timeout, chat_template_kwargs=chat_template_kwargs)
+        self.multiturn: MultiTurn | None = None  # built with the tokenizer
+        if self.tools or environment is not None:  # a wrong parser/environment/max_turns fails before any model loads
+            MultiTurn(None, self.tools, **self.multiturn_args)
         formats = dict(system_prompt=system_prompt, prompt_template=prompt_template,
                        chat_template_kwargs=chat_template_kwargs)
         # the parts, built here so that a wrong plugin name or setting fails before any model is loaded
@@ -200,6 +230,8 @@ class RolloutDataModule(L.LightningDataModule):
             stops = stop_token_ids(tokenizer, self.stop)
             self.sampling.stop_token_ids = self.eval_sampling.stop_token_ids = stops
             self.tokenizer = self.judges.tokenizer = tokenizer
+            if self.tools or self.multiturn_args["environment"] is not None:
+                self.multiturn = MultiTurn(tokenizer, self.tools, **self.multiturn_args)
         return self.tokenizer
 
     @property
@@ -279,8 +311,8 @@ class RolloutDataModule(L.LightningDataModule):
         k = self.prompt_repeat_k
         records = self.rank_share(batch)
         groups, rewards, metrics, texts, gen_time = generate_and_judge(
-            self.backend, self.judges.judge, records, self.sampling, k, self.overlap_judging, self.rollout_progress,
-            prompts=self.rollout_prompts(records))
+            self.rollout_backend(records), self.judges.judge, records, self.sampling, k, self.overlap_judging,
+            self.rollout_progress, prompts=self.rollout_prompts(records))
         chosen = Groups(records, [c for group in groups for c in group], rewards, texts)
         if self.dynamic_sampling is not None:
             chosen, sampling_metrics, extra_time = self.dynamic_sampling.fill(
@@ -288,11 +320,12 @@ class RolloutDataModule(L.LightningDataModule):
             metrics.update(sampling_metrics)
             gen_time += extra_time
         reward_t = torch.tensor(chosen.rewards, dtype=torch.float32)
-        lengths = torch.tensor([len(c.token_ids) for c in chosen.completions])
+        lengths = torch.tensor([c.num_sampled for c in chosen.completions])
         advantages = estimate_global(self.advantage, reward_t, k, lengths=lengths).tolist()
         experiences = [
             Experience(
-                prompt_ids=chosen.records[i // k].prompt_ids, completion_ids=c.token_ids, rollout_logprobs=c.logprobs,
+                prompt_ids=c.prompt_ids or chosen.records[i // k].prompt_ids, completion_ids=c.token_ids,
+                rollout_logprobs=c.logprobs, sampled_mask=c.mask,
                 reward=chosen.rewards[i], advantage=advantages[i], group=i // k, finish_reason=c.finish_reason,
                 policy_version=policy_version, data_source=chosen.records[i // k].data_source,
                 images=chosen.records[i // k].images,
@@ -301,10 +334,17 @@ class RolloutDataModule(L.LightningDataModule):
         self.buffer.add(experiences)
         metrics.update(rollout_metrics(reward_t, chosen.completions, k,
                                        sum(len(r.prompt_ids) for r in chosen.records) * k, gen_time))
+        metrics.update(multiturn_metrics(chosen.completions))
         metrics["data/dropped_prompts"] = float(self.train_prompts.dropped)
         sources = [r.data_source or r.origin for r in chosen.records for _ in range(k)]
         metrics.update(per_source_means(sources, chosen.rewards, "reward"))
         return RolloutStep(experiences, metrics, self.sample_rows(step, chosen.records, chosen.texts, experiences))
+
+    def rollout_backend(self, records: list[PromptRecord]) -> RolloutBackend:
+        """The backend that generates ``records``: the configured one, or its multi-turn view."""
+        if self.multiturn is None:
+            return self.backend
+        return RecordsRollout(self.multiturn, self.backend, records)
 
     def rank_share(self, batch: list[PromptRecord]) -> list[PromptRecord]:
         """This rank's prompts of a global batch: a contiguous slice, so a group never spans two ranks."""
@@ -315,7 +355,7 @@ class RolloutDataModule(L.LightningDataModule):
         """Generate and judge the training prompts at ``indices`` (dynamic sampling's extra rounds)."""
         records = [self.train_records[i] for i in indices]
         k = self.prompt_repeat_k
-        groups = self.backend.generate(self.rollout_prompts(records), self.sampling, n=k)
+        groups = self.rollout_backend(records).generate(self.rollout_prompts(records), self.sampling, n=k)
         completions = [c for group in groups for c in group]
         result, texts = self.judges.judge(records, completions, k)
         return Groups(records, completions, result.rewards, texts)
@@ -333,11 +373,17 @@ class RolloutDataModule(L.LightningDataModule):
         k = self.prompt_repeat_k
         return [{
             "step": step, "rank": self.rank, "group": e.group, "data_source": records[i // k].data_source,
-            "prompt": records[i // k].prompt_text, "completion": text,
+            "prompt": self.prompt_text(records[i // k], e), "completion": text,
             "ground_truth": records[i // k].columns.get("ground_truth"),
             "reward": e.reward, "advantage": e.advantage, "finish_reason": e.finish_reason,
             "num_tokens": len(e.completion_ids), "policy_version": e.policy_version,
         } for i, (text, e) in enumerate(zip(texts, experiences))]
+
+    def prompt_text(self, record: PromptRecord, experience: Experience) -> str:
+        """The prompt a sample was generated from: the record's, or the one its environment wrote (decoded)."""
+        if experience.prompt_ids is record.prompt_ids or experience.prompt_ids == record.prompt_ids:
+            return record.prompt_text
+        return self.tokenizer.decode(experience.prompt_ids, skip_special_tokens=False)
 
     def evaluate(self, batch: list[PromptRecord], step: int, batch_idx: int) -> dict[str, Any]:
         """Generate ``eval_k`` completions per prompt with the evaluation sampling settings and judge them.
@@ -349,13 +395,13 @@ class RolloutDataModule(L.LightningDataModule):
         assert self.backend is not None, "bind() the policy first"
         k = self.eval_k
         with isolated_rng(eval_seed(self.seed, step, batch_idx)):
-            groups = self.backend.generate(self.rollout_prompts(batch), self.eval_sampling, n=k)
+            groups = self.rollout_backend(batch).generate(self.rollout_prompts(batch), self.eval_sampling, n=k)
         result, _ = self.judges.judge(batch, [c for group in groups for c in group], k)
         per_prompt = [result.rewards[i * k: (i + 1) * k] for i in range(len(batch))]
         return {
             "rewards": per_prompt,
             "correct": [[r >= self.eval_pass_threshold for r in group] for group in per_prompt],
-            "lengths": [[len(c.token_ids) for c in g] for g in groups],
+            "lengths": [[c.num_sampled for c in g] for g in groups],
             "data_sources": [r.data_source for r in batch],
         }
 

@@ -3,6 +3,11 @@
 Sequences are laid out as TRL lays them out: the prompt left-padded to the longest prompt, then the
 completion right-padded to the longest completion, so that the logits of one slice line up with every
 completion token. Position ids are counted over real tokens only, as ``generate`` counts them.
+
+A multi-turn experience's completion holds tool/environment tokens between the model's turns; its
+``sampled_mask`` marks the sampled ones, and ``completion_mask`` (what every loss, log-prob statistic and KL
+reads) is True on those only, while ``token_mask`` covers every real completion token (what the packed forward
+computes log-probs for).
 """
 
 from __future__ import annotations
@@ -30,6 +35,12 @@ class Experience:
     ref_logprobs: list[float] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     images: list[str | bytes] | None = None  # the prompt's images (paths or bytes; rlflow.vision re-processes them)
+    sampled_mask: list[bool] | None = None
+
+    @property
+    def num_sampled(self) -> int:
+        """Completion tokens the model sampled (all of them unless multi-turn)."""
+        return len(self.completion_ids) if self.sampled_mask is None else sum(self.sampled_mask)
 
     @property
     def truncated(self) -> bool:
@@ -48,17 +59,23 @@ class RolloutStep:
 
 def completion_tensors(experiences: list[Experience], pad_id: int = 0) -> dict[str, torch.Tensor]:
     """The per-sequence tensors every collate returns: ``completion_ids`` (right-padded with ``pad_id``),
-    ``completion_mask`` and ``rollout_logprobs``/``old_logprobs``/``ref_logprobs`` (0 where absent) of shape
+    ``completion_mask`` (sampled tokens only, see the module docstring), ``token_mask`` (every completion token) and
+    ``rollout_logprobs``/``old_logprobs``/``ref_logprobs`` (0 where absent) of shape
     ``[sequences, max(longest completion, 1)]``, and ``advantages``/``truncated`` of shape ``[sequences]``."""
     b = len(experiences)
     c_width = max(max(len(e.completion_ids) for e in experiences), 1)
     completion_ids = torch.full((b, c_width), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((b, c_width), dtype=torch.bool)
+    token_mask = torch.zeros((b, c_width), dtype=torch.bool)
     rollout_lp, old_lp, ref_lp = torch.zeros((b, c_width)), torch.zeros((b, c_width)), torch.zeros((b, c_width))
     for i, e in enumerate(experiences):
         c = len(e.completion_ids)
         completion_ids[i, :c] = torch.tensor(e.completion_ids, dtype=torch.long)
-        completion_mask[i, :c] = True
+        token_mask[i, :c] = True
+        if e.sampled_mask is None:
+            completion_mask[i, :c] = True
+        else:
+            completion_mask[i, :c] = torch.tensor(e.sampled_mask[:c], dtype=torch.bool)
         rollout_lp[i, :c] = torch.tensor(e.rollout_logprobs[:c])
         if e.old_logprobs is not None:
             old_lp[i, :c] = torch.tensor(e.old_logprobs[:c])
@@ -67,6 +84,7 @@ def completion_tensors(experiences: list[Experience], pad_id: int = 0) -> dict[s
     return {
         "completion_ids": completion_ids,
         "completion_mask": completion_mask,
+        "token_mask": token_mask,
         "rollout_logprobs": rollout_lp,
         "old_logprobs": old_lp,
         "ref_logprobs": ref_lp,

@@ -285,13 +285,13 @@ def packed_completion_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies ``[sequences, completion_width]`` of a packed batch's completion tokens.
 
-    Zero where ``completion_mask`` is false, like the padded path's values there are ignored by the loss.
+    Zero past each completion's end (``token_mask``), like the padded path's values there are ignored by the loss.
     ``sharded``: ``model`` is FSDP2-sharded, so the decoder runs through the root's forward
     (:func:`rlflow.distributed.root_hidden_states`), which unshards the embeddings and LM head.
     """
     from rlflow.distributed import reshard_root_without_grad, root_hidden_states
 
-    mask = batch["completion_mask"]
+    mask = batch.get("token_mask", batch["completion_mask"])  # every completion token has a logit_index entry
     targets = batch["completion_ids"][mask]
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "attention_mask": None}
     lm_head = model.get_output_embeddings()

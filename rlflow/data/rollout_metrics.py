@@ -3,7 +3,8 @@
 ``reward``, ``reward_std`` (the mean over groups of the within-group standard deviation, as TRL logs it),
 ``frac_reward_zero_std``, ``completions/mean_length``, ``min_length``, ``max_length``, ``clipped_ratio`` (share
 that hit ``max_tokens``), ``mean_terminated_length``, plus rlflow's ``rollout/time`` and ``rollout/tokens_per_s``
-and the prompt/completion token counts that the module sums into TRL's cumulative ``num_tokens``.
+and the prompt/completion token counts that the module sums into TRL's cumulative ``num_tokens``. Lengths count the
+tokens the model sampled (a multi-turn completion's tool and environment tokens are not completion length).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import torch
 def rollout_metrics(rewards: torch.Tensor, completions: list[Any], k: int, prompt_tokens: int, gen_time: float,
                     ) -> dict[str, float]:
     """Metrics of ``rewards`` (``k`` per group, in group order) and their ``completions``."""
-    lengths = torch.tensor([len(c.token_ids) for c in completions], dtype=torch.float32)
+    lengths = torch.tensor([c.num_sampled for c in completions], dtype=torch.float32)
     group_std = rewards.view(-1, k).std(dim=1)
-    terminated = [len(c.token_ids) for c in completions if c.finish_reason == "stop"]
+    terminated = [c.num_sampled for c in completions if c.finish_reason == "stop"]
     return {
         "reward": rewards.mean().item(),
         "reward_std": group_std.mean().item(),

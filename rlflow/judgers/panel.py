@@ -147,6 +147,13 @@ class JudgePanel:
         ]
         keys = sorted({key for r in records for key in r.columns})
         columns = {key: [r.columns.get(key) for r in reps] for key in keys}
+        if any(getattr(c, "messages", None) is not None for c in completions):
+            # multi-turn: judgers see the whole conversation after the prompt, the texts keep the chat markup (the
+            # samples table and trajectories.jsonl show every turn, tool calls and results), ``env_reward`` is the
+            # environment's summed reward (the ``env_reward`` judger reads it)
+            shaped = [c.messages if c.messages is not None else s for c, s in zip(completions, shaped)]
+            texts = self.tokenizer.batch_decode(ids, skip_special_tokens=False)
+            columns["env_reward"] = [getattr(c, "env_reward", None) for c in completions]
         result = self.routing.judge([r.origin for r in reps], [r.prompt for r in reps], shaped, ids, columns,
                                     default=self.default)
         return result, texts

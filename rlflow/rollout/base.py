@@ -71,11 +71,27 @@ class Completion:
     sampling distribution's log-probs of those tokens, ``log_softmax(logits / temperature)`` before top-k/top-p
     truncation (what the trainer computes too, so the two can be compared); ``finish_reason`` is ``stop`` or
     ``length``.
+
+    A multi-turn trajectory (:mod:`rlflow.rollout.multiturn`) is one completion too: ``token_ids`` are every token
+    after the prompt, ``mask`` is True on the ones the model sampled (tool and environment tokens are context,
+    their ``logprobs`` 0), ``prompt_ids`` is set when the environment wrote the prompt, ``messages`` is the
+    conversation after the prompt (what judgers see), ``env_reward`` the environment's summed reward and ``info``
+    the turn and tool-call counts. Single-turn completions leave them None.
     """
 
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    mask: list[bool] | None = None
+    prompt_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    env_reward: float | None = None
+    info: dict[str, Any] | None = None
+
+    @property
+    def num_sampled(self) -> int:
+        """Tokens the model sampled (all of them for a single-turn completion)."""
+        return len(self.token_ids) if self.mask is None else sum(self.mask)
 
 
 class UnsupportedModelError(ConfigError):

@@ -1,0 +1,298 @@
+"""Multi-turn rollouts: the model calls tools or talks to an environment, token-in/token-out, on any backend.
+
+:class:`MultiTurn` drives a :class:`~rlflow.rollout.base.RolloutBackend` turn by turn. A trajectory is
+
+    prompt ids | sampled turn 1 | inserted tokens 1 | sampled turn 2 | ... | sampled turn T
+
+and everything after the prompt is one :class:`~rlflow.rollout.base.Completion` whose ``mask`` is True exactly on
+the sampled tokens (their ``logprobs`` are the sampler's; the inserted ones get 0.0 and are context only: no loss,
+no log-prob, no KL). Each turn:
+
+1. the backend generates from the token ids of the trajectory so far (the first turn: ``n`` = group size from the
+   prompt, so the engine shares the prompt's prefill; later turns: one call over every still-active trajectory),
+   with the rest of the ``data.max_tokens`` budget as the turn's limit;
+2. the turn's text is decoded (for the parser and the messages only: the sampled ids themselves are kept), the tool
+   parser finds the calls, every active trajectory's calls run concurrently in the :class:`ToolRunner` (timeout per
+   call; failures become tool messages), the environment (if any) answers the turn;
+3. the new messages (tool results, the environment's observation) are turned into tokens by rendering the chat
+   template and keeping only what it adds after the model's turn: :meth:`MultiTurn.insert_ids` renders a
+   placeholder conversation ``[user, assistant(PLACEHOLDER), *new messages]`` with the generation prompt and takes
+   the text after ``PLACEHOLDER``, minus the stop token the model already sampled (``<|im_end|>``), so the
+   template's end-of-turn remainder (``\\n``), the new messages and the next ``<|im_start|>assistant\\n`` are
+   inserted. The sampled text is never re-rendered or re-tokenized, so a template that is not append-only
+   (Qwen3 drops earlier turns' ``<think>`` blocks) cannot make the trained ids drift from the sampled ones.
+
+A trajectory ends when a turn has no tool call and no environment observation, the environment says ``done``, at
+``data.max_turns`` model turns, or when the budget is spent (``finish_reason`` ``length``).
+
+Backends: ``hf`` and ``engine`` re-prefill the trajectory each turn (the engine shares the prefix common to all
+rows of a call, not each row's own history: continuing from a group's KV cache is not implemented); ``lmdeploy``
+sends one token-id ``/generate`` request per trajectory and turn. A trajectory's tool calls start as soon as its
+group is generated (on the ``engine``, which streams finished groups, while the other groups still generate).
+Simplification: turns are synchronous across the batch, so the next turn starts when every trajectory's tools
+have answered; a slow tool delays the next turn of the others (finished trajectories leave).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlflow import registry
+from rlflow.environments.base import Environment, EnvStep
+from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams
+from rlflow.tools.base import Tool, ToolCall, ToolResult, ToolRunner
+from rlflow.tools.parsers import GROUP as PARSER_GROUP
+from rlflow.tools.parsers import ToolParser
+
+ENV_GROUP = "rlflow.environments"
+PLACEHOLDER = "\u2063RLFLOW_TURN\u2063"
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Trajectory:
+    prompt_ids: list[int]
+    messages: list[dict[str, Any]]  # the conversation after the prompt
+    env: Environment | None = None
+    ids: list[int] = field(default_factory=list)
+    mask: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: int = 0
+    finish_reason: str = "stop"
+    done: bool = False
+    env_reward: float | None = None
+    tool_calls: Counter = field(default_factory=Counter)
+    tool_failures: Counter = field(default_factory=Counter)
+    env_failed: bool = False
+
+    def completion(self) -> Completion:
+        info = {"turns": self.turns, "tool_calls": dict(self.tool_calls), "tool_failures": dict(self.tool_failures),
+                "env_failed": self.env_failed}
+        return Completion(self.ids, self.logprobs, self.finish_reason, mask=self.mask, prompt_ids=self.prompt_ids,
+                          messages=self.messages, env_reward=self.env_reward, info=info)
+
+
+def assistant_message(content: str, calls: list[ToolCall]) -> dict[str, Any]:
+    """The assistant message of a turn in the transformers/TRL layout (``tool_calls`` when there are any)."""
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [{"type": "function", "function": {"name": c.name, "arguments": c.arguments or {}}}
+                                 for c in calls]
+    return message
+
+
+class MultiTurn:
+    """Runs multi-turn rollouts with tools and/or an environment over any rollout backend.
+
+    Args:
+        tokenizer: The policy's tokenizer (its chat template renders the inserted messages).
+        tools: The tools by name (:func:`rlflow.tools.base.load_tools`); may be empty with an environment.
+        parser: The tool-call parser: a short name of the ``rlflow.tool_parsers`` group, an import path or an
+            object.
+        environment: The environment: a short name of ``rlflow.environments``, an import path, a
+            ``class_path``/``init_args`` mapping, or None. One instance is built per trajectory.
+        max_turns: Most model turns per trajectory.
+        tool_timeout: Seconds one tool call may take.
+        chat_template_kwargs: Passed to every ``apply_chat_template`` (``tools`` is added from ``tools``).
+    """
+
+    def __init__(self, tokenizer: Any, tools: dict[str, Tool], parser: Any = "hermes", environment: Any = None,
+                 max_turns: int = 4, tool_timeout: float | None = 30.0,
+                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
+        if max_turns < 1:
+            raise ValueError(f"data.max_turns must be >= 1, got {max_turns}")
+        self.tokenizer = tokenizer
+        self.tools = tools
+        self.runner = ToolRunner(tools, tool_timeout)
+        self.parser: ToolParser = registry.build(PARSER_GROUP, parser)
+        self.environment = environment
+        if environment is not None:
+            self.make_env()  # a wrong name or argument fails now, not mid-rollout
+        self.max_turns = max_turns
+        self.template_kwargs = dict(chat_template_kwargs or {})
+        if tools:
+            self.template_kwargs["tools"] = [t.schema for t in tools.values()]
+
+    def make_env(self) -> Environment:
+        spec = self.environment
+        if isinstance(spec, Environment):
+            return copy.deepcopy(spec)
+        env = registry.build(ENV_GROUP, spec)
+        if isinstance(env, type):
+            env = env()
+        return env
+
+    # ---------------------------------------------------------------------------------------- tokens
+    def render(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt,
+                                                  **self.template_kwargs)
+
+    def insert_ids(self, new_messages: list[dict[str, Any]], last_sampled: int | None) -> list[int]:
+        """The token ids the chat template adds after a model turn that ended with ``last_sampled``, for
+        ``new_messages`` and the next generation prompt (see the module docstring)."""
+        dummy = [{"role": "user", "content": "?"}, {"role": "assistant", "content": PLACEHOLDER}]
+        text = self.render(dummy + new_messages, generation_prompt=True)
+        at = text.rfind(PLACEHOLDER)
+        if at < 0:
+            raise ValueError("the chat template does not render an assistant message's content verbatim, so the "
+                             "tokens of tool/environment messages cannot be isolated from it")
+        suffix = text[at + len(PLACEHOLDER):]
+        if last_sampled is not None:
+            stop_text = self.tokenizer.decode([last_sampled])
+            if stop_text and suffix.startswith(stop_text):
+                suffix = suffix[len(stop_text):]
+        return self.tokenizer.encode(suffix, add_special_tokens=False)
+
+    def start(self, record: Any) -> _Trajectory:
+        """A trajectory for ``record``: its own prompt, or the environment's first messages rendered."""
+        env = self.make_env() if self.environment is not None else None
+        prompt_ids = list(record.prompt_ids)
+        if env is not None:
+            first = env.reset({"prompt": record.prompt, **record.columns})
+            if first is not None:
+                prompt_ids = self.tokenizer.encode(self.render(first, generation_prompt=True),
+                                                   add_special_tokens=False)
+        return _Trajectory(prompt_ids, [], env)
+
+    # ---------------------------------------------------------------------------------------- the loop
+    def generate(self, backend: RolloutBackend, records: list[Any], params: SamplingParams, n: int = 1,
+                 progress: Progress | None = None) -> list[list[Completion]]:
+        """``n`` multi-turn trajectories per record, in record order."""
+        trajectories = [self.start(r) for r in records for _ in range(n)]
+        budget = params.max_tokens
+        if self.environment is None:  # n samples of each prompt: the backend shares the prompt's prefill
+            prompts, owners, k = [r.prompt_ids for r in records], [list(range(i * n, (i + 1) * n))
+                                                                    for i in range(len(records))], n
+        else:
+            prompts, owners, k = [t.prompt_ids for t in trajectories], [[i] for i in range(len(trajectories))], 1
+        active = list(range(len(trajectories)))
+        while True:
+            self.run_turn(backend, trajectories, prompts, owners, dataclasses.replace(params, max_tokens=min(
+                budget, max(budget - len(trajectories[i].ids) for i in active))), k, budget)
+            active = [i for i in active if not trajectories[i].done]
+            if not active:
+                break
+            prompts = [trajectories[i].prompt_ids + trajectories[i].ids for i in active]
+            owners, k = [[i] for i in active], 1
+        done = [t.completion() for t in trajectories]
+        if progress is not None:
+            progress(len(done), sum(sum(c.mask) for c in done))
+        return [done[i * n: (i + 1) * n] for i in range(len(records))]
+
+    def run_turn(self, backend: RolloutBackend, trajectories: list[_Trajectory], prompts: list[list[int]],
+                 owners: list[list[int]], params: SamplingParams, n: int, budget: int) -> None:
+        """One model turn of the trajectories ``owners`` names (``n`` per prompt): each finished group's tool calls
+        start at once (on a backend that streams, while the others still generate), then the tool results and the
+        environment's answers are inserted, trajectory by trajectory in order."""
+        pending: dict[int, tuple[Completion, str, list[ToolCall], Any]] = {}
+        for p, group in backend.stream(prompts, params, n=n):
+            for i, out in zip(owners[p], group):
+                text, calls = self.take_turn(trajectories[i], out, budget)
+                pending[i] = (out, text, calls, self.runner.submit(calls) if calls else None)
+        for i in sorted(pending):
+            out, text, calls, future = pending[i]
+            self.finish_turn(trajectories[i], out, text, calls, future.result() if future is not None else [], budget)
+
+    def take_turn(self, t: _Trajectory, out: Completion, budget: int) -> tuple[str, list[ToolCall]]:
+        """Append a sampled turn to ``t`` (cut to the budget left); return its text and the calls to run."""
+        room = budget - len(t.ids)
+        tokens, lps = out.token_ids[:room], out.logprobs[:room]
+        cut = len(tokens) < len(out.token_ids)
+        t.ids += tokens
+        t.logprobs += [float(x) for x in lps]
+        t.mask += [True] * len(tokens)
+        t.turns += 1
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        content, calls = self.parser.parse(text) if self.tools else (text, [])
+        t.messages.append(assistant_message(content, calls))
+        if cut or out.finish_reason == "length" or len(t.ids) >= budget:
+            t.finish_reason, t.done = "length", True
+        return text, [] if t.done or t.turns >= self.max_turns else calls
+
+    def finish_turn(self, t: _Trajectory, out: Completion, text: str, calls: list[ToolCall],
+                    results: list[ToolResult], budget: int) -> None:
+        """Count the calls, ask the environment, and insert the new messages' tokens (or end the trajectory)."""
+        if t.done:
+            return
+        new: list[dict[str, Any]] = []
+        for call, result in zip(calls, results):
+            t.tool_calls[call.name or "?"] += 1
+            if not result.ok:
+                t.tool_failures[result.failure or "failed"] += 1
+            new.append({"role": "tool", "name": result.name, "content": result.content})
+        step = self.env_step(t, text) if t.env is not None else EnvStep()
+        if step.reward is not None:
+            t.env_reward = (t.env_reward or 0.0) + float(step.reward)
+        new += list(step.observation)
+        if step.done or not new or t.turns >= self.max_turns:
+            t.done = True
+            return
+        inserted = self.insert_ids(new, out.token_ids[-1] if out.finish_reason == "stop" else None)
+        t.messages += new
+        if len(t.ids) + len(inserted) >= budget:  # no room left for another model turn
+            t.finish_reason, t.done = "length", True
+            return
+        t.ids += inserted
+        t.logprobs += [0.0] * len(inserted)
+        t.mask += [False] * len(inserted)
+
+    @staticmethod
+    def env_step(t: _Trajectory, text: str) -> EnvStep:
+        try:
+            step = t.env.step(text)
+        except Exception as exc:  # noqa: BLE001 - a failing environment ends its trajectory, not the run
+            log.warning("environment %s raised on a turn; its trajectory ends (counted in env/failures): %s: %s",
+                        type(t.env).__name__, type(exc).__name__, exc)
+            t.env_failed = True
+            return EnvStep(done=True)
+        if not isinstance(step, EnvStep):
+            raise TypeError(f"environment {type(t.env).__name__}.step() returned {type(step).__name__}; "
+                            "it must return an EnvStep")
+        return step
+
+
+def multiturn_metrics(completions: list[Completion]) -> dict[str, float]:
+    """Tool and turn metrics of a batch, TRL's names where TRL has them: ``tools/call_frequency`` (tool calls per
+    trajectory), ``tools/failure_frequency`` (failed share of the calls), ``tools/failures/<kind>``,
+    ``tools/calls/<tool>``, ``turns/mean``/``max``, ``env/failures``."""
+    infos = [c.info for c in completions if c.info is not None and "turns" in c.info]
+    if not infos:
+        return {}
+    calls: Counter = Counter()
+    failures: Counter = Counter()
+    for info in infos:
+        calls.update(info["tool_calls"])
+        failures.update(info["tool_failures"])
+    total, failed = sum(calls.values()), sum(failures.values())
+    metrics = {
+        "tools/call_frequency": total / len(infos),
+        "tools/failure_frequency": failed / total if total else 0.0,
+        "turns/mean": sum(i["turns"] for i in infos) / len(infos),
+        "turns/max": float(max(i["turns"] for i in infos)),
+        "env/failures": float(sum(bool(i.get("env_failed")) for i in infos)),
+    }
+    metrics.update({f"tools/calls/{name}": float(v) for name, v in sorted(calls.items())})
+    metrics.update({f"tools/failures/{kind}": float(v) for kind, v in sorted(failures.items())})
+    return metrics
+
+
+class RecordsRollout(RolloutBackend):
+    """A backend view of one multi-turn call: ``generate`` is answered for the bound ``records`` (the prompt ids
+    it gets must be theirs), so the judging code that drives a backend (:mod:`rlflow.judgers.overlap`) drives
+    multi-turn rollouts unchanged."""
+
+    streams = False
+
+    def __init__(self, multiturn: MultiTurn, backend: RolloutBackend, records: list[Any]) -> None:
+        self.multiturn, self.backend, self.records = multiturn, backend, records
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
+                 progress: Progress | None = None) -> list[list[Completion]]:
+        if [list(p) for p in prompts] != [list(r.prompt_ids) for r in self.records]:
+            raise ValueError("RecordsRollout.generate got prompts other than its records'")
+        return self.multiturn.generate(self.backend, self.records, params, n=n, progress=progress)
