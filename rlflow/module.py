@@ -169,7 +169,9 @@ class GRPOModule(L.LightningModule):
                 ``abs``; None keeps the loss's own (``k3``).
             ref_model_path: Reference model; defaults to ``model_path``.
             rollout_is: Rollout/training mismatch correction from the rollout engine's log-probs: ``token_truncate``,
-                ``sequence_truncate`` (TIS), ``token_mask``, ``sequence_mask`` (MIS); None disables it.
+                ``sequence_truncate`` (TIS), ``token_mask``, ``sequence_mask`` (MIS). None: off, except with pipelined
+                generation (``data.max_staleness > 0``), where it defaults to ``token_truncate`` against the
+                generator's (behaviour) log-probs; ``off`` disables it there too.
             rollout_is_cap: Upper bound of the rollout importance ratio (truncated to it, or masked above it).
             rollout_is_min: MIS only: also mask rollout importance ratios below this.
             optimizer_steps: Optimizer steps (mini-batches) per rollout step.
@@ -206,7 +208,8 @@ class GRPOModule(L.LightningModule):
             check_model_path(ref_model_path, "model.ref_model_path")
         settings = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high, "kl_coef": kl_coef, "kl_type": kl_type}
         self.loss_fn = build_loss(loss, settings, max_tokens)
-        self.correction = RolloutCorrection(rollout_is, rollout_is_cap, rollout_is_min) if rollout_is else None
+        on = rollout_is is not None and rollout_is != "off"
+        self.correction = RolloutCorrection(rollout_is, rollout_is_cap, rollout_is_min) if on else None
         self.policy: torch.nn.Module | None = None
         self.policy_version = 0  # optimizer steps taken: the version of the weights that sample next
         self.num_tokens = 0.0  # TRL's cumulative prompt + completion tokens
@@ -265,8 +268,26 @@ class GRPOModule(L.LightningModule):
         if self.ref_model is not None and not self.sharded:  # a sharded reference already sits on its devices
             self.ref_model.to(self.device)
         self.experience.bind(self.policy)
+        self.check_pipelining(getattr(self.experience, "max_staleness", 0))
         self.packing_checked = resolve_packing(bool(self.hparams.get("packing")), [self.policy, self.ref_model],
                                                self.sharded, self.hparams.pack_max_length)
+
+    def check_pipelining(self, max_staleness: int) -> None:
+        """With ``data.max_staleness > 0`` (:mod:`rlflow.data.pipeline`): the bound must admit the one-step
+        pipeline's staleness, and the importance-sampling correction is on unless ``model.rollout_is: off``."""
+        if not max_staleness:
+            return
+        hp = self.hparams
+        per_step = hp.optimizer_steps * hp.num_iterations
+        if max_staleness < per_step:
+            raise ConfigError(
+                f"data.max_staleness={max_staleness} is below the pipeline's staleness of {per_step} policy versions "
+                f"(model.optimizer_steps={hp.optimizer_steps} x model.num_iterations={hp.num_iterations}): every "
+                f"batch would be stale; set data.max_staleness >= {per_step} or 0")
+        if self.correction is None and hp.rollout_is != "off":
+            self.correction = RolloutCorrection("token_truncate", hp.rollout_is_cap, hp.rollout_is_min)
+            info(f"data.max_staleness={max_staleness}: rollout importance-sampling correction token_truncate "
+                 f"(cap {hp.rollout_is_cap}) against the generator's log-probs; model.rollout_is=off disables it")
 
     @property
     def packing(self) -> bool:

@@ -38,6 +38,7 @@ from rlflow.data.dataset import PromptRecord
 from rlflow.data.dynamic_sampling import DynamicSampling, Groups
 from rlflow.data.experience import Experience, RolloutStep
 from rlflow.data.mix import MixBatchSampler
+from rlflow.data.pipeline import make_pipeline
 from rlflow.data.prompts import PromptSet
 from rlflow.data.replay_buffer import ReplayBuffer
 from rlflow.data.rollout_metrics import rollout_metrics
@@ -87,6 +88,9 @@ class RolloutDataModule(L.LightningDataModule):
         eval_k: int = 1,
         seed: int = 0,
         overlap_judging: bool = True,
+        max_staleness: int = 0,
+        stale_policy: str = "regenerate",
+        generator_threads: int = 1,
     ) -> None:
         """
         Args:
@@ -132,6 +136,14 @@ class RolloutDataModule(L.LightningDataModule):
             overlap_judging: With a backend that streams finished groups (``engine``), judge them in a background
                 thread while the rest of the batch is still generating (same rewards and metrics as judging the
                 whole batch at once); see :mod:`rlflow.judgers.overlap`.
+            max_staleness: Pipelined GRPO: 0 (the default) is the strictly on-policy loop; N > 0 generates the next
+                rollout step in a separate process while the trainer updates on this one, and trains on an
+                experience only while ``trained version - sampling version <= N`` policy versions (the one-step
+                pipeline's staleness is ``model.optimizer_steps x model.num_iterations``); turns the rollout
+                importance-sampling correction on unless ``model.rollout_is: off``. See :mod:`rlflow.data.pipeline`.
+            stale_policy: With ``max_staleness > 0``, experience beyond the bound is ``drop``-ped (counted) or
+                ``regenerate``-d from the current weights (counted).
+            generator_threads: With ``max_staleness > 0``, torch threads of the generator process.
         """
         check_data_args(locals())  # every invalid value is one ConfigError naming its option
         super().__init__()
@@ -176,6 +188,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.eval_k = eval_k
         self.seed = seed
         self.overlap_judging = overlap_judging
+        self.max_staleness = max_staleness
+        self.pipeline = make_pipeline(max_staleness, stale_policy, generator_threads, seed, dynamic_sampling)
 
     # ----------------------------------------------------------------------------------------------- set-up
     def load_tokenizer(self) -> Any:
@@ -266,8 +280,11 @@ class RolloutDataModule(L.LightningDataModule):
             self.sampler.mark_consumed()  # its checkpointed position follows trained batches, not prefetched ones
         k = self.prompt_repeat_k
         records = self.rank_share(batch)
+        backend, pipelined = self.backend, {}
+        if self.pipeline is not None:  # data.max_staleness > 0: generated ahead, in another process
+            backend, policy_version, pipelined = self.pipeline.take(self, records, policy_version, step)
         groups, rewards, metrics, texts, gen_time = generate_and_judge(
-            self.backend, self.judges.judge, records, self.sampling, k, self.overlap_judging, self.rollout_progress)
+            backend, self.judges.judge, records, self.sampling, k, self.overlap_judging, self.rollout_progress)
         chosen = Groups(records, [c for group in groups for c in group], rewards, texts)
         if self.dynamic_sampling is not None:
             chosen, sampling_metrics, extra_time = self.dynamic_sampling.fill(
@@ -287,6 +304,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.buffer.add(experiences)
         metrics.update(rollout_metrics(reward_t, chosen.completions, k,
                                        sum(len(r.prompt_ids) for r in chosen.records) * k, gen_time))
+        metrics.update(pipelined)
         metrics["data/dropped_prompts"] = float(self.train_prompts.dropped)
         sources = [r.data_source or r.origin for r in chosen.records for _ in range(k)]
         metrics.update(per_source_means(sources, chosen.rewards, "reward"))
@@ -350,9 +368,18 @@ class RolloutDataModule(L.LightningDataModule):
         """The replay buffer, as plain types (``torch.load(weights_only=True)`` reads it); the sampler's position
         is saved by Lightning through :class:`PromptLoader`."""
         buffer = self.buffer.state_dict()
-        return {"buffer": {**buffer, "items": [dataclasses.asdict(e) for e in buffer["items"]]}}
+        state = {"buffer": {**buffer, "items": [dataclasses.asdict(e) for e in buffer["items"]]}}
+        if self.pipeline is not None:
+            state["pipeline"] = self.pipeline.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("buffer") is not None:
             buffer = state["buffer"]
             self.buffer.load_state_dict({**buffer, "items": [Experience(**e) for e in buffer["items"]]})
+        if self.pipeline is not None and state.get("pipeline") is not None:
+            self.pipeline.load_state_dict(state["pipeline"])
+
+    def teardown(self, stage: str) -> None:
+        if self.pipeline is not None and stage == "fit":
+            self.pipeline.close()  # the generator process

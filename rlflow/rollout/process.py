@@ -1,0 +1,223 @@
+"""A rollout backend in its own process, on its own copy of the policy's weights in shared memory.
+
+:class:`GeneratorProcess` starts one worker process (``torch.multiprocessing``, ``spawn``) that runs an ordinary
+rollout backend (``engine`` or ``hf``, chosen by ``data.rollout`` as in the trainer) with its own torch threads.
+Its model is a copy of the policy whose parameters live in shared memory (``Module.share_memory()``): the trainer
+refreshes them in place with :meth:`GeneratorProcess.load_weights` (one ``copy_`` per parameter, no pickling of
+the model per step; the tensors were handed to the worker once, at start, as shared-memory handles). Jobs
+(token-id prompts, sampling parameters, a seed, the policy version of the weights) go through one queue and
+completions, stamped with that version, come back through another.
+
+The worker seeds torch's generator with the job's seed before generating, so a job's completions depend only on
+the weights, the prompts and the seed, not on timing: the trainer decides when weights change
+(:mod:`rlflow.data.pipeline` only writes them while the worker is idle). The worker exits when its parent
+dies (``kill -9`` of the trainer leaves no orphan), when told to, or when its queue is closed.
+
+Simplifications: one job at a time; a backend given as an object (not a name) is rebuilt in the worker from its
+class with default arguments; judging stays in the trainer process.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from rlflow.rollout.base import Completion, SamplingParams
+
+
+@dataclass
+class Job:
+    """One generation request: ``n`` completions per prompt from the weights of ``version``, seeded."""
+
+    step: int
+    version: int
+    seed: int
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    delay: float = 0.0  # seconds to sleep before generating (tests: an adversarially slow generator)
+
+
+@dataclass
+class JobResult:
+    """The completions of a :class:`Job` as plain lists (``[prompt][sample] = (token_ids, logprobs, reason)``)."""
+
+    step: int
+    version: int
+    prompts: list[list[int]]
+    groups: list[list[tuple[list[int], list[float], str]]]
+    seconds: float
+
+    def completions(self) -> list[list[Completion]]:
+        return [[Completion(list(ids), list(lps), reason) for ids, lps, reason in group] for group in self.groups]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for group in self.groups for ids, _, _ in group)
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain types only (a checkpoint is read with ``torch.load(weights_only=True)``)."""
+        return {"step": self.step, "version": self.version, "prompts": self.prompts, "seconds": self.seconds,
+                "groups": [[[list(ids), list(lps), reason] for ids, lps, reason in g] for g in self.groups]}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> JobResult:
+        groups = [[(list(ids), list(lps), str(reason)) for ids, lps, reason in g] for g in state["groups"]]
+        return cls(int(state["step"]), int(state["version"]), [list(p) for p in state["prompts"]], groups,
+                   float(state["seconds"]))
+
+
+def generator_copy(policy: torch.nn.Module) -> torch.nn.Module:
+    """A fresh module of the policy's architecture and dtype, weights copied in, parameters in shared memory."""
+    from transformers import AutoModelForCausalLM
+
+    config = policy.config
+    dtype = next(iter(policy.state_dict().values())).dtype
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    attn = getattr(config, "_attn_implementation", None)
+    if attn:
+        kwargs["attn_implementation"] = attn
+    model = AutoModelForCausalLM.from_config(config, **kwargs)
+    model.eval().requires_grad_(False)
+    copy_weights(policy, model)
+    return model.share_memory()
+
+
+@torch.no_grad()
+def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """Copy every parameter of ``src`` into the parameter of the same name of ``dst`` (in place).
+
+    An FSDP-sharded ``src`` must be unsharded around the call (:func:`rlflow.distributed.full_weights`); a
+    DTensor parameter is gathered all the same.
+    """
+    params = dict(dst.named_parameters())
+    for name, p in src.named_parameters():
+        value = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if name not in params:
+            raise KeyError(f"the generator's model has no parameter {name!r}")
+        params[name].copy_(value.detach().to(params[name].dtype))
+
+
+def _worker(model: torch.nn.Module, tokenizer_path: str, spec: Any, threads: int, jobs: Any, results: Any) -> None:
+    """The worker process: build the backend on the shared model, then run jobs until told to stop."""
+    try:
+        torch.set_num_threads(max(int(threads), 1))
+        from transformers import AutoTokenizer
+
+        from rlflow import registry
+        from rlflow.rollout.select import resolve_backend
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if isinstance(spec, type):
+            backend = spec()
+            backend.bind(model, tokenizer)
+        else:
+            backend = resolve_backend(spec, model, tokenizer) if spec is not None else registry.build(
+                "rlflow.rollout", "hf")
+        results.put(("ready", os.getpid()))
+    except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
+        results.put(("error", traceback.format_exc()))
+        return
+    parent = mp.parent_process()
+    while True:
+        try:
+            job = jobs.get(timeout=0.5)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return  # the trainer was killed: do not linger
+            continue
+        if job is None:
+            return
+        try:
+            if job.delay:
+                time.sleep(job.delay)
+            torch.manual_seed(job.seed)
+            start = time.perf_counter()
+            groups = backend.generate(job.prompts, job.params, n=job.n)
+            seconds = time.perf_counter() - start
+            plain = [[(list(c.token_ids), [float(x) for x in c.logprobs], c.finish_reason) for c in g] for g in groups]
+            results.put(("done", JobResult(job.step, job.version, job.prompts, plain, seconds)))
+        except BaseException:  # noqa: BLE001
+            results.put(("error", traceback.format_exc()))
+
+
+class GeneratorProcess:
+    """A rollout backend running in a child process on a shared-memory copy of the policy (see the module doc).
+
+    Args:
+        policy: The live policy (unsharded if it is FSDP-sharded); its architecture and first weights are copied.
+        tokenizer_path: Tokenizer the worker loads.
+        spec: The ``data.rollout`` value (``auto``, ``engine``, ``hf``, a mapping) or a backend class.
+        threads: torch threads of the worker.
+        start_timeout: Seconds to wait for the worker to build its backend.
+    """
+
+    def __init__(self, policy: torch.nn.Module, tokenizer_path: str, spec: Any, threads: int = 1,
+                 start_timeout: float = 600.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.model = generator_copy(policy)
+        self.jobs = ctx.Queue()
+        self.results = ctx.Queue()
+        self.process = ctx.Process(target=_worker, name="rlflow-generator", daemon=True,
+                                   args=(self.model, tokenizer_path, spec, threads, self.jobs, self.results))
+        self.process.start()
+        self.busy = False
+        kind, payload = self._receive(start_timeout)
+        if kind != "ready":
+            self.close()
+            raise RuntimeError(f"the generator process failed to start:\n{payload}")
+
+    def _receive(self, timeout: float | None) -> tuple[str, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return self.results.get(timeout=1.0)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the generator process died (exit code {self.process.exitcode})") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"the generator process gave no answer in {timeout} s") from None
+
+    def load_weights(self, policy: torch.nn.Module) -> None:
+        """Copy the policy's current weights into the shared copy; only while no job runs (the worker reads them)."""
+        if self.busy:
+            raise RuntimeError("load_weights while the generator is generating: the job would mix two versions")
+        copy_weights(policy, self.model)
+
+    def submit(self, job: Job) -> None:
+        if self.busy:
+            raise RuntimeError("the generator runs one job at a time; collect() the previous one first")
+        self.jobs.put(job)
+        self.busy = True
+
+    def collect(self, timeout: float | None = None) -> JobResult:
+        """Wait for the job submitted last; raise (with the worker's traceback) if it failed."""
+        if not self.busy:
+            raise RuntimeError("collect() without a submitted job")
+        kind, payload = self._receive(timeout)
+        self.busy = False
+        if kind != "done":
+            raise RuntimeError(f"the generator process failed:\n{payload}")
+        return payload
+
+    def close(self) -> None:
+        """Stop the worker (asking first, then terminating it)."""
+        if self.process.is_alive():
+            try:
+                self.jobs.put(None)
+            except (OSError, ValueError):
+                pass
+            self.process.join(timeout=5)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(timeout=5)
+        self.busy = False
