@@ -99,6 +99,7 @@ class RolloutPipeline:
         self.generator: GeneratorProcess | None = None
         self.in_flight: Job | None = None
         self.ready: JobResult | None = None  # collected early (a checkpoint) or loaded from one
+        self.waited = 0.0  # seconds the trainer blocked on the generator since the last rollout step
 
     # ------------------------------------------------------------------------------------------- schedule
     def take(self, dm: Any, records: list[Any], policy_version: int, step: int,
@@ -111,7 +112,6 @@ class RolloutPipeline:
             self.generator = GeneratorProcess(policy, dm.tokenizer_path, _worker_spec(dm), self.threads)
         prompts = [r.prompt_ids for r in records]
         k = dm.prompt_repeat_k
-        start = time.perf_counter()
         result = self._result_for(step, prompts)
         if result is None:  # nothing in flight for this step (the first step, or a resume without one)
             result = self._generate_now(policy, policy_version, step, prompts, dm.sampling, k)
@@ -122,7 +122,7 @@ class RolloutPipeline:
             self.gate.regenerated_groups += len(gate.stale)  # a whole batch: sample it again (see module doc)
             result = self._generate_now(policy, policy_version, step, prompts, dm.sampling, k)
             gate = self.gate.check([result.version] * len(prompts), policy_version)
-        waited = time.perf_counter() - start
+        waited, self.waited = self.waited, 0.0
         # the next step's prompts, from the weights as they are now, while this step trains
         next_records = dm.rank_share([dm.train_records[i] for i in peek_next_batch(dm.sampler)])
         self.generator.load_weights(policy)
@@ -132,7 +132,7 @@ class RolloutPipeline:
         metrics.update({
             "rollout/time": result.seconds,  # the generator's own time; the trainer's wait is rollout/wait_time
             "rollout/tokens_per_s": result.num_tokens / max(result.seconds, 1e-9),
-            "rollout/wait_time": waited,
+            "rollout/wait_time": waited,  # blocked on the generator (also while a checkpoint waited for it)
         })
         return FixedRollout(prompts, result.completions()), result.version, metrics
 
@@ -143,7 +143,9 @@ class RolloutPipeline:
     def _collect(self) -> JobResult | None:
         if self.in_flight is None:
             return self.ready
+        start = time.perf_counter()
         result = self.generator.collect()
+        self.waited += time.perf_counter() - start
         self.in_flight = None
         self.ready = result
         return result
