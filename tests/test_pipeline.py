@@ -23,6 +23,8 @@ from resume_helpers import TIMINGS, assert_same_final_state, assert_same_run, me
 
 from rlflow.cli import cli_main
 from rlflow.data.pipeline import RolloutPipeline
+from rlflow.rollout.engine import EngineRollout
+from rlflow.rollout.process import ThreadGenerator, copy_weights
 
 pytestmark = pytest.mark.slow
 TESTS = Path(__file__).resolve().parent
@@ -195,3 +197,44 @@ def test_kill_and_resume_of_a_pipelined_run_matches_the_straight_run(tiny_model,
     assert_same_run(straight, killed, 6)
     assert {t["policy_version"] for t in trajectories(straight) if t["step"] == 4} == {6}  # sampled one step back
     assert_same_final_state(straight, killed, 6)
+
+
+# --------------------------------------------------------------- a backend with its own weights (a server)
+class OwnWeightsEngine(EngineRollout):
+    """The engine on a private copy of the policy, refreshed only by ``push_weights``: how an inference server
+    (lmdeploy) behaves, so pipelining drives it from a thread (:class:`rlflow.rollout.process.ThreadGenerator`)."""
+
+    reads_policy_weights = False
+
+    def __init__(self) -> None:
+        super().__init__(seed=0)
+
+    def bind(self, model, tokenizer):
+        self.policy = model
+        self.own = copy.deepcopy(model).eval()
+        super().bind(self.own, tokenizer)
+
+    def push_weights(self):
+        copy_weights(self.policy, self.own)
+
+
+def test_a_backend_with_its_own_weights_generates_from_a_thread(tiny_model, small_data, tmp_path):
+    cli, rec = pipelined_run(tiny_model, small_data, tmp_path,
+                             '--data.rollout={"class_path": "test_pipeline.OwnWeightsEngine"}')
+    assert isinstance(cli.datamodule.backend, OwnWeightsEngine)
+    assert cli.model.trained_versions == [(0, 0), (1, 0), (2, 1), (3, 2)]
+    models = [model_at(tiny_model, w) for w in rec.weights]
+    for step in range(1, STEPS):
+        for e in rec.experiences[step]:  # sampled from the weights pushed at the start of the previous step
+            assert e.policy_version == step - 1
+            assert torch.allclose(torch.tensor(e.rollout_logprobs), plain_logprobs(models[step - 1], e), atol=2e-4)
+
+
+def test_pipelining_refuses_an_lmdeploy_engine_that_sleeps_during_training():
+    from rlflow.config_error import ConfigError
+    from rlflow.rollout.lmdeploy import LMDeployRollout
+
+    with pytest.raises(ConfigError, match="sleep_level"):
+        ThreadGenerator(LMDeployRollout(sleep_level=2))
+    generator = ThreadGenerator(LMDeployRollout(sleep_level=None))  # engines on GPUs of their own: fine
+    generator.close()

@@ -267,6 +267,8 @@ class RolloutDataModule(L.LightningDataModule):
         return self.backend is None or self.backend.reads_policy_weights
 
     def sync_weights(self) -> None:
+        if self.pipeline is not None:  # pipelined: weights reach the generator between its jobs (rlflow.data.pipeline)
+            return
         if self.backend is not None:
             self.backend.sync_weights()
 

@@ -38,7 +38,7 @@ from typing import Any
 from rlflow.config_error import ConfigError
 from rlflow.data.staleness import StalenessGate
 from rlflow.rollout.base import Completion, RolloutBackend, SamplingParams
-from rlflow.rollout.process import GeneratorProcess, Job, JobResult
+from rlflow.rollout.process import GeneratorProcess, Job, JobResult, ThreadGenerator
 
 
 class FixedRollout(RolloutBackend):
@@ -96,7 +96,7 @@ class RolloutPipeline:
         self.gate = StalenessGate(max_staleness, stale_policy)
         self.threads = threads
         self.seed = seed
-        self.generator: GeneratorProcess | None = None
+        self.generator: GeneratorProcess | ThreadGenerator | None = None
         self.in_flight: Job | None = None
         self.ready: JobResult | None = None  # collected early (a checkpoint) or loaded from one
         self.waited = 0.0  # seconds the trainer blocked on the generator since the last rollout step
@@ -108,8 +108,9 @@ class RolloutPipeline:
         next step's prompts with the current weights. Returns ``(backend that replays them, their version,
         metrics)``."""
         policy = dm.backend.model
-        if self.generator is None:
-            self.generator = GeneratorProcess(policy, dm.tokenizer_path, _worker_spec(dm), self.threads)
+        if self.generator is None:  # a process with its own weights; a thread for a backend that has its own
+            self.generator = (GeneratorProcess(policy, dm.tokenizer_path, _worker_spec(dm), self.threads)
+                              if dm.backend.reads_policy_weights else ThreadGenerator(dm.backend))
         prompts = [r.prompt_ids for r in records]
         k = dm.prompt_repeat_k
         result = self._result_for(step, prompts)

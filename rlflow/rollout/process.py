@@ -1,4 +1,4 @@
-"""A rollout backend in its own process, on its own copy of the policy's weights in shared memory.
+"""Generation off the training thread: a rollout backend in its own process (or, for a server, a thread).
 
 :class:`GeneratorProcess` starts one worker process (``torch.multiprocessing``, ``spawn``) that runs an ordinary
 rollout backend (``engine`` or ``hf``, chosen by ``data.rollout`` as in the trainer) with its own torch threads.
@@ -13,8 +13,16 @@ the weights, the prompts and the seed, not on timing: the trainer decides when w
 (:mod:`rlflow.data.pipeline` only writes them while the worker is idle). The worker exits when its parent
 dies (``kill -9`` of the trainer leaves no orphan), when told to, or when its queue is closed.
 
+A backend that already generates outside the trainer's process on its own copy of the weights (``lmdeploy``:
+:attr:`~rlflow.rollout.base.RolloutBackend.reads_policy_weights` false) needs no second process:
+:class:`ThreadGenerator` sends its requests from a background thread, so the servers keep generating while the
+trainer steps, and pushes weights (``push_weights``, with the FSDP gathers every rank joins) on the training
+thread between two jobs, i.e. at request boundaries: no request ever sees two versions. Its engine must stay
+awake during training (``sleep_level: null``: servers on GPUs of their own, or ``server_url``).
+
 Simplifications: one job at a time; a backend given as an object (not a name) is rebuilt in the worker from its
-class with default arguments; judging stays in the trainer process.
+class with default arguments; judging stays in the trainer process; a server samples with its own random state,
+so a pipelined lmdeploy run is not bit-reproducible (the process generator's runs are).
 """
 
 from __future__ import annotations
@@ -141,6 +149,8 @@ def _worker(model: torch.nn.Module, tokenizer_path: str, spec: Any, threads: int
             if job.delay:
                 time.sleep(job.delay)
             torch.manual_seed(job.seed)
+            if getattr(backend, "generator", None) is not None:  # an engine with its own generator (seed set)
+                backend.generator.manual_seed(job.seed)
             start = time.perf_counter()
             groups = backend.generate(job.prompts, job.params, n=job.n)
             seconds = time.perf_counter() - start
@@ -221,3 +231,68 @@ class GeneratorProcess:
                 self.process.terminate()
                 self.process.join(timeout=5)
         self.busy = False
+
+
+class ThreadGenerator:
+    """The :class:`GeneratorProcess` interface for a backend with its own weights elsewhere (an inference server):
+    requests go out from one background thread; weights are pushed from the calling thread between jobs.
+
+    Args:
+        backend: A bound backend whose ``reads_policy_weights`` is false (it never reads the live policy while the
+            trainer updates it); ``push_weights()``, if it has one, sends the current weights.
+    """
+
+    def __init__(self, backend: Any) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if backend.reads_policy_weights:
+            raise ValueError(f"{type(backend).__name__} generates from the live policy module; it cannot run while "
+                             "the trainer updates it (the generator process handles such backends)")
+        if getattr(backend, "colocated", False) and getattr(backend, "sleep_level", None) is not None:
+            from rlflow.config_error import ConfigError
+
+            raise ConfigError("data.max_staleness > 0 with a colocated lmdeploy engine that sleeps during training "
+                              "(data.rollout.init_args.sleep_level): pipelining needs the engine awake while the "
+                              "trainer steps; set sleep_level: null (engines on GPUs of their own) or server_url")
+        self.backend = backend
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlflow-generator")
+        self.future: Any = None
+
+    @property
+    def busy(self) -> bool:
+        return self.future is not None
+
+    def load_weights(self, policy: torch.nn.Module) -> None:
+        """Between jobs, on the training thread (every rank joins the gathers of a sharded policy)."""
+        if self.busy:
+            raise RuntimeError("load_weights while the generator is generating: the job would mix two versions")
+        self.backend.sync_weights()
+        push = getattr(self.backend, "push_weights", None)
+        if push is not None:
+            push()
+
+    def _run(self, job: Job) -> JobResult:
+        if job.delay:
+            time.sleep(job.delay)
+        generator = getattr(self.backend, "generator", None)
+        if generator is not None:
+            generator.manual_seed(job.seed)
+        start = time.perf_counter()
+        groups = self.backend.generate(job.prompts, job.params, n=job.n)
+        plain = [[(list(c.token_ids), [float(x) for x in c.logprobs], c.finish_reason) for c in g] for g in groups]
+        return JobResult(job.step, job.version, job.prompts, plain, time.perf_counter() - start)
+
+    def submit(self, job: Job) -> None:
+        if self.busy:
+            raise RuntimeError("the generator runs one job at a time; collect() the previous one first")
+        self.future = self.pool.submit(self._run, job)
+
+    def collect(self, timeout: float | None = None) -> JobResult:
+        if not self.busy:
+            raise RuntimeError("collect() without a submitted job")
+        future, self.future = self.future, None
+        return future.result(timeout=timeout)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.future = None
