@@ -217,6 +217,8 @@ class GRPOModule(L.LightningModule):
         self.consecutive_skips = 0
         self.trained_versions: list[tuple[int, int]] = []  # (policy_version at the update, versions sampled)
         self.packing_checked: bool | None = None  # model.packing after the check at fit start (None: not checked)
+        self.correction_in_forward = False  # pipelined, one update per rollout step: IS weights from its forward
+        self._is_tokens: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     # --------------------------------------------------------------------------------------------- models
     @property
@@ -288,6 +290,9 @@ class GRPOModule(L.LightningModule):
             self.correction = RolloutCorrection("token_truncate", hp.rollout_is_cap, hp.rollout_is_min)
             info(f"data.max_staleness={max_staleness}: rollout importance-sampling correction token_truncate "
                  f"(cap {hp.rollout_is_cap}) against the generator's log-probs; model.rollout_is=off disables it")
+        # one update per rollout step: the training forward's own log-probs are the weights at the step's start,
+        # so the token IS weights come from it, without a separate old-log-prob pass
+        self.correction_in_forward = bool(self.correction) and per_step == 1 and not self.correction.sequence_level
 
     @property
     def packing(self) -> bool:
@@ -375,11 +380,13 @@ class GRPOModule(L.LightningModule):
         everything = [e for mb in minibatches for e in mb]
         # 2. the ratio's denominator (needed once later updates are off-policy, or to compare with the rollout
         #    engine's log-probs) and the reference log-probs, both fixed before any update
-        if hp.optimizer_steps > 1 or hp.num_iterations > 1 or self.correction is not None:
+        separate_old = self.correction is not None and not self.correction_in_forward
+        if hp.optimizer_steps > 1 or hp.num_iterations > 1 or separate_old:
             self.fill_logprobs(everything, "old_logprobs", self.policy)
         if self.ref_model is not None:
             self.fill_logprobs(everything, "ref_logprobs", self.ref_model)
-        if self.correction is not None:
+        self._is_tokens = [] if self.correction_in_forward else None
+        if separate_old:
             batch_all = collate(everything, self.pad_id)
             metrics.update(self.correction.metrics(
                 batch_all["old_logprobs"], batch_all["rollout_logprobs"], batch_all["completion_mask"]))
@@ -393,6 +400,10 @@ class GRPOModule(L.LightningModule):
             sums = self.optimizer_step_on(minibatch, generation_tokens, generation_seqs, sums, count=last)
         if self.global_step == rollout_step:  # that step was skipped: the rollout step counts all the same
             count_rollout_step(self.optimizers())
+        if self._is_tokens:  # the IS metrics of the weights from the training forward (correction_in_forward)
+            old_t, rollout_t = (torch.cat(parts) for parts in zip(*self._is_tokens))
+            metrics.update(self.correction.metrics(old_t, rollout_t, torch.ones_like(old_t, dtype=torch.bool)))
+        self._is_tokens = None
         # 4. metrics: global values under data parallelism; "loss" is each rank's share, so it adds up
         n = len(minibatches) * hp.num_iterations
         metrics.update({key: value / n for key, value in sums.items()})
@@ -437,7 +448,10 @@ class GRPOModule(L.LightningModule):
             ref = batch["ref_logprobs"] if micro[0].ref_logprobs is not None else None
             is_weights = None
             if self.correction is not None:
-                is_weights = self.correction.weights(batch["old_logprobs"], batch["rollout_logprobs"], mask)
+                old_is = batch["old_logprobs"] if micro[0].old_logprobs is not None else old
+                is_weights = self.correction.weights(old_is, batch["rollout_logprobs"], mask)
+                if self._is_tokens is not None:
+                    self._is_tokens.append((old_is[mask].float().cpu(), batch["rollout_logprobs"][mask].float().cpu()))
             loss, loss_metrics = self.loss_fn(
                 logprobs, old, batch["advantages"], mask, ref_logprobs=ref,
                 rollout_logprobs=batch["rollout_logprobs"], entropy=entropy, truncated=batch["truncated"],

@@ -260,6 +260,8 @@ class RolloutDataModule(L.LightningDataModule):
             self.backend = resolve_backend(self.rollout_spec, policy, self.load_tokenizer())
         else:
             self.backend.bind(policy, self.load_tokenizer())
+        if self.pipeline is not None and self.trainer is not None and self.trainer.state.fn == "fit":
+            self.pipeline.start(self)  # data.max_staleness > 0: the generator starts up alongside the trainer
         return self.backend
 
     @property

@@ -108,9 +108,7 @@ class RolloutPipeline:
         next step's prompts with the current weights. Returns ``(backend that replays them, their version,
         metrics)``."""
         policy = dm.backend.model
-        if self.generator is None:  # a process with its own weights; a thread for a backend that has its own
-            self.generator = (GeneratorProcess(policy, dm.tokenizer_path, _worker_spec(dm), self.threads)
-                              if dm.backend.reads_policy_weights else ThreadGenerator(dm.backend))
+        self.start(dm)
         prompts = [r.prompt_ids for r in records]
         k = dm.prompt_repeat_k
         result = self._result_for(step, prompts)
@@ -136,6 +134,14 @@ class RolloutPipeline:
             "rollout/wait_time": waited,  # blocked on the generator (also while a checkpoint waited for it)
         })
         return FixedRollout(prompts, result.completions()), result.version, metrics
+
+    def start(self, dm: Any) -> None:
+        """Start the generator (once): a process with its own weights, or a thread for a backend that has its own.
+        Called when the datamodule binds the policy at fit start, so the process starts up while the trainer
+        finishes its own set-up."""
+        if self.generator is None:
+            self.generator = (GeneratorProcess(dm.backend.model, dm.tokenizer_path, _worker_spec(dm), self.threads)
+                              if dm.backend.reads_policy_weights else ThreadGenerator(dm.backend))
 
     def _submit(self, job: Job) -> None:
         self.generator.submit(job)

@@ -181,10 +181,18 @@ class GeneratorProcess:
                                    args=(self.model, tokenizer_path, spec, threads, self.jobs, self.results))
         self.process.start()
         self.busy = False
-        kind, payload = self._receive(start_timeout)
+        self.ready = False  # the worker's start-up (imports, backend check) overlaps the trainer's own
+        self.start_timeout = start_timeout
+
+    def wait_ready(self) -> None:
+        """Block until the worker has built its backend (once); raise with its traceback if it could not."""
+        if self.ready:
+            return
+        kind, payload = self._receive(self.start_timeout)
         if kind != "ready":
             self.close()
             raise RuntimeError(f"the generator process failed to start:\n{payload}")
+        self.ready = True
 
     def _receive(self, timeout: float | None) -> tuple[str, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -206,6 +214,7 @@ class GeneratorProcess:
     def submit(self, job: Job) -> None:
         if self.busy:
             raise RuntimeError("the generator runs one job at a time; collect() the previous one first")
+        self.wait_ready()
         self.jobs.put(job)
         self.busy = True
 
