@@ -68,8 +68,11 @@ def run(config: str, staleness: int, steps: int, out: Path, extra: list[str]) ->
         batch = batch or _completions_per_step(config)
         tokens += float(r["completions/mean_length"]) * batch
     rewards = [float(r["reward"]) for r in rows]
+    first = float(rows[0]["step_time"])  # the first step (the generator process's start-up, when pipelined)
+    first_tokens = float(rows[0]["completions/mean_length"]) * batch
     return {
         "max_staleness": staleness, "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+        "steady_tokens_per_s": (tokens - first_tokens) / max(seconds - first, 1e-9),
         "rewards": rewards, "gain": statistics.fmean(rewards[-5:]) - statistics.fmean(rewards[:5]),
         "staleness_max": max(float(r.get("sampling/staleness/max") or 0.0) for r in rows),
         "staleness_mean": statistics.fmean(float(r.get("sampling/staleness/mean") or 0.0) for r in rows),
@@ -101,7 +104,8 @@ def main() -> None:
             r = run(args.config, staleness, args.steps, args.out / f"s{staleness}_r{rep}", args.extra)
             results[staleness].append(r)
             print(f"max_staleness={staleness} repeat {rep}: {r['seconds']:.1f} s, {r['tokens']:.0f} completion tokens, "
-                  f"{r['tokens_per_s']:.0f} tok/s, reward gain (last 5 - first 5) {r['gain']:+.3f}, staleness "
+                  f"{r['tokens_per_s']:.0f} tok/s ({r['steady_tokens_per_s']:.0f} after step 0), "
+                  f"reward gain (last 5 - first 5) {r['gain']:+.3f}, staleness "
                   f"mean {r['staleness_mean']:.2f} max {r['staleness_max']:.0f}, IS ratio in "
                   f"[{r['is_ratio_min']:.3f}, {r['is_ratio_max']:.3f}], trainer waited {r['wait']:.1f} s, "
                   f"load {load()}", flush=True)
@@ -109,6 +113,8 @@ def main() -> None:
         curve = " ".join(f"{x:.2f}" for x in results[staleness][0]["rewards"])
         print(f"reward curve max_staleness={staleness} (repeat 0): {curve}")
     tps = {s: statistics.median(r["tokens_per_s"] for r in results[s]) for s in (0, 1)}
+    steady = {s: statistics.median(r["steady_tokens_per_s"] for r in results[s]) for s in (0, 1)}
+    print(f"after step 0 (no start-up): max_staleness=1 / 0 completion tokens/s: {steady[1] / steady[0]:.2f}x")
     gains = {s: statistics.fmean(r["gain"] for r in results[s]) for s in (0, 1)}
     print(f"reward gain: max_staleness=1 {gains[1]:+.3f} vs 0 {gains[0]:+.3f} (difference {gains[1] - gains[0]:+.3f})")
     print(f"max_staleness=1 / max_staleness=0 completion tokens/s: {tps[1] / tps[0]:.2f}x "
