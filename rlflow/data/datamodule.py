@@ -237,6 +237,8 @@ class RolloutDataModule(L.LightningDataModule):
                 raise ValueError(f"data.global_batch_size={self.global_batch_size} must be a multiple of the "
                                  f"{self.world_size} ranks")
             self.sampler = self.train_prompts.sampler(self.global_batch_size, self.seed)
+            if self.pipeline is not None:
+                self.pipeline.prestart()  # data.max_staleness > 0: the generator process imports meanwhile
         if stage in ("fit", "validate") and self.eval_prompts.sources and not self.eval_records:
             self.judges.check_rows(self.eval_prompts.load(tokenizer), "eval")
 

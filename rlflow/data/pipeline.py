@@ -135,13 +135,24 @@ class RolloutPipeline:
         })
         return FixedRollout(prompts, result.completions()), result.version, metrics
 
-    def start(self, dm: Any) -> None:
-        """Start the generator (once): a process with its own weights, or a thread for a backend that has its own.
-        Called when the datamodule binds the policy at fit start, so the process starts up while the trainer
-        finishes its own set-up."""
+    def prestart(self) -> None:
+        """Start the generator process early (the datamodule's ``setup("fit")``), so that its imports overlap the
+        trainer's model loading; it gets the policy in :meth:`start`."""
         if self.generator is None:
-            self.generator = (GeneratorProcess(dm.backend.model, dm.tokenizer_path, _worker_spec(dm), self.threads)
-                              if dm.backend.reads_policy_weights else ThreadGenerator(dm.backend))
+            self.generator = GeneratorProcess(self.threads)
+
+    def start(self, dm: Any) -> None:
+        """Attach the policy to the generator process, or, for a backend with weights of its own (a server),
+        replace it by a thread. Called when the datamodule binds the policy at fit start."""
+        if not dm.backend.reads_policy_weights:
+            if isinstance(self.generator, GeneratorProcess):
+                self.generator.close()
+                self.generator = None
+            if self.generator is None:
+                self.generator = ThreadGenerator(dm.backend)
+            return
+        self.prestart()
+        self.generator.attach(dm.backend.model, dm.tokenizer_path, _worker_spec(dm))
 
     def _submit(self, job: Job) -> None:
         self.generator.submit(job)

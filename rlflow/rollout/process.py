@@ -113,8 +113,20 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
         params[name].copy_(value.detach().to(params[name].dtype))
 
 
-def _worker(model: torch.nn.Module, tokenizer_path: str, spec: Any, threads: int, jobs: Any, results: Any) -> None:
-    """The worker process: build the backend on the shared model, then run jobs until told to stop."""
+def _next_message(jobs: Any, parent: Any) -> Any:
+    """The next message of the queue; None when told to stop or when the parent process has died."""
+    while True:
+        try:
+            return jobs.get(timeout=0.5)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return None  # the trainer was killed: do not linger
+
+
+def _worker(threads: int, jobs: Any, results: Any) -> None:
+    """The worker process: import what generation needs, wait for the shared model, build the backend on it,
+    then run jobs until told to stop."""
+    parent = mp.parent_process()
     try:
         torch.set_num_threads(max(int(threads), 1))
         from transformers import AutoTokenizer
@@ -122,6 +134,10 @@ def _worker(model: torch.nn.Module, tokenizer_path: str, spec: Any, threads: int
         from rlflow import registry
         from rlflow.rollout.select import resolve_backend
 
+        attach = _next_message(jobs, parent)  # ("attach", model, tokenizer_path, spec)
+        if attach is None:
+            return
+        _, model, tokenizer_path, spec = attach
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
@@ -135,14 +151,8 @@ def _worker(model: torch.nn.Module, tokenizer_path: str, spec: Any, threads: int
     except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
         results.put(("error", traceback.format_exc()))
         return
-    parent = mp.parent_process()
     while True:
-        try:
-            job = jobs.get(timeout=0.5)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():
-                return  # the trainer was killed: do not linger
-            continue
+        job = _next_message(jobs, parent)
         if job is None:
             return
         try:
@@ -163,36 +173,48 @@ def _worker(model: torch.nn.Module, tokenizer_path: str, spec: Any, threads: int
 class GeneratorProcess:
     """A rollout backend running in a child process on a shared-memory copy of the policy (see the module doc).
 
+    The process starts (and imports torch, transformers and rlflow) as soon as it is built, before the policy
+    exists; :meth:`attach` then hands it the shared copy of the policy and the backend to build.
+
     Args:
-        policy: The live policy (unsharded if it is FSDP-sharded); its architecture and first weights are copied.
-        tokenizer_path: Tokenizer the worker loads.
-        spec: The ``data.rollout`` value (``auto``, ``engine``, ``hf``, a mapping) or a backend class.
         threads: torch threads of the worker.
         start_timeout: Seconds to wait for the worker to build its backend.
     """
 
-    def __init__(self, policy: torch.nn.Module, tokenizer_path: str, spec: Any, threads: int = 1,
-                 start_timeout: float = 600.0) -> None:
+    def __init__(self, threads: int = 1, start_timeout: float = 600.0) -> None:
         ctx = mp.get_context("spawn")
-        self.model = generator_copy(policy)
+        self.model: torch.nn.Module | None = None
         self.jobs = ctx.Queue()
         self.results = ctx.Queue()
         self.process = ctx.Process(target=_worker, name="rlflow-generator", daemon=True,
-                                   args=(self.model, tokenizer_path, spec, threads, self.jobs, self.results))
+                                   args=(threads, self.jobs, self.results))
+        self.started_at = time.perf_counter()
         self.process.start()
         self.busy = False
         self.ready = False  # the worker's start-up (imports, backend check) overlaps the trainer's own
         self.start_timeout = start_timeout
 
+    def attach(self, policy: torch.nn.Module, tokenizer_path: str, spec: Any) -> None:
+        """Give the worker a shared-memory copy of ``policy`` (once) and the backend spec (``data.rollout``: a
+        name or mapping, or a backend class) to run on it; ``tokenizer_path``: the tokenizer it loads."""
+        if self.model is None:
+            self.model = generator_copy(policy)
+            self.jobs.put(("attach", self.model, tokenizer_path, spec))
+
     def wait_ready(self) -> None:
         """Block until the worker has built its backend (once); raise with its traceback if it could not."""
         if self.ready:
             return
+        if self.model is None:
+            raise RuntimeError("attach() the policy before the first job")
         kind, payload = self._receive(self.start_timeout)
         if kind != "ready":
             self.close()
             raise RuntimeError(f"the generator process failed to start:\n{payload}")
         self.ready = True
+        from rlflow.log import info
+
+        info(f"generator process {payload} ready {time.perf_counter() - self.started_at:.1f} s after its start")
 
     def _receive(self, timeout: float | None) -> tuple[str, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
