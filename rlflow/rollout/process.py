@@ -27,6 +27,7 @@ so a pipelined lmdeploy run is not bit-reproducible (the process generator's run
 
 from __future__ import annotations
 
+import copy
 import os
 import queue
 import time
@@ -86,12 +87,14 @@ def generator_copy(policy: torch.nn.Module) -> torch.nn.Module:
     """A fresh module of the policy's architecture and dtype, weights copied in, parameters in shared memory."""
     from transformers import AutoModelForCausalLM
 
-    config = policy.config
+    from rlflow.data.packing import ATTENTION_NAME
+
+    config = copy.deepcopy(policy.config)  # its own: the trainer switches the policy's attention around packed passes
     dtype = next(iter(policy.state_dict().values())).dtype
     kwargs: dict[str, Any] = {"dtype": dtype}
     attn = getattr(config, "_attn_implementation", None)
     if attn:
-        kwargs["attn_implementation"] = attn
+        kwargs["attn_implementation"] = "sdpa" if attn == ATTENTION_NAME else attn
     model = AutoModelForCausalLM.from_config(config, **kwargs)
     model.eval().requires_grad_(False)
     copy_weights(policy, model)
@@ -131,6 +134,7 @@ def _worker(threads: int, jobs: Any, results: Any) -> None:
         torch.set_num_threads(max(int(threads), 1))
         from transformers import AutoTokenizer
 
+        import rlflow.data.packing  # noqa: F401 - registers rlflow's attention function, as in the trainer
         from rlflow import registry
         from rlflow.rollout.select import resolve_backend
 
