@@ -177,7 +177,9 @@ class GRPOModule(L.LightningModule):
             ref_model_path: Reference model; defaults to ``model_path`` (with ``lora``: the policy with its adapters
                 disabled, no second copy, unless this is set).
             rollout_is: Rollout/training mismatch correction from the rollout engine's log-probs: ``token_truncate``,
-                ``sequence_truncate`` (TIS), ``token_mask``, ``sequence_mask`` (MIS); None disables it.
+                ``sequence_truncate`` (TIS), ``token_mask``, ``sequence_mask`` (MIS). None: off, except with pipelined
+                generation (``data.max_staleness > 0``), where it defaults to ``token_truncate`` against the
+                generator's (behaviour) log-probs; ``off`` disables it there too.
             rollout_is_cap: Upper bound of the rollout importance ratio (truncated to it, or masked above it).
             rollout_is_min: MIS only: also mask rollout importance ratios below this.
             optimizer_steps: Optimizer steps (mini-batches) per rollout step.
@@ -225,7 +227,8 @@ class GRPOModule(L.LightningModule):
             check_model_path(ref_model_path, "model.ref_model_path")
         settings = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high, "kl_coef": kl_coef, "kl_type": kl_type}
         self.loss_fn = build_loss(loss, settings, max_tokens)
-        self.correction = RolloutCorrection(rollout_is, rollout_is_cap, rollout_is_min) if rollout_is else None
+        on = rollout_is is not None and rollout_is != "off"
+        self.correction = RolloutCorrection(rollout_is, rollout_is_cap, rollout_is_min) if on else None
         self.policy: torch.nn.Module | None = None
         self.policy_version = 0  # optimizer steps taken: the version of the weights that sample next
         self.num_tokens = 0.0  # TRL's cumulative prompt + completion tokens
@@ -234,6 +237,8 @@ class GRPOModule(L.LightningModule):
         self.trained_versions: list[tuple[int, int]] = []  # (policy_version at the update, versions sampled)
         self.packing_checked: bool | None = None  # model.packing after the check at fit start (None: not checked)
         self.vision: Any = None  # rlflow.vision.VisionBatches for a vision-language policy
+        self.correction_in_forward = False  # pipelined, one update per rollout step: IS weights from its forward
+        self._is_tokens: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
     # --------------------------------------------------------------------------------------------- models
     @property
@@ -308,8 +313,29 @@ class GRPOModule(L.LightningModule):
         if self.ref_model is not None and not self.sharded:  # a sharded reference already sits on its devices
             self.ref_model.to(self.device)
         self.experience.bind(self.policy)
+        self.check_pipelining(getattr(self.experience, "max_staleness", 0))
         self.packing_checked = resolve_packing(bool(self.hparams.get("packing")), [self.policy, self.ref_model],
                                                self.sharded, self.hparams.pack_max_length)
+
+    def check_pipelining(self, max_staleness: int) -> None:
+        """With ``data.max_staleness > 0`` (:mod:`rlflow.data.pipeline`): the bound must admit the one-step
+        pipeline's staleness, and the importance-sampling correction is on unless ``model.rollout_is: off``."""
+        if not max_staleness:
+            return
+        hp = self.hparams
+        per_step = hp.optimizer_steps * hp.num_iterations
+        if max_staleness < per_step:
+            raise ConfigError(
+                f"data.max_staleness={max_staleness} is below the pipeline's staleness of {per_step} policy versions "
+                f"(model.optimizer_steps={hp.optimizer_steps} x model.num_iterations={hp.num_iterations}): every "
+                f"batch would be stale; set data.max_staleness >= {per_step} or 0")
+        if self.correction is None and hp.rollout_is != "off":
+            self.correction = RolloutCorrection("token_truncate", hp.rollout_is_cap, hp.rollout_is_min)
+            info(f"data.max_staleness={max_staleness}: rollout importance-sampling correction token_truncate "
+                 f"(cap {hp.rollout_is_cap}) against the generator's log-probs; model.rollout_is=off disables it")
+        # one update per rollout step: the training forward's own log-probs are the weights at the step's start,
+        # so the token IS weights come from it, without a separate old-log-prob pass
+        self.correction_in_forward = bool(self.correction) and per_step == 1 and not self.correction.sequence_level
 
     @property
     def packing(self) -> bool:
@@ -400,7 +426,8 @@ class GRPOModule(L.LightningModule):
         everything = [e for mb in minibatches for e in mb]
         # 2. the ratio's denominator (needed once later updates are off-policy, or to compare with the rollout
         #    engine's log-probs) and the reference log-probs, both fixed before any update
-        if hp.optimizer_steps > 1 or hp.num_iterations > 1 or self.correction is not None:
+        separate_old = self.correction is not None and not self.correction_in_forward
+        if hp.optimizer_steps > 1 or hp.num_iterations > 1 or separate_old:
             self.fill_logprobs(everything, "old_logprobs", self.policy)
         if self.ref_model is not None:
             self.fill_logprobs(everything, "ref_logprobs", self.ref_model)
@@ -409,7 +436,8 @@ class GRPOModule(L.LightningModule):
 
             with adapters_disabled(self.peft_model):
                 self.fill_logprobs(everything, "ref_logprobs", self.policy)
-        if self.correction is not None:
+        self._is_tokens = [] if self.correction_in_forward else None
+        if separate_old:
             batch_all = collate(everything, self.pad_id)
             metrics.update(self.correction.metrics(
                 batch_all["old_logprobs"], batch_all["rollout_logprobs"], batch_all["completion_mask"]))
@@ -423,6 +451,10 @@ class GRPOModule(L.LightningModule):
             sums = self.optimizer_step_on(minibatch, generation_tokens, generation_seqs, sums, count=last)
         if self.global_step == rollout_step:  # that step was skipped: the rollout step counts all the same
             count_rollout_step(self.optimizers())
+        if self._is_tokens:  # the IS metrics of the weights from the training forward (correction_in_forward)
+            old_t, rollout_t = (torch.cat(parts) for parts in zip(*self._is_tokens))
+            metrics.update(self.correction.metrics(old_t, rollout_t, torch.ones_like(old_t, dtype=torch.bool)))
+        self._is_tokens = None
         # 4. metrics: global values under data parallelism; "loss" is each rank's share, so it adds up
         n = len(minibatches) * hp.num_iterations
         metrics.update({key: value / n for key, value in sums.items()})
@@ -467,7 +499,10 @@ class GRPOModule(L.LightningModule):
             ref = batch["ref_logprobs"] if micro[0].ref_logprobs is not None else None
             is_weights = None
             if self.correction is not None:
-                is_weights = self.correction.weights(batch["old_logprobs"], batch["rollout_logprobs"], mask)
+                old_is = batch["old_logprobs"] if micro[0].old_logprobs is not None else old
+                is_weights = self.correction.weights(old_is, batch["rollout_logprobs"], mask)
+                if self._is_tokens is not None:
+                    self._is_tokens.append((old_is[mask].float().cpu(), batch["rollout_logprobs"][mask].float().cpu()))
             loss, loss_metrics = self.loss_fn(
                 logprobs, old, batch["advantages"], mask, ref_logprobs=ref,
                 rollout_logprobs=batch["rollout_logprobs"], entropy=entropy, truncated=batch["truncated"],

@@ -15,7 +15,8 @@ from conftest import fit_args
 
 from rlflow.judgers.base import Judger
 
-TIMINGS = {"step_time", "rollout/time", "rollout/tokens_per_s"}  # wall-clock values: never equal between runs
+#: wall-clock values: never equal between runs
+TIMINGS = {"step_time", "rollout/time", "rollout/tokens_per_s", "rollout/wait_time"}
 
 
 class DigitJudger(Judger):

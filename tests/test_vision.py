@@ -19,6 +19,7 @@ import tiny_vlm
 import torch
 from conftest import fit_args
 
+from rlflow.config_error import ConfigError
 from rlflow.data.dataset import DataError
 from rlflow.data.experience import Experience, collate
 from rlflow.data.images import open_image
@@ -427,3 +428,14 @@ def test_the_shipped_vlm_config_checks_with_a_tiny_vlm(vlm_dir, squares, capsys)
     out = capsys.readouterr().out
     assert code == 0, out
     assert "judgers: * -> math" in out and "max_prompt_length 1536" in out
+
+
+@pytest.mark.slow
+def test_pipelined_generation_with_images_is_one_config_error(vlm_dir, squares, tmp_path):
+    from rlflow.cli import cli_main
+
+    args = fit_args(vlm_dir, squares.parent, tmp_path, "--data.max_staleness=1",
+                    "--data.judgers={'*': 'test_vision:image_judger'}", steps=1)
+    args = [a for a in args if not a.startswith("--data.train_data_path")] + [f"--data.train_data_path={squares}"]
+    with pytest.raises(ConfigError, match="images are not pipelined.*data.max_staleness=0"):
+        cli_main(args)

@@ -36,10 +36,12 @@ from torch.utils.data import DataLoader
 from rlflow import registry
 from rlflow.advantages.base import AdvantageEstimator, estimate_global
 from rlflow.config_checks import check_data_args
+from rlflow.config_error import ConfigError
 from rlflow.data.dataset import PromptRecord
 from rlflow.data.dynamic_sampling import DynamicSampling, Groups
 from rlflow.data.experience import Experience, RolloutStep
 from rlflow.data.mix import MixBatchSampler
+from rlflow.data.pipeline import make_pipeline
 from rlflow.data.prompts import PromptSet
 from rlflow.data.replay_buffer import ReplayBuffer
 from rlflow.data.rollout_metrics import rollout_metrics
@@ -52,7 +54,7 @@ from rlflow.judgers.panel import JudgePanel
 from rlflow.rollout.base import RolloutBackend, SamplingParams, stop_token_ids
 from rlflow.rollout.multiturn import MultiTurn, RecordsRollout, multiturn_metrics
 from rlflow.rollout.select import resolve_backend
-from rlflow.vision import ImageInputs, check_backend_accepts_images, load_processor, rollout_prompts
+from rlflow.vision import ImageInputs, any_images, check_backend_accepts_images, load_processor, rollout_prompts
 
 
 def _keep_records(batch: list[PromptRecord]) -> list[PromptRecord]:
@@ -96,6 +98,9 @@ class RolloutDataModule(L.LightningDataModule):
         tool_timeout: float | None = 30.0,
         environment: str | dict[str, Any] | None = None,
         max_turns: int = 4,
+        max_staleness: int = 0,
+        stale_policy: str = "regenerate",
+        generator_threads: int = 1,
     ) -> None:
         """
         Args:
@@ -153,6 +158,14 @@ class RolloutDataModule(L.LightningDataModule):
             environment: A multi-turn environment (``rlflow.environments`` short name, import path or
                 ``class_path``/``init_args``), one instance per trajectory; see :mod:`rlflow.environments.base`.
             max_turns: Most model turns per trajectory in multi-turn rollouts.
+            max_staleness: Pipelined GRPO: 0 (the default) is the strictly on-policy loop; N > 0 generates the next
+                rollout step in a separate process while the trainer updates on this one, and trains on an
+                experience only while ``trained version - sampling version <= N`` policy versions (the one-step
+                pipeline's staleness is ``model.optimizer_steps x model.num_iterations``); turns the rollout
+                importance-sampling correction on unless ``model.rollout_is: off``. See :mod:`rlflow.data.pipeline`.
+            stale_policy: With ``max_staleness > 0``, experience beyond the bound is ``drop``-ped (counted) or
+                ``regenerate``-d from the current weights (counted).
+            generator_threads: With ``max_staleness > 0``, torch threads of the generator process.
         """
         check_data_args(locals())  # every invalid value is one ConfigError naming its option
         super().__init__()
@@ -209,6 +222,9 @@ class RolloutDataModule(L.LightningDataModule):
         self.eval_k = eval_k
         self.seed = seed
         self.overlap_judging = overlap_judging
+        self.max_staleness = max_staleness
+        self.pipeline = make_pipeline(max_staleness, stale_policy, generator_threads, seed, dynamic_sampling,
+                                      multiturn=bool(tools) or environment is not None)
 
     # ----------------------------------------------------------------------------------------------- set-up
     def load_tokenizer(self) -> Any:
@@ -262,6 +278,8 @@ class RolloutDataModule(L.LightningDataModule):
                 raise ValueError(f"data.global_batch_size={self.global_batch_size} must be a multiple of the "
                                  f"{self.world_size} ranks")
             self.sampler = self.train_prompts.sampler(self.global_batch_size, self.seed)
+            if self.pipeline is not None:
+                self.pipeline.prestart()  # data.max_staleness > 0: the generator process imports meanwhile
         if stage in ("fit", "validate") and self.eval_prompts.sources and not self.eval_records:
             self.judges.check_rows(self.eval_prompts.load(tokenizer, self.processor), "eval")
 
@@ -284,8 +302,13 @@ class RolloutDataModule(L.LightningDataModule):
         if self.backend is None:
             self.backend = resolve_backend(self.rollout_spec, policy, self.load_tokenizer())
             check_backend_accepts_images(self.backend, self.train_records + self.eval_records)
+            if self.pipeline is not None and any_images(self.train_records):
+                raise ConfigError(f"prompts with images are not pipelined: set data.max_staleness=0 (got "
+                                  f"{self.max_staleness})")
         else:
             self.backend.bind(policy, self.load_tokenizer())
+        if self.pipeline is not None and self.trainer is not None and self.trainer.state.fn == "fit":
+            self.pipeline.start(self)  # data.max_staleness > 0: the generator starts up alongside the trainer
         return self.backend
 
     def rollout_prompts(self, records: list[PromptRecord]) -> list[list[int]]:
@@ -297,6 +320,8 @@ class RolloutDataModule(L.LightningDataModule):
         return self.backend is None or self.backend.reads_policy_weights
 
     def sync_weights(self) -> None:
+        if self.pipeline is not None:  # pipelined: weights reach the generator between its jobs (rlflow.data.pipeline)
+            return
         if self.backend is not None:
             self.backend.sync_weights()
 
@@ -310,9 +335,12 @@ class RolloutDataModule(L.LightningDataModule):
             self.sampler.mark_consumed()  # its checkpointed position follows trained batches, not prefetched ones
         k = self.prompt_repeat_k
         records = self.rank_share(batch)
+        backend, pipelined = self.rollout_backend(records), {}
+        if self.pipeline is not None:  # data.max_staleness > 0: generated ahead, in another process
+            backend, policy_version, pipelined = self.pipeline.take(self, records, policy_version, step)
         groups, rewards, metrics, texts, gen_time = generate_and_judge(
-            self.rollout_backend(records), self.judges.judge, records, self.sampling, k, self.overlap_judging,
-            self.rollout_progress, prompts=self.rollout_prompts(records))
+            backend, self.judges.judge, records, self.sampling, k, self.overlap_judging, self.rollout_progress,
+            prompts=self.rollout_prompts(records))
         chosen = Groups(records, [c for group in groups for c in group], rewards, texts)
         if self.dynamic_sampling is not None:
             chosen, sampling_metrics, extra_time = self.dynamic_sampling.fill(
@@ -335,6 +363,7 @@ class RolloutDataModule(L.LightningDataModule):
         metrics.update(rollout_metrics(reward_t, chosen.completions, k,
                                        sum(len(r.prompt_ids) for r in chosen.records) * k, gen_time))
         metrics.update(multiturn_metrics(chosen.completions))
+        metrics.update(pipelined)
         metrics["data/dropped_prompts"] = float(self.train_prompts.dropped)
         sources = [r.data_source or r.origin for r in chosen.records for _ in range(k)]
         metrics.update(per_source_means(sources, chosen.rewards, "reward"))
@@ -410,9 +439,18 @@ class RolloutDataModule(L.LightningDataModule):
         """The replay buffer, as plain types (``torch.load(weights_only=True)`` reads it); the sampler's position
         is saved by Lightning through :class:`PromptLoader`."""
         buffer = self.buffer.state_dict()
-        return {"buffer": {**buffer, "items": [dataclasses.asdict(e) for e in buffer["items"]]}}
+        state = {"buffer": {**buffer, "items": [dataclasses.asdict(e) for e in buffer["items"]]}}
+        if self.pipeline is not None:
+            state["pipeline"] = self.pipeline.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("buffer") is not None:
             buffer = state["buffer"]
             self.buffer.load_state_dict({**buffer, "items": [Experience(**e) for e in buffer["items"]]})
+        if self.pipeline is not None and state.get("pipeline") is not None:
+            self.pipeline.load_state_dict(state["pipeline"])
+
+    def teardown(self, stage: str) -> None:
+        if self.pipeline is not None and stage == "fit":
+            self.pipeline.close()  # the generator process

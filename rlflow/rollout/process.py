@@ -1,0 +1,333 @@
+"""Generation off the training thread: a rollout backend in its own process (or, for a server, a thread).
+
+:class:`GeneratorProcess` starts one worker process (``torch.multiprocessing``, ``spawn``) that runs an ordinary
+rollout backend (``engine`` or ``hf``, chosen by ``data.rollout`` as in the trainer) with its own torch threads.
+Its model is a copy of the policy whose parameters live in shared memory (``Module.share_memory()``): the trainer
+refreshes them in place with :meth:`GeneratorProcess.load_weights` (one ``copy_`` per parameter, no pickling of
+the model per step; the tensors were handed to the worker once, at start, as shared-memory handles). Jobs
+(token-id prompts, sampling parameters, a seed, the policy version of the weights) go through one queue and
+completions, stamped with that version, come back through another.
+
+The worker seeds torch's generator with the job's seed before generating, so a job's completions depend only on
+the weights, the prompts and the seed, not on timing: the trainer decides when weights change
+(:mod:`rlflow.data.pipeline` only writes them while the worker is idle). The worker exits when its parent
+dies (``kill -9`` of the trainer leaves no orphan), when told to, or when its queue is closed.
+
+A backend that already generates outside the trainer's process on its own copy of the weights (``lmdeploy``:
+:attr:`~rlflow.rollout.base.RolloutBackend.reads_policy_weights` false) needs no second process:
+:class:`ThreadGenerator` sends its requests from a background thread, so the servers keep generating while the
+trainer steps, and pushes weights (``push_weights``, with the FSDP gathers every rank joins) on the training
+thread between two jobs, i.e. at request boundaries: no request ever sees two versions. Its engine must stay
+awake during training (``sleep_level: null``: servers on GPUs of their own, or ``server_url``).
+
+Simplifications: one job at a time; a backend given as an object (not a name) is rebuilt in the worker from its
+class with default arguments; judging stays in the trainer process; a server samples with its own random state,
+so a pipelined lmdeploy run is not bit-reproducible (the process generator's runs are).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from rlflow.rollout.base import Completion, SamplingParams
+
+
+@dataclass
+class Job:
+    """One generation request: ``n`` completions per prompt from the weights of ``version``, seeded."""
+
+    step: int
+    version: int
+    seed: int
+    prompts: list[list[int]]
+    params: SamplingParams
+    n: int
+    delay: float = 0.0  # seconds to sleep before generating (tests: an adversarially slow generator)
+
+
+@dataclass
+class JobResult:
+    """The completions of a :class:`Job` as plain lists (``[prompt][sample] = (token_ids, logprobs, reason)``)."""
+
+    step: int
+    version: int
+    prompts: list[list[int]]
+    groups: list[list[tuple[list[int], list[float], str]]]
+    seconds: float
+
+    def completions(self) -> list[list[Completion]]:
+        return [[Completion(list(ids), list(lps), reason) for ids, lps, reason in group] for group in self.groups]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for group in self.groups for ids, _, _ in group)
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain types only (a checkpoint is read with ``torch.load(weights_only=True)``)."""
+        return {"step": self.step, "version": self.version, "prompts": self.prompts, "seconds": self.seconds,
+                "groups": [[[list(ids), list(lps), reason] for ids, lps, reason in g] for g in self.groups]}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> JobResult:
+        groups = [[(list(ids), list(lps), str(reason)) for ids, lps, reason in g] for g in state["groups"]]
+        return cls(int(state["step"]), int(state["version"]), [list(p) for p in state["prompts"]], groups,
+                   float(state["seconds"]))
+
+
+def generator_copy(policy: torch.nn.Module) -> torch.nn.Module:
+    """A fresh module of the policy's architecture and dtype, weights copied in, parameters in shared memory."""
+    from transformers import AutoModelForCausalLM
+
+    from rlflow.data.packing import ATTENTION_NAME
+
+    config = copy.deepcopy(policy.config)  # its own: the trainer switches the policy's attention around packed passes
+    dtype = next(iter(policy.state_dict().values())).dtype
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    attn = getattr(config, "_attn_implementation", None)
+    if attn:
+        kwargs["attn_implementation"] = "sdpa" if attn == ATTENTION_NAME else attn
+    model = AutoModelForCausalLM.from_config(config, **kwargs)
+    model.eval().requires_grad_(False)
+    copy_weights(policy, model)
+    return model.share_memory()
+
+
+@torch.no_grad()
+def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
+    """Copy every parameter of ``src`` into the parameter of the same name of ``dst`` (in place).
+
+    An FSDP-sharded ``src`` must be unsharded around the call (:func:`rlflow.distributed.full_weights`); a
+    DTensor parameter is gathered all the same.
+    """
+    params = dict(dst.named_parameters())
+    for name, p in src.named_parameters():
+        value = p.full_tensor() if hasattr(p, "full_tensor") else p
+        if name not in params:
+            raise KeyError(f"the generator's model has no parameter {name!r}")
+        params[name].copy_(value.detach().to(params[name].dtype))
+
+
+def _next_message(jobs: Any, parent: Any) -> Any:
+    """The next message of the queue; None when told to stop or when the parent process has died."""
+    while True:
+        try:
+            return jobs.get(timeout=0.5)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return None  # the trainer was killed: do not linger
+
+
+def _worker(threads: int, jobs: Any, results: Any) -> None:
+    """The worker process: import what generation needs, wait for the shared model, build the backend on it,
+    then run jobs until told to stop."""
+    parent = mp.parent_process()
+    try:
+        torch.set_num_threads(max(int(threads), 1))
+        from transformers import AutoTokenizer
+
+        import rlflow.data.packing  # noqa: F401 - registers rlflow's attention function, as in the trainer
+        from rlflow import registry
+        from rlflow.rollout.select import resolve_backend
+
+        attach = _next_message(jobs, parent)  # ("attach", model, tokenizer_path, spec)
+        if attach is None:
+            return
+        _, model, tokenizer_path, spec = attach
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if isinstance(spec, type):
+            backend = spec()
+            backend.bind(model, tokenizer)
+        else:
+            backend = resolve_backend(spec, model, tokenizer) if spec is not None else registry.build(
+                "rlflow.rollout", "hf")
+        results.put(("ready", os.getpid()))
+    except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
+        results.put(("error", traceback.format_exc()))
+        return
+    while True:
+        job = _next_message(jobs, parent)
+        if job is None:
+            return
+        try:
+            if job.delay:
+                time.sleep(job.delay)
+            torch.manual_seed(job.seed)
+            if getattr(backend, "generator", None) is not None:  # an engine with its own generator (seed set)
+                backend.generator.manual_seed(job.seed)
+            start = time.perf_counter()
+            groups = backend.generate(job.prompts, job.params, n=job.n)
+            seconds = time.perf_counter() - start
+            plain = [[(list(c.token_ids), [float(x) for x in c.logprobs], c.finish_reason) for c in g] for g in groups]
+            results.put(("done", JobResult(job.step, job.version, job.prompts, plain, seconds)))
+        except BaseException:  # noqa: BLE001
+            results.put(("error", traceback.format_exc()))
+
+
+class GeneratorProcess:
+    """A rollout backend running in a child process on a shared-memory copy of the policy (see the module doc).
+
+    The process starts (and imports torch, transformers and rlflow) as soon as it is built, before the policy
+    exists; :meth:`attach` then hands it the shared copy of the policy and the backend to build.
+
+    Args:
+        threads: torch threads of the worker.
+        start_timeout: Seconds to wait for the worker to build its backend.
+    """
+
+    def __init__(self, threads: int = 1, start_timeout: float = 600.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.model: torch.nn.Module | None = None
+        self.jobs = ctx.Queue()
+        self.results = ctx.Queue()
+        self.process = ctx.Process(target=_worker, name="rlflow-generator", daemon=True,
+                                   args=(threads, self.jobs, self.results))
+        self.started_at = time.perf_counter()
+        self.process.start()
+        self.busy = False
+        self.ready = False  # the worker's start-up (imports, backend check) overlaps the trainer's own
+        self.start_timeout = start_timeout
+
+    def attach(self, policy: torch.nn.Module, tokenizer_path: str, spec: Any) -> None:
+        """Give the worker a shared-memory copy of ``policy`` (once) and the backend spec (``data.rollout``: a
+        name or mapping, or a backend class) to run on it; ``tokenizer_path``: the tokenizer it loads."""
+        if self.model is None:
+            self.model = generator_copy(policy)
+            self.jobs.put(("attach", self.model, tokenizer_path, spec))
+
+    def wait_ready(self) -> None:
+        """Block until the worker has built its backend (once); raise with its traceback if it could not."""
+        if self.ready:
+            return
+        if self.model is None:
+            raise RuntimeError("attach() the policy before the first job")
+        kind, payload = self._receive(self.start_timeout)
+        if kind != "ready":
+            self.close()
+            raise RuntimeError(f"the generator process failed to start:\n{payload}")
+        self.ready = True
+        from rlflow.log import info
+
+        info(f"generator process {payload} ready {time.perf_counter() - self.started_at:.1f} s after its start")
+
+    def _receive(self, timeout: float | None) -> tuple[str, Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return self.results.get(timeout=1.0)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RuntimeError(f"the generator process died (exit code {self.process.exitcode})") from None
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"the generator process gave no answer in {timeout} s") from None
+
+    def load_weights(self, policy: torch.nn.Module) -> None:
+        """Copy the policy's current weights into the shared copy; only while no job runs (the worker reads them)."""
+        if self.busy:
+            raise RuntimeError("load_weights while the generator is generating: the job would mix two versions")
+        copy_weights(policy, self.model)
+
+    def submit(self, job: Job) -> None:
+        if self.busy:
+            raise RuntimeError("the generator runs one job at a time; collect() the previous one first")
+        self.wait_ready()
+        self.jobs.put(job)
+        self.busy = True
+
+    def collect(self, timeout: float | None = None) -> JobResult:
+        """Wait for the job submitted last; raise (with the worker's traceback) if it failed."""
+        if not self.busy:
+            raise RuntimeError("collect() without a submitted job")
+        kind, payload = self._receive(timeout)
+        self.busy = False
+        if kind != "done":
+            raise RuntimeError(f"the generator process failed:\n{payload}")
+        return payload
+
+    def close(self) -> None:
+        """Stop the worker (asking first, then terminating it)."""
+        if self.process.is_alive():
+            try:
+                self.jobs.put(None)
+            except (OSError, ValueError):
+                pass
+            self.process.join(timeout=5)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(timeout=5)
+        self.busy = False
+
+
+class ThreadGenerator:
+    """The :class:`GeneratorProcess` interface for a backend with its own weights elsewhere (an inference server):
+    requests go out from one background thread; weights are pushed from the calling thread between jobs.
+
+    Args:
+        backend: A bound backend whose ``reads_policy_weights`` is false (it never reads the live policy while the
+            trainer updates it); ``push_weights()``, if it has one, sends the current weights.
+    """
+
+    def __init__(self, backend: Any) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        if backend.reads_policy_weights:
+            raise ValueError(f"{type(backend).__name__} generates from the live policy module; it cannot run while "
+                             "the trainer updates it (the generator process handles such backends)")
+        if getattr(backend, "colocated", False) and getattr(backend, "sleep_level", None) is not None:
+            from rlflow.config_error import ConfigError
+
+            raise ConfigError("data.max_staleness > 0 with a colocated lmdeploy engine that sleeps during training "
+                              "(data.rollout.init_args.sleep_level): pipelining needs the engine awake while the "
+                              "trainer steps; set sleep_level: null (engines on GPUs of their own) or server_url")
+        self.backend = backend
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlflow-generator")
+        self.future: Any = None
+
+    @property
+    def busy(self) -> bool:
+        return self.future is not None
+
+    def load_weights(self, policy: torch.nn.Module) -> None:
+        """Between jobs, on the training thread (every rank joins the gathers of a sharded policy)."""
+        if self.busy:
+            raise RuntimeError("load_weights while the generator is generating: the job would mix two versions")
+        self.backend.sync_weights()
+        push = getattr(self.backend, "push_weights", None)
+        if push is not None:
+            push()
+
+    def _run(self, job: Job) -> JobResult:
+        if job.delay:
+            time.sleep(job.delay)
+        generator = getattr(self.backend, "generator", None)
+        if generator is not None:
+            generator.manual_seed(job.seed)
+        start = time.perf_counter()
+        groups = self.backend.generate(job.prompts, job.params, n=job.n)
+        plain = [[(list(c.token_ids), [float(x) for x in c.logprobs], c.finish_reason) for c in g] for g in groups]
+        return JobResult(job.step, job.version, job.prompts, plain, time.perf_counter() - start)
+
+    def submit(self, job: Job) -> None:
+        if self.busy:
+            raise RuntimeError("the generator runs one job at a time; collect() the previous one first")
+        self.future = self.pool.submit(self._run, job)
+
+    def collect(self, timeout: float | None = None) -> JobResult:
+        if not self.busy:
+            raise RuntimeError("collect() without a submitted job")
+        future, self.future = self.future, None
+        return future.result(timeout=timeout)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+        self.future = None
