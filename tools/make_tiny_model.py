@@ -241,10 +241,9 @@ def batch_loss(model, examples, pad_id: int) -> torch.Tensor:
     return model(input_ids=input_ids, attention_mask=full_mask, labels=labels, **cache_kwargs(model, cache)).loss
 
 
-def sft(model, tokenizer, pool, steps: int, seed: int, batch_size=32, lr=5e-3,
-        hash_fraction=DEFAULT_HASH_FRACTION) -> list[float]:
-    """Plain AdamW loop with linear warmup + cosine decay; returns per-step losses."""
-    rng = random.Random(seed + 1)
+def train_sft(model, next_batch, pad_id: int, steps: int, lr: float) -> list[float]:
+    """AdamW (weight decay 0.01, betas 0.9/0.98) with linear warm-up over ``steps // 20`` steps, then cosine decay;
+    ``next_batch()`` gives each step's ``(ids, labels)`` examples. Returns the per-step losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
     warmup = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -253,11 +252,7 @@ def sft(model, tokenizer, pool, steps: int, seed: int, batch_size=32, lr=5e-3,
     model.train()
     losses = []
     for _ in range(steps):
-        # Every batch holds exactly round(hash_fraction * batch_size) "####" targets: with a random
-        # per-example coin the format bias drifts with the last few batches (seen: p(####) = 0.29).
-        n_hash = round(hash_fraction * batch_size)
-        batch = [encode_example(tokenizer, rng.choice(pool), i < n_hash) for i in range(batch_size)]
-        loss = batch_loss(model, batch, tokenizer.pad_token_id)
+        loss = batch_loss(model, next_batch(), pad_id)  # the shared prompt head run once
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -266,6 +261,20 @@ def sft(model, tokenizer, pool, steps: int, seed: int, batch_size=32, lr=5e-3,
         losses.append(loss.item())
     model.eval()
     return losses
+
+
+def sft(model, tokenizer, pool, steps: int, seed: int, batch_size=32, lr=5e-3,
+        hash_fraction=DEFAULT_HASH_FRACTION) -> list[float]:
+    """:func:`train_sft` on examples drawn from ``pool``; returns per-step losses."""
+    rng = random.Random(seed + 1)
+    # Every batch holds exactly round(hash_fraction * batch_size) "####" targets: with a random
+    # per-example coin the format bias drifts with the last few batches (seen: p(####) = 0.29).
+    n_hash = round(hash_fraction * batch_size)
+
+    def next_batch():
+        return [encode_example(tokenizer, rng.choice(pool), i < n_hash) for i in range(batch_size)]
+
+    return train_sft(model, next_batch, tokenizer.pad_token_id, steps, lr)
 
 
 @torch.no_grad()

@@ -38,7 +38,6 @@ problems (0.48 tool calls with this seed); the demo's first step measures 0.34 o
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import sys
 import time
@@ -47,7 +46,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_tiny_model import IM_END, batch_loss, build_model, build_tokenizer, has_model, write_jsonl  # noqa: E402
+from make_tiny_model import IM_END, build_model, build_tokenizer, has_model, train_sft, write_jsonl  # noqa: E402
 
 from rlflow.rollout.multiturn import MultiTurn  # noqa: E402
 from rlflow.tools.base import load_tools  # noqa: E402
@@ -115,27 +114,15 @@ class Encoder:
 
 def sft(model, encoder: Encoder, steps: int, seed: int, tool_fraction: float, batch_size: int = 16,
         lr: float = 5e-3) -> list[float]:
-    """AdamW with warm-up and cosine decay; every batch holds exactly ``round(tool_fraction * batch_size)`` tool
-    examples."""
+    """:func:`make_tiny_model.train_sft` on multiplication problems; every batch holds exactly
+    ``round(tool_fraction * batch_size)`` tool examples."""
     rng = random.Random(seed + 1)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98))
-    warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * s / steps))))
-    model.train()
-    losses = []
     n_tool = round(tool_fraction * batch_size)
-    for _ in range(steps):
-        batch = [encoder.encode(a, b, i < n_tool) for i, (a, b) in enumerate(problems(rng, batch_size))]
-        loss = batch_loss(model, batch, encoder.tok.pad_token_id)  # the shared prompt head run once
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    model.eval()
-    return losses
+
+    def next_batch():
+        return [encoder.encode(a, b, i < n_tool) for i, (a, b) in enumerate(problems(rng, batch_size))]
+
+    return train_sft(model, next_batch, encoder.tok.pad_token_id, steps, lr)
 
 
 @torch.no_grad()
