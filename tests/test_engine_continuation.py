@@ -12,7 +12,7 @@ from rlflow.data.dataset import PromptRecord
 from rlflow.rollout.base import SamplingParams
 from rlflow.rollout.continuation import SessionCache
 from rlflow.rollout.engine import EngineRollout, common_prefix_len
-from rlflow.rollout.multiturn import MultiTurn
+from rlflow.rollout.multiturn import MultiTurn, RecordsRollout
 
 
 @pytest.fixture(scope="module")
@@ -140,7 +140,8 @@ def test_multiturn_on_the_engine_prefills_only_appended_tokens(tok, one_thread):
     params = SamplingParams(temperature=1.0, max_tokens=60, stop_token_ids=[tok.eos_token_id])
     mt = MultiTurn(tok, {}, environment=Env(), max_turns=3)
     before = engine.prefilled_tokens
-    groups = mt.generate(engine, recs, params, n=2)
+    # through the trainer's path: the datamodule hands the judging code a RecordsRollout over the engine
+    groups = RecordsRollout(mt, engine, recs).generate([r.prompt_ids for r in recs], params, n=2)
     # with an environment every trajectory's first turn is its own prompt (the environment may rewrite it)
     expected, inserted_runs = 2 * sum(len(r.prompt_ids) for r in recs), 0
     for rec, group in zip(recs, groups):
