@@ -67,6 +67,7 @@ def main(argv=None) -> None:
     times: dict[str, list[float]] = {"continue": [], "re-prefill": []}
     prefilled: dict[str, int] = {}
     turns = calls = 0.0
+    sampled: dict[str, list[list[int]]] = {}
     for _ in range(args.repeats):
         for name in times:
             engine = EngineRollout(seed=0)
@@ -77,6 +78,7 @@ def main(argv=None) -> None:
             times[name].append(time.perf_counter() - t0)
             prefilled[name] = engine.prefilled_tokens - before
             done = [c for g in groups for c in g]
+            sampled[name] = [c.token_ids for c in done]
             turns = sum(c.info["turns"] for c in done) / len(done)
             calls = sum(sum(c.info["tool_calls"].values()) for c in done) / len(done)
     cont, anchor = statistics.median(times["continue"]), statistics.median(times["re-prefill"])
@@ -84,7 +86,9 @@ def main(argv=None) -> None:
           f"{args.threads} thread(s); {turns:.2f} turns and {calls:.2f} tool calls per trajectory")
     print(f"re-prefill (anchor): {anchor:.3f} s, {prefilled['re-prefill']} tokens prefilled")
     print(f"continue from cache: {cont:.3f} s, {prefilled['continue']} tokens prefilled")
-    print(f"speed-up: {anchor / cont:.2f}x (median of {args.repeats} interleaved runs)")
+    same = sum(a == b for a, b in zip(sampled["continue"], sampled["re-prefill"]))
+    print(f"speed-up: {anchor / cont:.2f}x (median of {args.repeats} interleaved runs); identical trajectories: "
+          f"{same}/{len(sampled['continue'])}")
 
 
 if __name__ == "__main__":

@@ -62,13 +62,18 @@ class SessionCache:
         return None
 
 
-def row_cache(state: Any, group: int, sample: int, fed: int) -> Cache:
-    """Row ``sample`` of ``group`` of a :class:`~rlflow.rollout.engine.DecodeState`: its prompt's real columns, then
-    its first ``fed`` generated-token slots (token-major: column ``prompt_width + t * n + sample``)."""
+def row_caches(state: Any, group: int, fed: list[int]) -> list[Cache]:
+    """The caches of the rows of ``group`` of a :class:`~rlflow.rollout.engine.DecodeState`: row ``s``'s are its
+    prompt's real columns, then its first ``fed[s]`` generated-token slots (token-major: column
+    ``prompt_width + t * n + s``). One gather per layer for the whole group; each row's cache is a view of it."""
     prompt_cols = torch.nonzero(torch.isfinite(state.prompt_bias[group])).squeeze(1)
-    own = state.prompt_width + torch.arange(fed, device=prompt_cols.device) * state.n + sample
-    cols = torch.cat([prompt_cols, own])
-    return [k[group][:, cols] for k in state.k], [v[group][:, cols] for v in state.v]
+    device, most = prompt_cols.device, max(fed)
+    slots = torch.arange(most, device=device)[None, :] * state.n + torch.arange(len(fed), device=device)[:, None]
+    cols = torch.cat([prompt_cols.expand(len(fed), -1), state.prompt_width + slots], dim=1)  # [n, columns]
+    keys = [k[group][:, cols] for k in state.k]  # [kv, n, columns, dim]
+    values = [v[group][:, cols] for v in state.v]
+    ends = [prompt_cols.numel() + f for f in fed]
+    return [([k[:, s, :end] for k in keys], [v[:, s, :end] for v in values]) for s, end in enumerate(ends)]
 
 
 def _pad_to(t: torch.Tensor, width: int) -> torch.Tensor:

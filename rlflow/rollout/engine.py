@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams, UnsupportedModelError
-from rlflow.rollout.continuation import SessionCache, merge_prefills, prefill_on_caches, row_cache
+from rlflow.rollout.continuation import SessionCache, merge_prefills, prefill_on_caches, row_caches
 from rlflow.rollout.engine_support import probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder
 
@@ -601,10 +601,11 @@ class EngineRollout(RolloutBackend):
                 if finished:
                     for prompt in [p for p, group in done.items() if len(group) == n]:
                         if session is not None:  # keep each row's cache (all but its last token, not fed yet)
-                            for j, row in enumerate(rows):
-                                if row.prompt == prompt:
-                                    session.put(prompts[prompt] + row.tokens[:-1],
-                                                row_cache(state, j // n, row.sample, len(row.tokens) - 1))
+                            first = next(j for j, row in enumerate(rows) if row.prompt == prompt)
+                            members = rows[first: first + n]
+                            caches = row_caches(state, first // n, [len(row.tokens) - 1 for row in members])
+                            for row, cache in zip(members, caches):
+                                session.put(prompts[prompt] + row.tokens[:-1], cache)
                         group = [c for _, c in sorted(done.pop(prompt), key=lambda sc: sc[0])]
                         if progress is not None:
                             progress(len(group), sum(len(c.token_ids) for c in group))
