@@ -6,6 +6,8 @@ The model and prompts are the agentic CPU demo's (``configs/demo_tools_cpu.yaml`
 multiplication prompts x 8 samples, the real ``calculator`` tool, ``max_tokens`` 160, up to 3 turns, T=1. Both
 settings use the same engine seed, so they sample the same trajectories (up to float rounding); the figures are
 the median of ``--repeats`` interleaved runs, and the prefilled-token counts show what the continuation saves.
+``--environment guess_number --max-turns 8 --max-tokens 400`` gives longer histories (the example environment of
+``plugins/rlflow-env-example`` hints after every wrong answer).
 
 Usage::
 
@@ -42,6 +44,9 @@ def main(argv=None) -> None:
     parser.add_argument("--max-turns", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--environment", default=None,
+                        help="an rlflow.environments name instead of the calculator (e.g. guess_number, secret 7: "
+                             "the demo model's answers get a hint and it answers again, turn after turn)")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -61,9 +66,11 @@ def main(argv=None) -> None:
         for line in list(f)[: args.prompts]:
             messages = json.loads(line)["prompt"]
             text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=schemas)
-            records.append(PromptRecord(messages, {}, "-", tok.encode(text, add_special_tokens=False), text))
+            ids = tok.encode(text, add_special_tokens=False)
+            records.append(PromptRecord(messages, {"ground_truth": "7"}, "-", ids, text))
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, stop_token_ids=[tok.eos_token_id])
-    mt = MultiTurn(tok, tools, max_turns=args.max_turns)
+    mt = MultiTurn(tok, tools if args.environment is None else {}, environment=args.environment,
+                   max_turns=args.max_turns)
     times: dict[str, list[float]] = {"continue": [], "re-prefill": []}
     prefilled: dict[str, int] = {}
     turns = calls = 0.0
@@ -82,7 +89,8 @@ def main(argv=None) -> None:
             turns = sum(c.info["turns"] for c in done) / len(done)
             calls = sum(sum(c.info["tool_calls"].values()) for c in done) / len(done)
     cont, anchor = statistics.median(times["continue"]), statistics.median(times["re-prefill"])
-    print(f"{args.prompts} prompts x {args.n}, max_tokens {args.max_tokens}, max_turns {args.max_turns}, "
+    print(f"{args.environment or 'calculator'}: {args.prompts} prompts x {args.n}, max_tokens {args.max_tokens}, "
+          f"max_turns {args.max_turns}, "
           f"{args.threads} thread(s); {turns:.2f} turns and {calls:.2f} tool calls per trajectory")
     print(f"re-prefill (anchor): {anchor:.3f} s, {prefilled['re-prefill']} tokens prefilled")
     print(f"continue from cache: {cont:.3f} s, {prefilled['continue']} tokens prefilled")
