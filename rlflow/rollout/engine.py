@@ -22,6 +22,9 @@ every token, keeps finished rows in the batch until the longest one ends, and pa
   token (kept) or at ``max_tokens``;
 * yields each prompt's group as soon as its last completion finishes (:meth:`EngineRollout.stream`), so
   judging can overlap with the rest of the generation.
+* inside :meth:`EngineRollout.keep_caches` (multi-turn rollouts) keeps each finished row's cache and continues
+  a later prompt that extends it from that cache, prefilling only the appended tokens
+  (:mod:`rlflow.rollout.continuation`).
 
 Simplifications: the prompt regions of a batch are padded to the longest prompt and the generated-token
 regions grow by doubling up to ``max_tokens`` (masked, exact, but not a paged block table); each query also
@@ -41,6 +44,7 @@ import functools
 import inspect
 from collections import deque
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +53,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams, UnsupportedModelError
+from rlflow.rollout.continuation import SessionCache, merge_prefills, prefill_on_caches, row_caches
 from rlflow.rollout.engine_support import probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder
 
@@ -376,6 +381,20 @@ class EngineRollout(RolloutBackend):
         self._decoder: FusedDecoder | None = None  # the fused decoder of the rollout call in progress, if any
         self._checked_model: Any = None  # the model bind() last found supported (checked once per model)
         self.decode_path = ""  # how bind()'s probe decoded: "fused decode" or why through the model's forward
+        self.session: SessionCache | None = None  # rows' caches kept across calls (keep_caches), else None
+        self.prefilled_tokens = 0  # tokens run through a prefill forward (counted over the engine's life)
+        self.reused_tokens = 0  # prompt tokens taken from a kept cache instead (keep_caches)
+
+    @contextmanager
+    def keep_caches(self):
+        """Within this block, keep each finished row's KV cache and continue a later prompt that extends a row's
+        prompt and completion from that cache, prefilling only the new tokens (:mod:`rlflow.rollout.continuation`;
+        the multi-turn loop opens one block per rollout call). The weights must not change inside the block."""
+        self.session = SessionCache()
+        try:
+            yield self.session
+        finally:
+            self.session = None
 
     def bind(self, model: Any, tokenizer: Any) -> None:
         """Point the engine at ``model``; the first time for a model, check that the engine can run it.
@@ -401,6 +420,7 @@ class EngineRollout(RolloutBackend):
 
     def _prefill_head(self, head: list[int], device: torch.device):
         """Run the prompt head common to every prompt once; return its per-layer keys and values ``[kv, len, d]``."""
+        self.prefilled_tokens += len(head)
         if self._decoder is not None:
             keys, values, _, _ = self._prefill_fused([head], device, None)
             return [k[0] for k in keys], [v[0] for v in values]
@@ -443,6 +463,23 @@ class EngineRollout(RolloutBackend):
         keys = [layer.keys[:, :, head_len:] for layer in cache.layers]
         values = [layer.values[:, :, head_len:] for layer in cache.layers]
         return keys, values, mask[:, head_len:].to(device), out.logits[:, -1]
+
+    def _admit(self, prompts: list[list[int]], take: list[int], kept: dict, device: torch.device, head=None):
+        """:meth:`_prefill` of ``prompts[i]`` for ``i`` in ``take``; those with a kept cache (``kept``, taken out of
+        the session) are prefilled on top of it (only their new tokens), the others from scratch."""
+        fresh = [j for j, i in enumerate(take) if i not in kept]
+        cont = [j for j, i in enumerate(take) if i in kept]
+        parts = []
+        if fresh:
+            head_len = 0 if head is None else head[0][0].shape[1]
+            self.prefilled_tokens += sum(len(prompts[take[j]]) - head_len for j in fresh)
+            parts.append((fresh, self._prefill([prompts[take[j]] for j in fresh], device, head)))
+        if cont:
+            hits = [kept.pop(take[j]) for j in cont]
+            self.reused_tokens += sum(length for length, _ in hits)
+            self.prefilled_tokens += sum(len(prompts[take[j]]) - length for j, (length, _) in zip(cont, hits))
+            parts.append((cont, prefill_on_caches(self, [prompts[take[j]] for j in cont], hits, device)))
+        return merge_prefills(parts, len(take))
 
     def _prefill_fused(self, prompts: list[list[int]], device: torch.device, head=None):
         """:meth:`_prefill` through the fused decoder: the right-padded rests of all prompts as one flat batch of
@@ -527,8 +564,12 @@ class EngineRollout(RolloutBackend):
         rows: list[_Row] = []
         decoder = FusedDecoder(model) if self.fused and FusedDecoder.unsupported_reason(model) is None else None
         self._decoder = decoder
+        session = self.session
+        kept = {}  # prompt index -> (length, cache) of its longest kept prefix (keep_caches)
+        if session is not None and len(session):
+            kept = {i: hit for i, p in enumerate(prompts) if (hit := session.take(p)) is not None}
         head_len = common_prefix_len(prompts) if len(prompts) > 1 else 0
-        shared = self.min_shared_prefix and head_len >= self.min_shared_prefix
+        shared = not kept and self.min_shared_prefix and head_len >= self.min_shared_prefix
         head = self._prefill_head(prompts[0][:head_len], device) if shared else None
         state = DecodeState(n, params.max_tokens, head)
         pos = pending = None  # position of the token to feed, and that token, per row
@@ -538,7 +579,7 @@ class EngineRollout(RolloutBackend):
                 while waiting and len(take) < self.prefill_batch_size and len(rows) + (len(take) + 1) * n <= capacity:
                     take.append(waiting.popleft())
                 if take:  # admit waiting prompts: prefill once, sample each group's first tokens
-                    keys, values, mask, logits = self._prefill([prompts[i] for i in take], device, head)
+                    keys, values, mask, logits = self._admit(prompts, take, kept, device, head)
                     tokens, lps = sample_tokens(logits.repeat_interleave(n, dim=0), params, self.generator)
                     state.add_groups(take, keys, values, mask)
                     new_pos = torch.tensor([len(prompts[i]) for i in take], device=device).repeat_interleave(n)
@@ -559,6 +600,12 @@ class EngineRollout(RolloutBackend):
                     done[row.prompt].append((row.sample, Completion(row.tokens, row.logprobs, reason)))
                 if finished:
                     for prompt in [p for p, group in done.items() if len(group) == n]:
+                        if session is not None:  # keep each row's cache (all but its last token, not fed yet)
+                            first = next(j for j, row in enumerate(rows) if row.prompt == prompt)
+                            members = rows[first: first + n]
+                            caches = row_caches(state, first // n, [len(row.tokens) - 1 for row in members])
+                            for row, cache in zip(members, caches):
+                                session.put(prompts[prompt] + row.tokens[:-1], cache)
                         group = [c for _, c in sorted(done.pop(prompt), key=lambda sc: sc[0])]
                         if progress is not None:
                             progress(len(group), sum(len(c.token_ids) for c in group))

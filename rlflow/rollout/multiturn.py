@@ -25,8 +25,9 @@ no log-prob, no KL). Each turn:
 A trajectory ends when a turn has no tool call and no environment observation, the environment says ``done``, at
 ``data.max_turns`` model turns, or when the budget is spent (``finish_reason`` ``length``).
 
-Backends: ``hf`` and ``engine`` re-prefill the trajectory each turn (the engine shares the prefix common to all
-rows of a call, not each row's own history: continuing from a group's KV cache is not implemented); ``lmdeploy``
+Backends: ``hf`` re-prefills the trajectory each turn; the ``engine`` continues each trajectory from its own KV
+cache (the loop runs inside the backend's ``keep_caches()`` block when it has one: only the last sampled token and
+the inserted tokens are prefilled on top of the kept cache, :mod:`rlflow.rollout.continuation`); ``lmdeploy``
 sends one token-id ``/generate`` request per trajectory and turn. A trajectory's tool calls start as soon as its
 group is generated (on the ``engine``, which streams finished groups, while the other groups still generate).
 Simplification: turns are synchronous across the batch, so the next turn starts when every trajectory's tools
@@ -35,6 +36,7 @@ have answered; a slow tool delays the next turn of the others (finished trajecto
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -171,14 +173,16 @@ class MultiTurn:
         else:
             prompts, owners, k = [t.prompt_ids for t in trajectories], [[i] for i in range(len(trajectories))], 1
         active = list(range(len(trajectories)))
-        while True:
-            self.run_turn(backend, trajectories, prompts, owners, dataclasses.replace(params, max_tokens=min(
-                budget, max(budget - len(trajectories[i].ids) for i in active))), k, budget)
-            active = [i for i in active if not trajectories[i].done]
-            if not active:
-                break
-            prompts = [trajectories[i].prompt_ids + trajectories[i].ids for i in active]
-            owners, k = [[i] for i in active], 1
+        keep_caches = getattr(backend, "keep_caches", None)  # the engine: continue from each row's own KV cache
+        with keep_caches() if keep_caches is not None else contextlib.nullcontext():
+            while True:
+                self.run_turn(backend, trajectories, prompts, owners, dataclasses.replace(params, max_tokens=min(
+                    budget, max(budget - len(trajectories[i].ids) for i in active))), k, budget)
+                active = [i for i in active if not trajectories[i].done]
+                if not active:
+                    break
+                prompts = [trajectories[i].prompt_ids + trajectories[i].ids for i in active]
+                owners, k = [[i] for i in active], 1
         done = [t.completion() for t in trajectories]
         if progress is not None:
             progress(len(done), sum(sum(c.mask) for c in done))
