@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from rlflow.rollout.engine_support import cache_kwargs
+
 Cache = tuple[list[torch.Tensor], list[torch.Tensor]]  # per-layer keys, values: [kv_heads, length, head_dim]
 
 
@@ -153,8 +155,6 @@ def prefill_on_caches(engine: Any, prompts: list[list[int]], kept: list[tuple[in
 def _prefill_one_through_model(engine: Any, prompt: list[int], kept: tuple[int, Cache], device: torch.device):
     """:func:`prefill_on_caches` of one prompt through the model's own forward (a cache preloaded with the kept
     keys/values, position ids continuing after them)."""
-    from rlflow.rollout.engine import cache_kwargs
-
     length, (old_k, old_v) = kept
     cache = DynamicCache(config=engine.model.config)
     for layer, (k, v) in enumerate(zip(old_k, old_v)):

@@ -40,8 +40,6 @@ model (:mod:`rlflow.rollout.engine_support`).
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,7 +52,7 @@ from transformers import AttentionInterface, DynamicCache
 
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams, UnsupportedModelError
 from rlflow.rollout.continuation import SessionCache, merge_prefills, prefill_on_caches, row_caches
-from rlflow.rollout.engine_support import probe_error, static_unsupported_reason
+from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder
 
 ATTENTION_NAME = "rlflow_shared_prefix"
@@ -294,17 +292,6 @@ def attend_cached(state: DecodeState, layer: int, query: torch.Tensor, scaling: 
 
 
 AttentionInterface.register(ATTENTION_NAME, shared_prefix_attention)
-
-
-def cache_kwargs(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
-    """The forward keyword that takes a KV cache: ``cache`` in transformers >= 5.2x (``past_key_values`` is
-    deprecated there and goes in 5.40), ``past_key_values`` before."""
-    return {"cache": cache} if _forward_takes_cache(type(model)) else {"past_key_values": cache}
-
-
-@functools.cache
-def _forward_takes_cache(cls: type) -> bool:
-    return "cache" in inspect.signature(cls.forward).parameters
 
 
 def common_prefix_len(prompts: list[list[int]]) -> int:

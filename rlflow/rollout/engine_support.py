@@ -15,6 +15,8 @@ attention and the model's own kernels round differently.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from typing import Any
 
 import torch
@@ -96,3 +98,14 @@ def probe_error(engine: Any, model: Any) -> str | None:
     if not worst <= tolerance:
         return f"the engine's log-probs differ from the model's own forward by {worst:.3g} (> {tolerance:g})"
     return None
+
+
+def cache_kwargs(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
+    """The forward keyword that takes a KV cache: ``cache`` in transformers >= 5.2x (``past_key_values`` is
+    deprecated there and goes in 5.40), ``past_key_values`` before."""
+    return {"cache": cache} if _forward_takes_cache(type(model)) else {"past_key_values": cache}
+
+
+@functools.cache
+def _forward_takes_cache(cls: type) -> bool:
+    return "cache" in inspect.signature(cls.forward).parameters
