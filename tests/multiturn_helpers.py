@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import torch
+
 from rlflow.rollout.base import Completion, RolloutBackend
 
 # Qwen3's chat template (Qwen/Qwen3-8B tokenizer_config.json): tools in the system turn, <tool_call> blocks,
@@ -191,3 +193,15 @@ def hang(x: int) -> int:
     """
     time.sleep(60)
     return x
+
+
+def tiny_model(vocab: int, seed: int = 0):
+    """A 2-layer random Qwen3 over ``vocab`` tokens (sdpa attention), in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model("qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  max_position_embeddings=1024)
+    config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(config).eval()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiturn_helpers import qwen3_char_tokenizer
+from multiturn_helpers import qwen3_char_tokenizer, tiny_model
 
 from rlflow.data.dataset import PromptRecord
 from rlflow.rollout.base import SamplingParams
@@ -18,17 +18,6 @@ from rlflow.rollout.multiturn import MultiTurn, RecordsRollout
 @pytest.fixture(scope="module")
 def tok():
     return qwen3_char_tokenizer()
-
-
-def tiny_model(vocab: int, seed: int = 0):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model("qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                  max_position_embeddings=1024)
-    config._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(config).eval()
 
 
 def full_forward_logprobs(model, prefix: list[int], tokens: list[int], temperature: float) -> torch.Tensor:

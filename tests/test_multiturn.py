@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiturn_helpers import RecordingBackend, ScriptedBackend, add, boom, hang, qwen3_char_tokenizer
+from multiturn_helpers import RecordingBackend, ScriptedBackend, add, boom, hang, qwen3_char_tokenizer, tiny_model
 
 from rlflow.data.dataset import PromptRecord
 from rlflow.data.experience import Experience, collate
@@ -154,17 +154,6 @@ def test_token_budget_covers_the_whole_trajectory(tok):
 
 
 # --------------------------------------------------------------------------- real backends, full forward
-def tiny_model(vocab: int, seed: int = 0):
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    config = AutoConfig.for_model("qwen3", vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                  max_position_embeddings=1024)
-    config._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
 def segments(c):
     """``[(start, end, sampled)]`` runs of the completion's mask."""
     runs, start = [], 0
