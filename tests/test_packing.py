@@ -19,6 +19,7 @@ from rlflow.data.packing import (
     pack_indices,
     packed_completion_logprobs,
     segment_layout,
+    shared_head_length,
 )
 
 
@@ -142,6 +143,56 @@ def test_shared_prompts_are_laid_once_and_stay_exact(model):
     p = len(exps[0].prompt_ids)
     c = len(exps[0].completion_ids)
     assert shared["position_ids"][0, -c:].tolist() == list(range(p, p + c))
+
+
+def test_shared_head_length_is_the_common_prefix_of_sixteen_tokens_or_more():
+    head = list(range(4, 24))  # 20 tokens
+    assert shared_head_length([head + [30, 31], head + [40], head]) == 20
+    assert shared_head_length([head[:15] + [30], head[:15] + [40]]) == 0  # 15 common tokens: too short
+    assert shared_head_length([head[:16] + [30], head[:16] + [40]]) == 16
+    assert shared_head_length([head + [30]]) == 0  # one prompt: nothing to share
+    assert shared_head_length([head + [1], head + [1]]) == 21  # identical prompts: all of it
+
+
+def test_a_prompt_head_common_to_every_group_is_laid_once_and_stays_exact(model):
+    """Groups whose prompts start with the same 20 tokens: the head once per pack, each group's tail (empty for
+    one group, whose prompt is the head; a whole duplicate prompt for two others) once, log-probs and gradients as
+    if each sequence ran alone, and the pack budget counts the head once."""
+    rng = random.Random(7)
+    head = [rng.randrange(4, 100) for _ in range(20)]
+    tails = [[rng.randrange(4, 100) for _ in range(n)] for n in (6, 0, 11, 3)]
+    tails.append(list(tails[2]))  # a fifth group with the third's prompt
+    exps = []
+    for g, tail in enumerate(tails):
+        for _ in range(3):
+            completion = [rng.randrange(4, 100) for _ in range(rng.randint(1, 9))]
+            exps.append(Experience(head + tail, completion, [0.0] * len(completion), 0.0, 0.0, g, "stop", 0))
+    refs = padded_reference(model, exps, 1.0)
+    model.zero_grad()
+    sum(r.sum() for r in refs).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    completions = sum(len(e.completion_ids) for e in exps)
+    budget = 20 + sum(len(t) for t in tails) + completions  # all of it fits once the head is counted once
+    packs = pack_experiences(exps, budget, share_prompts=True)
+    assert len(packs) == 1
+    batch = collate_packed(packs[0], share_prompts=True)
+    assert batch["input_ids"].shape[1] == budget  # not 5 x 20 head tokens: one
+    assert batch["input_ids"][0, :20].tolist() == head and batch["position_ids"][0, :20].tolist() == list(range(20))
+    assert {"attn0_q", "attn1_q", "attn2_q"} <= set(batch)  # head, completions, the non-empty tails
+    assert batch["attn2_q"].shape[0] == 4  # four non-empty tails (the second group's prompt is the head)
+    logprobs, _ = packed_completion_logprobs(model, batch)
+    for row, e, want in zip(logprobs, packs[0], [refs[exps.index(e)] for e in packs[0]]):
+        torch.testing.assert_close(row[: len(e.completion_ids)], want, atol=1e-5, rtol=0)
+    logprobs[batch["completion_mask"]].sum().backward()
+    for name, p in model.named_parameters():
+        if name in ref_grads:
+            torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-4, rtol=1e-4)
+    model.zero_grad()
+    # one token less of budget: two packs, each within it (a pack of one group holds its whole prompt)
+    packs = pack_experiences(exps, budget - 1, share_prompts=True)
+    assert len(packs) == 2 and sorted(id(e) for p in packs for e in p) == sorted(id(e) for e in exps)
+    assert all(collate_packed(p, share_prompts=True)["input_ids"].shape[1] <= budget - 1 for p in packs)
 
 
 def test_equal_length_pack_takes_the_reshape_path_and_stays_exact(model):

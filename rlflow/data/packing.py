@@ -8,6 +8,11 @@ block-diagonal causal mask from them (``masking_utils.find_packed_sequence_indic
 paths run variable-length kernels, so a token never attends across a sequence boundary. A micro-batch is one
 pack, so micro-batches are sized by tokens, not by sequences.
 
+With ``share_prompts`` (rlflow's own var-len attention, below) a group's prompt is laid once per pack, and a
+prompt head common to every group of a pack (a chat template's head, a system prompt, an instruction: at least
+:data:`MIN_SHARED_HEAD` tokens) once per pack: the groups' prompt tails attend to it, as the rollout engine's
+shared prefix does.
+
 Simplifications: packs are filled first-fit-decreasing by length (no reordering across mini-batches); a single
 sequence longer than ``pack_max_length`` gets a pack of its own rather than an error; a pack is one row (batch
 size 1), which is what the var-len kernels want; on sdpa the block-diagonal mask is dense (``tokens²``).
@@ -20,21 +25,25 @@ import contextlib
 import torch
 from transformers import AttentionInterface
 
-from rlflow.data.experience import Experience, completion_tensors
+from rlflow.data.experience import Experience, completion_tensors, flat_tensor
 from rlflow.logprobs import _has_logit_postprocessing, naive_token_stats, token_stats_from_hidden
 
 ATTENTION_NAME = "rlflow_varlen_sdpa"
+#: Fewest tokens of a prompt head common to the groups of a pack for it to be laid once per pack (shorter common
+#: heads stay in each group's prompt: an extra attention row set costs more than it saves).
+MIN_SHARED_HEAD = 16
 
 
 def rows_layout(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """``index`` ``[sequences, longest]``: each attention row's flat token positions (0 past its end), and
     ``valid``, the real entries."""
     width = max(len(r) for r in rows)
-    index = torch.zeros((len(rows), width), dtype=torch.long)
-    valid = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, r in enumerate(rows):
-        index[i, : len(r)] = torch.tensor(r, dtype=torch.long)
-        valid[i, : len(r)] = True
+    flat: list[int] = []
+    for r in rows:  # one tensor from one flat list, not one per row
+        flat.extend(r)
+        flat.extend([0] * (width - len(r)))
+    index = flat_tensor(flat, torch.long).view(len(rows), width)
+    valid = torch.arange(width)[None, :] < flat_tensor([len(r) for r in rows], torch.long)[:, None]
     return index, valid
 
 
@@ -44,27 +53,37 @@ def segment_layout(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     return rows_layout([list(range(s, s + n)) for s, n in zip(starts, lengths)])
 
 
-def attention_layout(rows: list[tuple[list[int], int]]) -> dict[str, torch.Tensor]:
-    """The tensors :func:`varlen_sdpa_attention` needs, for attention rows ``(key positions, first query)``.
+#: Attention row sets of a pack: 0 queries = keys (a whole sequence, a shared prompt or head), 1 completions behind
+#: a shared prompt, 2 prompt tails behind a shared head.
+ROW_SETS = (0, 1, 2)
+
+
+def attention_layout(rows: list[tuple[list[int], int]] | list[tuple[list[int], int, int]]) -> dict[str, torch.Tensor]:
+    """The tensors :func:`varlen_sdpa_attention` needs, for attention rows ``(key positions, first query)`` or
+    ``(key positions, first query, set)``.
 
     Each row attends causally over its keys (flat token positions of the pack); its queries are its keys from
     index ``first query`` on, so a shared prompt can be one row of its own (queries = keys = the prompt) while
     each member's completion is another (queries = the completion, keys = prompt + completion). Every pack
-    position must be a query of exactly one row. Rows whose queries are all their keys form set 0, the others
-    set 1, each padded to its own widths: ``attn{s}_q``/``attn{s}_k`` ``[rows, width]`` (positions, 0 past the
-    end), ``attn{s}_mask`` ``[rows, 1, q_width, k_width]`` (causal and key padding), ``attn{s}_take`` (the real
-    queries in the flattened ``[rows * q_width]``); ``attn_inv`` orders the sets' concatenated outputs by
-    position. Equal-length rows laid end to end with nothing shared only get ``attn_full`` ``[rows, width]``:
-    attention is then a reshape.
+    position must be a query of exactly one row. Rows are attended in sets (0, 1 or 2), each padded to its own
+    widths; without a set given, rows whose queries are all their keys form set 0, the others set 1. Per set:
+    ``attn{s}_q``/``attn{s}_k`` ``[rows, width]`` (positions, 0 past the end), ``attn{s}_mask``
+    ``[rows, 1, q_width, k_width]`` (causal and key padding), ``attn{s}_take`` (the real queries in the flattened
+    ``[rows * q_width]``); ``attn_inv`` orders the sets' concatenated outputs by position. Equal-length rows laid
+    end to end with nothing shared only get ``attn_full`` ``[rows, width]``: attention is then a reshape.
     """
-    widths = {len(keys) for keys, _ in rows}
-    if all(first == 0 for _, first in rows) and len(widths) == 1:
+    rows = [(r[0], r[1], r[2] if len(r) > 2 else int(r[1] > 0)) for r in rows]
+    widths = {len(keys) for keys, _, _ in rows}
+    if all(first == 0 for _, first, _ in rows) and len(widths) == 1:
         width = widths.pop()
-        if [k for keys, _ in rows for k in keys] == list(range(len(rows) * width)):
+        if [k for keys, _, _ in rows for k in keys] == list(range(len(rows) * width)):
             return {"attn_full": torch.tensor([len(rows), width])}
     layout: dict[str, torch.Tensor] = {}
     order = []
-    for s, group in enumerate(g for g in ([r for r in rows if r[1] == 0], [r for r in rows if r[1] > 0]) if g):
+    for s in sorted({row_set for _, _, row_set in rows}):
+        if s not in ROW_SETS:
+            raise ValueError(f"attention_layout: row set {s} is not one of {ROW_SETS}")
+        group = [(keys, first) for keys, first, row_set in rows if row_set == s]
         k_index, k_valid = rows_layout([keys for keys, _ in group])
         q_index, q_valid = rows_layout([keys[first:] for keys, first in group])
         q_col = torch.tensor([first for _, first in group])[:, None] + torch.arange(q_index.shape[1])[None, :]
@@ -103,7 +122,7 @@ def varlen_sdpa_attention(
                                                                dropout_p=dropout_p, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(1, -1, out.shape[1], out.shape[3]), None  # [1, tokens, heads, dim]
     outs = []
-    for s in (0, 1):
+    for s in ROW_SETS:
         if f"attn{s}_q" not in layout:
             continue
         q_index, k_index = layout[f"attn{s}_q"], layout[f"attn{s}_k"]
@@ -142,7 +161,7 @@ def _varlen_attention(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
     config = model.config
     previous = getattr(config, "_attn_implementation", None)
     if not varlen_supported(model):
-        if "attn1_q" in batch:
+        if "attn1_q" in batch or "attn2_q" in batch:
             raise ValueError(
                 "a pack with shared prompts needs rlflow's var-len attention (sdpa/eager, no gradient checkpointing)"
             )
@@ -219,19 +238,41 @@ def prompt_units(experiences: list[Experience], pack_max_length: int, share_prom
     return units
 
 
+def shared_head_length(prompts: list[list[int]]) -> int:
+    """Tokens of the prompt head common to ``prompts`` (one per prompt unit) laid once per pack: their common
+    prefix where there are two prompts or more and it has at least :data:`MIN_SHARED_HEAD` tokens, else 0."""
+    if len(prompts) < 2:
+        return 0
+    first, n = prompts[0], min(len(p) for p in prompts)
+    for prompt in prompts[1:]:
+        n = next((j for j in range(n) if prompt[j] != first[j]), n)
+        if n < MIN_SHARED_HEAD:
+            return 0
+    return n
+
+
 def pack_experiences(
     experiences: list[Experience], pack_max_length: int, share_prompts: bool = False
 ) -> list[list[Experience]]:
     """Split ``experiences`` into micro-batches of at most ``pack_max_length`` tokens (a group's members stay
-    together when ``share_prompts``, their prompt counted once)."""
+    together when ``share_prompts``, their prompt counted once, and a prompt head common to every group counted
+    once per pack, see :func:`shared_head_length`)."""
     units = prompt_units(experiences, pack_max_length, share_prompts)
-    lengths = [len(experiences[u[0]].prompt_ids) + sum(len(experiences[i].completion_ids) for i in u) for u in units]
-    return [[experiences[i] for j in pack for i in units[j]] for pack in pack_indices(lengths, pack_max_length)]
+    prompts = [experiences[u[0]].prompt_ids for u in units]
+    head = shared_head_length(prompts) if share_prompts else 0
+    if head >= pack_max_length:  # a head as long as the budget: packs without one
+        head = 0
+    # each pack's head (the common prefix of its own prompts) is at least this one, so a pack of two or more units
+    # holds at most head + (pack_max_length - head) tokens; a unit alone is its whole prompt and completions
+    lengths = [len(prompt) - head + sum(len(experiences[i].completion_ids) for i in u)
+               for prompt, u in zip(prompts, units)]
+    return [[experiences[i] for j in pack for i in units[j]] for pack in pack_indices(lengths, pack_max_length - head)]
 
 
 def collate_packed(experiences: list[Experience], share_prompts: bool = False) -> dict[str, torch.Tensor]:
     """Lay ``experiences`` end to end in one row (with ``share_prompts``, a group's prompt once, then each
-    member's completion, positions continuing from the prompt for every completion).
+    member's completion, positions continuing from the prompt for every completion; and a prompt head common to
+    every group, :func:`shared_head_length`, once at the start, each group's prompt tail attending to it).
 
     Returns ``input_ids``/``position_ids`` ``[1, tokens]``, ``logit_index`` (the position whose output predicts
     each completion token, in experience order), the attention layout of :func:`attention_layout` (``attn*``)
@@ -239,41 +280,43 @@ def collate_packed(experiences: list[Experience], share_prompts: bool = False) -
     ``rollout_logprobs``/``old_logprobs``/``ref_logprobs`` of shape ``[sequences, completion_width]`` and
     ``advantages``/``truncated`` of shape ``[sequences]``.
     """
-    ids: list[int] = []
-    positions: list[int] = []
-    rows: list[tuple[list[int], int]] = []  # attention rows: (key positions, index of the first query)
+    units = prompt_units(experiences, 1 << 62, share_prompts)
+    if any(not e.prompt_ids for e in experiences):
+        raise ValueError("a packed sequence needs a non-empty prompt (its first completion token is predicted from it)")
+    head = shared_head_length([experiences[u[0]].prompt_ids for u in units]) if share_prompts else 0
+    ids: list[int] = list(experiences[units[0][0]].prompt_ids[:head])
+    positions: list[int] = list(range(head))
+    # attention rows: (key positions, index of the first query, row set of attention_layout)
+    rows: list[tuple[list[int], int, int]] = [(list(range(head)), 0, 0)] if head else []
     logit_of: dict[int, list[int]] = {}
-    for unit in prompt_units(experiences, 1 << 62, share_prompts):
+    for unit in units:
         prompt = experiences[unit[0]].prompt_ids
         p = len(prompt)
-        if p == 0:
-            raise ValueError(
-                "a packed sequence needs a non-empty prompt (its first completion token is predicted from it)"
-            )
-        shared = share_prompts and len(unit) > 1
+        shared = share_prompts and (len(unit) > 1 or head > 0)
         for k, i in enumerate(unit):
             e = experiences[i]
             if k == 0 or not share_prompts:
                 prompt_start = len(ids)
-                ids.extend(e.prompt_ids)
-                positions.extend(range(p))
-                if shared:  # the prompt's own attention, once for the group
-                    rows.append((list(range(prompt_start, prompt_start + p)), 0))
+                ids.extend(e.prompt_ids[head:])
+                positions.extend(range(head, p))
+                prompt_keys = list(range(head)) + list(range(prompt_start, prompt_start + p - head))
+                if shared and p > head:  # the prompt's own attention (its tail's, behind a head), once for the group
+                    rows.append((prompt_keys, head, 2 if head else 0))
             start = len(ids)
             c = len(e.completion_ids)
             ids.extend(e.completion_ids)
             positions.extend(range(p, p + c))
-            keys = list(range(prompt_start, prompt_start + p)) + list(range(start, start + c))
+            keys = prompt_keys + list(range(start, start + c))
             if not shared:
-                rows.append((keys, 0))
+                rows.append((keys, 0, 0))
             elif c:  # the completion's queries over the shared prompt and its own tokens
-                rows.append((keys, p))
-            logit_of[i] = ([prompt_start + p - 1] + list(range(start, start + c - 1))) if c else []
+                rows.append((keys, p, 1))
+            logit_of[i] = ([prompt_keys[-1]] + list(range(start, start + c - 1))) if c else []
     logit_index = [j for i in range(len(experiences)) for j in logit_of[i]]
     return {
-        "input_ids": torch.tensor([ids], dtype=torch.long),
-        "position_ids": torch.tensor([positions], dtype=torch.long),
-        "logit_index": torch.tensor(logit_index, dtype=torch.long),
+        "input_ids": flat_tensor(ids, torch.long)[None],
+        "position_ids": flat_tensor(positions, torch.long)[None],
+        "logit_index": flat_tensor(logit_index, torch.long),
         **attention_layout(rows),
         **completion_tensors(experiences),
     }
