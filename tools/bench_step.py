@@ -12,7 +12,7 @@ are left out. The last line (one line, wrapped here) is the ratio of median step
         --data checkpoints/arith/train.jsonl --threads 2 --repeats 3 --steps 6
     ...
     step rlflow/trl speedup: 3.57x (rlflow 0.20 s/step 14470 tok/s, trl 0.72 s/step 3778 tok/s; tok/s ratio 3.83x;
-        median of 3 runs x 5 steps)
+        median of 3 runs x 5 steps; 2 thread(s), load average 0.41 -> 1.32 on 2 CPUs)
 
 ``--config configs/demo_cpu.yaml`` runs rlflow with that config as shipped (only paths, step count, logging,
 checkpointing and evaluation overridden), so the figure is what users of the config get, and takes the settings
@@ -279,7 +279,9 @@ def main(argv=None) -> None:
     print(f"settings: {args.prompts} prompts x {args.group} completions, {args.max_tokens} max tokens, "
           f"T={args.temperature}, lr {args.lr} (warm-up {args.warmup_steps}), loss {args.loss}, "
           f"epsilon {args.epsilon}/{args.epsilon_high}, kl {args.kl_coef}, TRL micro-batch {args.micro_batch}; rlflow: "
-          f"{' '.join(rlflow_settings(args)) if args.config else 'the flags above'} {args.rlflow_args}", flush=True)
+          f"{' '.join(rlflow_settings(args)) if args.config else 'the flags above'} {args.rlflow_args}; "
+          f"OMP_NUM_THREADS={args.threads or os.environ.get('OMP_NUM_THREADS', 'unset')}", flush=True)
+    load_start = os.getloadavg()[0]
     forward = [a for a in (argv if argv is not None else sys.argv[1:])]
     names = [args.only] if args.only else ["rlflow", "trl"]
     if "trl" in names:
@@ -307,7 +309,9 @@ def main(argv=None) -> None:
         print(f"step rlflow/trl speedup: {b['median_step_s'] / a['median_step_s']:.2f}x "
               f"(rlflow {a['median_step_s']:.2f} s/step "
               f"{a['tok_s']:.0f} tok/s, trl {b['median_step_s']:.2f} s/step {b['tok_s']:.0f} tok/s; tok/s ratio "
-              f"{a['tok_s'] / b['tok_s']:.2f}x; median of {args.repeats} runs x {args.steps - args.warmup} steps)")
+              f"{a['tok_s'] / b['tok_s']:.2f}x; median of {args.repeats} runs x {args.steps - args.warmup} steps; "
+              f"{args.threads or os.environ.get('OMP_NUM_THREADS', 'default')} thread(s), load average "
+              f"{load_start:.2f} -> {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs)")
 
 
 if __name__ == "__main__":
