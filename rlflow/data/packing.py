@@ -68,9 +68,10 @@ def attention_layout(rows: list[tuple[list[int], int]] | list[tuple[list[int], i
     position must be a query of exactly one row. Rows are attended in sets (0, 1 or 2), each padded to its own
     widths; without a set given, rows whose queries are all their keys form set 0, the others set 1. Per set:
     ``attn{s}_q``/``attn{s}_k`` ``[rows, width]`` (positions, 0 past the end), ``attn{s}_mask``
-    ``[rows, 1, q_width, k_width]`` (causal and key padding), ``attn{s}_take`` (the real queries in the flattened
-    ``[rows * q_width]``); ``attn_inv`` orders the sets' concatenated outputs by position. Equal-length rows laid
-    end to end with nothing shared only get ``attn_full`` ``[rows, width]``: attention is then a reshape.
+    ``[rows, 1, q_width, k_width]`` (causal and key padding); over the sets: ``attn_q_all``/``attn_k_all`` (the
+    sets' flattened ``attn{s}_q``/``attn{s}_k`` end to end) and ``attn_out``, each pack position's place in the
+    sets' flattened ``[rows * q_width]`` outputs end to end. Equal-length rows laid end to end with nothing shared
+    only get ``attn_full`` ``[rows, width]``: attention is then a reshape.
     """
     rows = [(r[0], r[1], r[2] if len(r) > 2 else int(r[1] > 0)) for r in rows]
     widths = {len(keys) for keys, _, _ in rows}
@@ -79,7 +80,7 @@ def attention_layout(rows: list[tuple[list[int], int]] | list[tuple[list[int], i
         if [k for keys, _, _ in rows for k in keys] == list(range(len(rows) * width)):
             return {"attn_full": torch.tensor([len(rows), width])}
     layout: dict[str, torch.Tensor] = {}
-    order = []
+    order, q_all, k_all, takes, offset = [], [], [], [], 0
     for s in sorted({row_set for _, _, row_set in rows}):
         if s not in ROW_SETS:
             raise ValueError(f"attention_layout: row set {s} is not one of {ROW_SETS}")
@@ -89,16 +90,19 @@ def attention_layout(rows: list[tuple[list[int], int]] | list[tuple[list[int], i
         q_col = torch.tensor([first for _, first in group])[:, None] + torch.arange(q_index.shape[1])[None, :]
         mask = (torch.arange(k_index.shape[1])[None, None, :] <= q_col[:, :, None]) & k_valid[:, None, :]
         take = q_valid.reshape(-1).nonzero().squeeze(1)
-        layout.update({
-            f"attn{s}_q": q_index, f"attn{s}_k": k_index, f"attn{s}_mask": mask.unsqueeze(1), f"attn{s}_take": take
-        })
+        layout.update({f"attn{s}_q": q_index, f"attn{s}_k": k_index, f"attn{s}_mask": mask.unsqueeze(1)})
         order.append(q_index.reshape(-1)[take])
+        q_all.append(q_index.reshape(-1))
+        k_all.append(k_index.reshape(-1))
+        takes.append(take + offset)
+        offset += q_index.numel()
     positions = torch.cat(order)
     if positions.numel() != int(positions.max()) + 1 or torch.unique(positions).numel() != positions.numel():
         raise ValueError("attention_layout: every pack position must be the query of exactly one row")
     inv = torch.empty_like(positions)
     inv[positions] = torch.arange(positions.numel())
-    layout["attn_inv"] = inv
+    # one gather per tensor for every set (its backward is one index_add_), and one back to pack order
+    layout.update({"attn_q_all": torch.cat(q_all), "attn_k_all": torch.cat(k_all), "attn_out": torch.cat(takes)[inv]})
     return layout
 
 
@@ -117,25 +121,25 @@ def varlen_sdpa_attention(
     gqa = query.shape[1] != key.shape[1]
     if "attn_full" in layout:  # equally long, nothing shared: a reshape, no gather, no mask
         seqs, width = layout["attn_full"].tolist()
-        q, k, v = (t[0].unflatten(1, (seqs, width)).transpose(0, 1) for t in (query, key, value))
+        q, k, v = (t.squeeze(0).unflatten(1, (seqs, width)).transpose(0, 1) for t in (query, key, value))
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
                                                                dropout_p=dropout_p, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(1, -1, out.shape[1], out.shape[3]), None  # [1, tokens, heads, dim]
+    sets = [s for s in ROW_SETS if f"attn{s}_q" in layout]
+    # every set's queries (keys, values) in one index_select of the [heads, tokens, dim] view: its backward is
+    # one index_add_ (squeeze, not [0], whose backward would build a zero tensor per use)
+    q_all = query.squeeze(0).index_select(1, layout["attn_q_all"])
+    k_all, v_all = (t.squeeze(0).index_select(1, layout["attn_k_all"]) for t in (key, value))
+    q_parts = q_all.split([layout[f"attn{s}_q"].numel() for s in sets], dim=1)
+    k_sizes = [layout[f"attn{s}_k"].numel() for s in sets]
     outs = []
-    for s in ROW_SETS:
-        if f"attn{s}_q" not in layout:
-            continue
-        q_index, k_index = layout[f"attn{s}_q"], layout[f"attn{s}_k"]
-        # index_select: its backward is index_add_, cheaper than advanced indexing's
-        q = query[0].index_select(1, q_index.reshape(-1)).unflatten(1, q_index.shape).transpose(0, 1)
-        k, v = (
-            t[0].index_select(1, k_index.reshape(-1)).unflatten(1, k_index.shape).transpose(0, 1) for t in (key, value)
-        )
+    for s, q, k, v in zip(sets, q_parts, k_all.split(k_sizes, dim=1), v_all.split(k_sizes, dim=1)):
+        q_shape, k_shape = layout[f"attn{s}_q"].shape, layout[f"attn{s}_k"].shape
+        q, k, v = q.unflatten(1, q_shape).transpose(0, 1), *(t.unflatten(1, k_shape).transpose(0, 1) for t in (k, v))
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=layout[f"attn{s}_mask"], scale=scaling, dropout_p=dropout_p, enable_gqa=gqa)
-        out = out.transpose(1, 2)  # [rows, q_width, heads, dim]
-        outs.append(out.reshape(-1, *out.shape[2:]).index_select(0, layout[f"attn{s}_take"]))
-    out = (torch.cat(outs) if len(outs) > 1 else outs[0]).index_select(0, layout["attn_inv"])
+        outs.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))  # [rows * q_width, heads, dim]
+    out = (torch.cat(outs) if len(outs) > 1 else outs[0]).index_select(0, layout["attn_out"])  # real queries, in order
     return out.unsqueeze(0), None  # [1, tokens, heads, dim]
 
 
