@@ -42,12 +42,15 @@ class AfterStep(L.Callback):
 
     def __init__(self) -> None:
         self.after: list[float] = []
+        self.own_records: list[bool] = []  # whether the step's batch held the datamodule's own records
 
     def on_train_start(self, trainer, pl_module):
         self.after.append(fingerprint(pl_module.policy))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.after.append(fingerprint(pl_module.policy))
+        own = {id(r) for r in trainer.datamodule.train_records}
+        self.own_records.append(all(id(r) in own for r in batch))
 
 
 def test_each_step_trains_on_completions_from_the_previous_steps_weights(tiny_model, tiny_data, tmp_path):
@@ -65,6 +68,9 @@ def test_each_step_trains_on_completions_from_the_previous_steps_weights(tiny_mo
     assert rollout.seen == probe.after[:4]
     # and the weights did change between steps, so the comparison above is not vacuous
     assert len(set(probe.after)) > 1
+    # the prompt batch reached the step as the datamodule's own records: Lightning's default batch transfer would
+    # have copied every record and token id, each step (RolloutDataModule.transfer_batch_to_device)
+    assert probe.own_records == [True] * 4
 
 
 def test_several_optimizer_steps_per_rollout_are_stamped_with_their_lag(tiny_model, tiny_data, tmp_path):

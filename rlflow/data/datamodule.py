@@ -296,6 +296,11 @@ class RolloutDataModule(L.LightningDataModule):
         return DataLoader(self.eval_records, batch_size=self.eval_batch_size, shuffle=False, collate_fn=_keep_records,
                           generator=torch.Generator().manual_seed(self.seed))
 
+    def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+        """A batch is prompt records (token id lists, columns), with nothing to move: handed over as is.
+        Lightning's default walks (and copies) every record and token id of every batch, each step."""
+        return batch
+
     # ------------------------------------------------------------------------ the ExperienceSource interface
     def bind(self, policy: torch.nn.Module) -> RolloutBackend:
         """Build the rollout backend (once; ``auto`` chooses it for ``policy``) and point it at the live policy."""
