@@ -63,7 +63,8 @@ class StepProfile:
         self.cpu: dict[str, dict[int, float]] = defaultdict(lambda: defaultdict(float))
         self.depth: dict[str, int] = defaultdict(int)
         self.loop: list[float] = []
-        self.last_start: float | None = None
+        self.loop_cpu: list[float] = []
+        self.last_start: tuple[float, float] | None = None
 
     def timed(self, label: str, fn):
         @functools.wraps(fn)
@@ -105,9 +106,10 @@ class StepProfile:
         GRPOModule.training_step = training_step
 
         def on_train_batch_start(module_self, batch, batch_idx):
-            now = time.perf_counter()
+            now = time.perf_counter(), time.process_time()
             if profile.last_start is not None and module_self.global_step > profile.warmup:
-                profile.loop.append(now - profile.last_start)
+                profile.loop.append(now[0] - profile.last_start[0])
+                profile.loop_cpu.append(now[1] - profile.last_start[1])
             profile.last_start = now
 
         GRPOModule.on_train_batch_start = on_train_batch_start
@@ -133,9 +135,10 @@ class StepProfile:
         lines.append(f"{label:48s} {rest:8.1f} {'':>8s}  {rest / step_ms:6.0%}")
         lines.append(f"{'training_step (what bench_step.py times)':48s} {step_ms:8.1f} {step_cpu:8.1f}")
         if self.loop:
-            loop = statistics.median(self.loop) * 1e3
-            lines.append(f"{'Lightning between steps (loop - training_step)':48s} {loop - step_ms:8.1f}")
-            lines.append(f"{'whole step (on_train_batch_start to the next)':48s} {loop:8.1f}")
+            loop, loop_cpu = statistics.median(self.loop) * 1e3, statistics.median(self.loop_cpu) * 1e3
+            label = "Lightning between steps (loop - training_step)"
+            lines.append(f"{label:48s} {loop - step_ms:8.1f} {loop_cpu - step_cpu:8.1f}")
+            lines.append(f"{'whole step (on_train_batch_start to the next)':48s} {loop:8.1f} {loop_cpu:8.1f}")
         lines.append(f"(medians over {len(steps)} steps; rest = mean step - mean of the named phases)")
         return "\n".join(lines)
 
