@@ -37,6 +37,7 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+_ABSENT = object()
 
 #: (label, owner, attribute) of each timed phase; owner is "module" (rlflow.module), "GRPOModule" or "datamodule"
 PHASES = [
@@ -65,6 +66,20 @@ class StepProfile:
         self.loop: list[float] = []
         self.loop_cpu: list[float] = []
         self.last_start: tuple[float, float] | None = None
+        self.patched: list[tuple[object, str, object]] = []  # (owner, attribute, what it was): put back by uninstall
+
+    def patch(self, owner: object, name: str, value: object) -> None:
+        self.patched.append((owner, name, owner.__dict__.get(name, _ABSENT)))
+        setattr(owner, name, value)
+
+    def uninstall(self) -> None:
+        """Put every wrapped function back (the tool may run inside a longer process, e.g. a test session)."""
+        for owner, name, value in reversed(self.patched):
+            if value is _ABSENT:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+        self.patched.clear()
 
     def timed(self, label: str, fn):
         @functools.wraps(fn)
@@ -90,7 +105,7 @@ class StepProfile:
         for label, owner, name in PHASES:
             if name == "loss_fn_call":
                 continue  # the loss object is per run: wrapped in on_train_start below
-            setattr(owners[owner], name, self.timed(label, getattr(owners[owner], name)))
+            self.patch(owners[owner], name, self.timed(label, getattr(owners[owner], name)))
         step_fn = GRPOModule.training_step
         profile = self
 
@@ -98,12 +113,11 @@ class StepProfile:
         def training_step(module_self, batch, batch_idx):
             profile.step = module_self.global_step
             loss_class = type(module_self.loss_fn)
-            if not getattr(loss_class, "_rlflow_profiled", False):  # the loss is an object: time its class's call
-                loss_class.__call__ = profile.timed("loss", loss_class.__call__)
-                loss_class._rlflow_profiled = True
+            if not any(owner is loss_class for owner, _, _ in profile.patched):  # an object: time its class's call
+                profile.patch(loss_class, "__call__", profile.timed("loss", loss_class.__call__))
             return profile.timed("training_step", step_fn)(module_self, batch, batch_idx)
 
-        GRPOModule.training_step = training_step
+        self.patch(GRPOModule, "training_step", training_step)
 
         def on_train_batch_start(module_self, batch, batch_idx):
             now = time.perf_counter(), time.process_time()
@@ -112,7 +126,7 @@ class StepProfile:
                 profile.loop_cpu.append(now[1] - profile.last_start[1])
             profile.last_start = now
 
-        GRPOModule.on_train_batch_start = on_train_batch_start
+        self.patch(GRPOModule, "on_train_batch_start", on_train_batch_start)
 
     def report(self) -> str:
         def med(d: dict[int, float]) -> float:
@@ -143,7 +157,7 @@ class StepProfile:
         return "\n".join(lines)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> StepProfile:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", default="configs/demo_cpu.yaml")
     ap.add_argument("--steps", type=int, default=12)
@@ -172,23 +186,27 @@ def main(argv=None) -> None:
                 torch_profile.__enter__()
             return start(module_self, batch, batch_idx)
 
-        GRPOModule.training_step = training_step
+        profile.patch(GRPOModule, "training_step", training_step)
     load = os.getloadavg()
-    with tempfile.TemporaryDirectory() as root:
-        cli_main([
-            "fit", "--config", args.config, "--model.export_hf=false", "--data.eval_data_path=null",
-            "--trajectories.enabled=false", "--trainer.accelerator=cpu", "--trainer.devices=1",
-            f"--trainer.max_steps={args.steps}", f"--trainer.default_root_dir={root}",
-            "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={root}",
-            "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false",
-            f"--seed_everything={args.seed}", *extra,
-        ])
+    try:
+        with tempfile.TemporaryDirectory() as root:
+            cli_main([
+                "fit", "--config", args.config, "--model.export_hf=false", "--data.eval_data_path=null",
+                "--trajectories.enabled=false", "--trainer.accelerator=cpu", "--trainer.devices=1",
+                f"--trainer.max_steps={args.steps}", f"--trainer.default_root_dir={root}",
+                "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={root}",
+                "--trainer.enable_progress_bar=false", "--trainer.enable_checkpointing=false",
+                f"--seed_everything={args.seed}", *extra,
+            ])
+    finally:
+        profile.uninstall()
     if torch_profile is not None:
         torch_profile.__exit__(None, None, None)
         print(torch_profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.ops))
     print(f"profile of {args.config} {' '.join(extra)}: {torch.get_num_threads()} torch thread(s), load average "
           f"{load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end ({os.cpu_count()} CPUs)")
     print(profile.report())
+    return profile
 
 
 if __name__ == "__main__":
