@@ -195,6 +195,36 @@ def test_a_prompt_head_common_to_every_group_is_laid_once_and_stays_exact(model)
     assert all(collate_packed(p, share_prompts=True)["input_ids"].shape[1] <= budget - 1 for p in packs)
 
 
+def test_many_completion_rows_are_attended_in_two_sets_by_length_and_stay_exact(model):
+    """16 completion rows or more: those longer than the median are a set of their own (less padding per set)."""
+    rng = random.Random(11)
+    exps = []
+    for g in range(6):
+        prompt = [rng.randrange(4, 100) for _ in range(rng.randint(4, 12))]
+        for _ in range(3):
+            completion = [rng.randrange(4, 100) for _ in range(rng.randint(1, 14))]
+            exps.append(Experience(prompt, completion, [0.0] * len(completion), 0.0, 0.0, g, "stop", 0))
+    refs = padded_reference(model, exps, 1.0)
+    model.zero_grad()
+    sum(r.sum() for r in refs).backward()
+    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    batch = collate_packed(exps, share_prompts=True)
+    lengths = sorted(len(e.completion_ids) for e in exps)
+    median = lengths[len(lengths) // 2]
+    assert batch["attn1_q"].shape == (sum(n <= median for n in lengths), median)  # 18 rows: split at the median
+    assert batch["attn3_q"].shape == (sum(n > median for n in lengths), lengths[-1])
+    logprobs, _ = packed_completion_logprobs(model, batch)
+    for row, e, want in zip(logprobs, exps, refs):
+        torch.testing.assert_close(row[: len(e.completion_ids)], want, atol=1e-5, rtol=0)
+    logprobs[batch["completion_mask"]].sum().backward()
+    for name, p in model.named_parameters():
+        if name in ref_grads:
+            torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-4, rtol=1e-4)
+    model.zero_grad()
+    assert "attn3_q" not in collate_packed(exps[:15], share_prompts=True)  # 15 rows: one set
+
+
 def test_equal_length_pack_takes_the_reshape_path_and_stays_exact(model):
     exps = [Experience([5 + i, 6, 7, 8], [9, 10 + i, 11], [0.0] * 3, 0.0, 0.0, 0, "stop", 0) for i in range(3)]
     with torch.no_grad():
