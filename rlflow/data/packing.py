@@ -168,7 +168,7 @@ def _varlen_attention(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
     config = model.config
     previous = getattr(config, "_attn_implementation", None)
     if not varlen_supported(model):
-        if "attn1_q" in batch or "attn2_q" in batch:
+        if any(f"attn{s}_q" in batch for s in ROW_SETS[1:]):
             raise ValueError(
                 "a pack with shared prompts needs rlflow's var-len attention (sdpa/eager, no gradient checkpointing)"
             )
