@@ -24,6 +24,10 @@ but not a cryptographic one, and different keys' streams are independent only in
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -93,3 +97,19 @@ class RowDraws:
         u = torch.from_numpy(uniforms(keys, t))
         self.t[start:] += _ONE
         return u.to(device) if u.device != device else u
+
+
+@contextlib.contextmanager
+def isolated_draws(backend: Any, seed: int) -> Iterator[None]:
+    """Run a block (an evaluation) with a seeded engine's draws restarted from ``seed``, then continue the draws
+    where they were, so evaluating never moves the training draws. Backends without a seeded engine's random state
+    follow torch's global generator, which :func:`rlflow.evaluation.isolated_rng` isolates."""
+    state = backend.rng_state() if hasattr(backend, "rng_state") else None
+    if state is None or state.get("seed") is None:
+        yield
+        return
+    backend.reseed(seed)
+    try:
+        yield
+    finally:
+        backend.load_rng_state(state, force=True)

@@ -477,8 +477,12 @@ class EngineRollout(RolloutBackend):
         """What a checkpoint needs to continue the draws exactly: the seed and the count of seeded calls."""
         return {"seed": self.seed, "calls": self.calls}
 
-    def load_rng_state(self, state: dict[str, Any]) -> None:
-        if self.seed is not None and state.get("seed") == self.seed:  # a changed seed starts its draws afresh
+    def load_rng_state(self, state: dict[str, Any], force: bool = False) -> None:
+        """Continue from :meth:`rng_state` ``state``: a seeded engine takes its call count when the seed is the
+        same (a changed seed starts its draws afresh); ``force`` takes the state as it is (its seed too)."""
+        if force:
+            self.seed, self.calls = state["seed"], int(state["calls"])
+        elif self.seed is not None and state.get("seed") == self.seed:
             self.calls = int(state["calls"])
 
     @property
@@ -593,7 +597,7 @@ class EngineRollout(RolloutBackend):
         if decoder is not None:
             def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
                 state.write(layer, k[:, :, 0], v[:, :, 0])
-                return attend_cached(state, layer, q, scaling).reshape(q.shape[0], -1)
+                return state.attend(layer, q, scaling).reshape(q.shape[0], -1)
 
             logits = decoder.step(pending, pos, attend)
         else:
@@ -613,13 +617,14 @@ class EngineRollout(RolloutBackend):
     def stream(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
                progress: Progress | None = None) -> Iterator[tuple[int, list[Completion]]]:
         """Yield ``(prompt_index, its n completions)`` as each group finishes (in finishing order); ``progress``
-        is called per finished group. Sample ``s`` of prompt ``i`` draws from the stream ``(call key, i, s)``."""
+        is called per finished group. Sample ``s`` of prompt ``i`` draws from the stream ``(call key, i, s)``
+        (:meth:`next_call_key`)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        key = self.next_call_key()
+        key = 0 if params.greedy else self.next_call_key()  # greedy: no draws, the random state stays
         requests = [DecodeRequest(p, [stream_key(key, i, s) for s in range(n)], tag=i) for i, p in enumerate(prompts)]
         for request, group in self.serve(ListSource(requests), params, progress):
             yield request.tag, group
