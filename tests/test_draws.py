@@ -154,3 +154,19 @@ def test_an_unseeded_engine_draws_its_call_key_from_torch(model, one_thread):
     torch.manual_seed(8)
     assert engine.generate(prompts, params, n=3) == a and engine.generate(prompts, params, n=3) == b
     assert a != b
+
+
+def test_evaluating_does_not_move_a_seeded_engines_draws(model, one_thread):
+    from rlflow.rollout.draws import isolated_draws
+
+    prompts = [[3, 4, 5, 6]]
+    params = SamplingParams(temperature=1.0, max_tokens=10)
+    engine = engine_for(model, seed=4)
+    engine.generate(prompts, params, n=2)
+    before = engine.rng_state()
+    with isolated_draws(engine, 77):
+        inside = engine.generate(prompts, params, n=2)
+        assert engine.rng_state() == {"seed": 77, "calls": 1}
+    assert engine.rng_state() == before
+    with isolated_draws(engine, 77):  # the same evaluation seed: the same samples
+        assert engine.generate(prompts, params, n=2) == inside
