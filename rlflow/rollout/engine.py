@@ -19,12 +19,18 @@ every token, keeps finished rows in the batch until the longest one ends, and pa
   Qwen2/Qwen3/Llama-style models, and otherwise hands the model's forward its own attention function and state;
 * samples with temperature / top-k / top-p and returns ``log_softmax(logits / temperature)`` of each taken token
   (before truncation, as :class:`~rlflow.rollout.base.Completion` specifies), stopping exactly at the first stop
-  token (kept) or at ``max_tokens``;
+  token (kept) or at ``max_tokens``; each row's uniform for its ``t``-th token is a pure function of the row's
+  stream key and ``t`` (:mod:`rlflow.rollout.draws`), so a row samples the same tokens whatever rows share its
+  batch and whenever it was admitted;
 * yields each prompt's group as soon as its last completion finishes (:meth:`EngineRollout.stream`), so
   judging can overlap with the rest of the generation.
 * inside :meth:`EngineRollout.keep_caches` (multi-turn rollouts) keeps each finished row's cache and continues
   a later prompt that extends it from that cache, prefilling only the appended tokens
-  (:mod:`rlflow.rollout.continuation`).
+  (:mod:`rlflow.rollout.continuation`);
+* :meth:`EngineRollout.serve` takes its requests from a source polled between decode steps
+  (:mod:`rlflow.rollout.requests`), so a multi-turn trajectory's next turn joins the running batch as soon as its
+  tools have answered; groups of different sizes (a first turn's ``n``, later turns' one) decode side by side in
+  lanes, one :class:`DecodeState` each, in one forward (:class:`LaneStates`).
 
 Simplifications: the prompt regions of a batch are padded to the longest prompt and the generated-token
 regions grow by doubling up to ``max_tokens`` (masked, exact, but not a paged block table); each query also

@@ -9,8 +9,8 @@ the sampled tokens (their ``logprobs`` are the sampler's; the inserted ones get 
 no log-prob, no KL). Each turn:
 
 1. the backend generates from the token ids of the trajectory so far (the first turn: ``n`` = group size from the
-   prompt, so the engine shares the prompt's prefill; later turns: one call over every still-active trajectory),
-   with the rest of the ``data.max_tokens`` budget as the turn's limit;
+   prompt, so the engine shares the prompt's prefill; later turns: one request per trajectory), with the rest of
+   the ``data.max_tokens`` budget as the turn's limit;
 2. the turn's text is decoded (for the parser and the messages only: the sampled ids themselves are kept), the tool
    parser finds the calls, every active trajectory's calls run concurrently in the :class:`ToolRunner` (timeout per
    call; failures become tool messages), the environment (if any) answers the turn;
@@ -25,13 +25,30 @@ no log-prob, no KL). Each turn:
 A trajectory ends when a turn has no tool call and no environment observation, the environment says ``done``, at
 ``data.max_turns`` model turns, or when the budget is spent (``finish_reason`` ``length``).
 
-Backends: ``hf`` re-prefills the trajectory each turn; the ``engine`` continues each trajectory from its own KV
-cache (the loop runs inside the backend's ``keep_caches()`` block when it has one: only the last sampled token and
-the inserted tokens are prefilled on top of the kept cache, :mod:`rlflow.rollout.continuation`); ``lmdeploy``
-sends one token-id ``/generate`` request per trajectory and turn. A trajectory's tool calls start as soon as its
-group is generated (on the ``engine``, which streams finished groups, while the other groups still generate).
-Simplification: turns are synchronous across the batch, so the next turn starts when every trajectory's tools
-have answered; a slow tool delays the next turn of the others (finished trajectories leave).
+Scheduling. On the ``engine`` (a backend with ``serve``) trajectories run at their own pace
+(:meth:`MultiTurn.run_async`): the engine's decode loop takes requests from a :class:`TurnSource`
+(:mod:`rlflow.rollout.requests`); a generated turn's tool calls go to the :class:`ToolRunner` with a completion
+callback that puts the results in a thread-safe inbox, and between two decode steps the loop polls the inbox, so a
+trajectory whose tools have answered is continued at once (from its kept KV cache: only the last sampled token and
+the inserted ones are prefilled, :mod:`rlflow.rollout.continuation`) while the others decode or wait on their own
+tools; finished trajectories leave. Tool results are inserted, environments stepped and requests built on the
+decoding thread; only the tools run elsewhere. Trajectory ``j`` samples from its own counter-based random stream
+``(call key, j)``, its counter running over all its sampled tokens (:mod:`rlflow.rollout.draws`), so with a seed
+its tokens do not depend on when its turns were admitted or beside whom, whatever the tools' timing (log-probs are
+equal up to float rounding of the batch composition, ~1e-7).
+
+``hf`` and ``lmdeploy`` run turn by turn over the batch (:meth:`MultiTurn.run_sync`): a turn is one ``generate``
+call over every active trajectory, and it starts when every tool of the turn before has answered, so there a slow
+tool delays the other trajectories' next turns. Why they are not asynchronous: ``hf`` re-prefills the whole
+trajectory in ``model.generate``, which samples from torch's global generator in batch order, so batching whatever
+is ready would make a seeded run's samples depend on the tools' timing; ``lmdeploy`` sends one token-id
+``/generate`` request per trajectory and turn, but every ``generate`` call wakes and (colocated) puts the server
+back to sleep, so calls per ready batch would multiply those cycles. On both, a trajectory's tool calls still start
+as soon as the turn's batch has returned.
+
+Simplifications: environments are stepped on the decoding thread (a slow ``step`` holds the decode loop; tools are
+the concurrent part); the engine admits continuations in prefill batches of up to ``prefill_batch_size`` and within
+``max_batch_size`` rows, first come first served.
 """
 
 from __future__ import annotations
