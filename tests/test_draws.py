@@ -25,6 +25,11 @@ SPLITMIX_1234567 = [6457827717110365317, 3203168211198807973, 981749193219837042
 def test_uniforms_are_splitmix64_outputs():
     u = uniforms(np.full(5, 1234567, dtype=np.uint64), np.arange(5, dtype=np.uint64))
     assert [int(x * 2.0 ** 53) for x in u] == [v >> 11 for v in SPLITMIX_1234567]
+    # the engine's per-row streams: the same outputs from a row's starting counter on, one per step
+    draws = RowDraws()
+    draws.add([1234567, 1234567], [0, 2])
+    steps = [draws.draw(torch.device("cpu")).tolist() for _ in range(3)]
+    assert [s[0] for s in steps] == u[:3].tolist() and [s[1] for s in steps] == u[2:5].tolist()
 
 
 def ks_statistic(u: np.ndarray) -> float:

@@ -54,14 +54,18 @@ def stream_key(*parts: int) -> int:
     return h
 
 
+def _finalise(z: np.ndarray) -> np.ndarray:
+    """splitmix64's output function on uint64 states, as uniforms in ``[0, 1)`` (NumPy's integer arrays wrap
+    silently)."""
+    z = (z ^ (z >> _S30)) * _M1
+    z = (z ^ (z >> _S27)) * _M2
+    z ^= z >> _S31
+    return (z >> _S11).astype(np.float64) * (2.0 ** -53)
+
+
 def uniforms(keys: np.ndarray, t: np.ndarray) -> np.ndarray:
     """The ``t``-th uniform in ``[0, 1)`` of each stream ``keys`` (both uint64 arrays of one shape), float64."""
-    with np.errstate(over="ignore"):
-        z = keys + (t + _ONE) * _G
-        z = (z ^ (z >> _S30)) * _M1
-        z = (z ^ (z >> _S27)) * _M2
-        z = z ^ (z >> _S31)
-    return (z >> _S11).astype(np.float64) * (2.0 ** -53)
+    return _finalise(keys + (t + _ONE) * _G)
 
 
 def call_key(seed: int | None, calls: int) -> int:
@@ -73,29 +77,30 @@ def call_key(seed: int | None, calls: int) -> int:
 
 
 class RowDraws:
-    """The stream keys and token counters of a decode batch's rows, kept aligned with its rows (appended at
-    admission, indexed at compaction, counters advanced every step)."""
+    """The random streams of a decode batch's rows, kept aligned with its rows (appended at admission, indexed at
+    compaction, advanced every step). Each row holds splitmix64's state ``key + (t + 1) * GOLDEN`` for its next
+    token ``t``, so a step costs one addition and the output function (:func:`uniforms` of the same keys and
+    counters)."""
 
     def __init__(self) -> None:
-        self.keys = np.zeros(0, dtype=np.uint64)
-        self.t = np.zeros(0, dtype=np.uint64)
+        self.state = np.zeros(0, dtype=np.uint64)
 
     def __len__(self) -> int:
-        return int(self.keys.shape[0])
+        return int(self.state.shape[0])
 
     def add(self, keys: list[int], starts: list[int]) -> None:
-        self.keys = np.concatenate([self.keys, np.array(keys, dtype=np.uint64)])
-        self.t = np.concatenate([self.t, np.array(starts, dtype=np.uint64)])
+        """Rows with stream ``keys`` whose next token is number ``starts``."""
+        new = np.array(keys, dtype=np.uint64) + (np.array(starts, dtype=np.uint64) + _ONE) * _G
+        self.state = np.concatenate([self.state, new])
 
     def keep(self, rows: list[int]) -> None:
-        self.keys, self.t = self.keys[rows], self.t[rows]
+        self.state = self.state[rows]
 
     def draw(self, device: torch.device, start: int = 0) -> torch.Tensor:
         """The uniforms of rows ``start:`` for their current tokens (``[rows]`` float64 on ``device``); advances
-        their counters."""
-        keys, t = self.keys[start:], self.t[start:]
-        u = torch.from_numpy(uniforms(keys, t))
-        self.t[start:] += _ONE
+        their streams."""
+        u = torch.from_numpy(_finalise(self.state[start:]))
+        self.state[start:] += _G
         return u.to(device) if u.device != device else u
 
 
