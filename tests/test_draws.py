@@ -111,16 +111,17 @@ class Trickle:
         return [self.requests.pop(0)] if wait or self.polls % self.every == 0 else []
 
 
-def test_a_row_samples_the_same_alone_in_a_batch_and_admitted_later(model, one_thread):
+@pytest.mark.parametrize("fused", [True, False])  # the fused decoder, and the model's forward with LaneStates
+def test_a_row_samples_the_same_alone_in_a_batch_and_admitted_later(model, fused, one_thread):
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 61, (int(k),), generator=g).tolist() for k in (5, 9, 7, 12, 6)]
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=14)
     target = DecodeRequest(prompts[2], [stream_key(99, 2)], start=3, tag="target")
-    engine = engine_for(model, seed=0, min_shared_prefix=0)
+    engine = engine_for(model, seed=0, min_shared_prefix=0, fused=fused)
     alone = {r.tag: g for r, g in engine.serve(ListSource([target]), params)}["target"][0]
     others = [DecodeRequest(p, [stream_key(99, i, s) for s in range(3)], tag=i) for i, p in enumerate(prompts)]
     together = {r.tag: g for r, g in engine.serve(ListSource([others[0], target, *others[1:]]), params)}
-    later = {r.tag: g for r, g in engine_for(model, seed=5, max_batch_size=7, prefill_batch_size=1).serve(
+    later = {r.tag: g for r, g in engine_for(model, seed=5, max_batch_size=7, prefill_batch_size=1, fused=fused).serve(
         Trickle([*others[:3], target, *others[3:]]), params)}
     assert len(alone.token_ids) >= 2
     for run in (together, later):
