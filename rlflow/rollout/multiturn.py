@@ -35,7 +35,7 @@ tools; finished trajectories leave. Tool results are inserted, environments step
 decoding thread; only the tools run elsewhere. Trajectory ``j`` samples from its own counter-based random stream
 ``(call key, j)``, its counter running over all its sampled tokens (:mod:`rlflow.rollout.draws`), so with a seed
 its tokens do not depend on when its turns were admitted or beside whom, whatever the tools' timing (log-probs are
-equal up to float rounding of the batch composition, ~1e-7).
+equal up to the float rounding of the batch composition: at most 5e-7 in float32 in the tests).
 
 ``hf`` and ``lmdeploy`` run turn by turn over the batch (:meth:`MultiTurn.run_sync`): a turn is one ``generate``
 call over every active trajectory, and it starts when every tool of the turn before has answered, so there a slow
