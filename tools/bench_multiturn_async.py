@@ -4,7 +4,8 @@ against the same engine turn by turn (the anchor, measured in the same run, inte
 The model and prompts are the agentic CPU demo's (``configs/demo_tools_cpu.yaml``: build them with
 ``python tools/make_tiny_tool_model.py --out checkpoints/tiny-tool-qwen3 --data-out checkpoints/mult``): 16
 multiplication prompts x 8 samples, ``max_tokens`` 160, up to 3 turns, T=1, and the real ``calculator`` tool made
-slow: each call sleeps an exponentially distributed time of mean ``--delay`` seconds (a search API, a sandbox).
+slow: each call sleeps an exponentially distributed time of mean ``--delay`` seconds (a search API, a sandbox),
+drawn from the call's arguments and the repeat, so a call waits as long in both settings.
 The anchor is the same engine and loop behind a source that admits the next turns only once every tool of the
 turn has answered and nothing decodes (synchronous turns, as the ``hf`` and ``lmdeploy`` backends run them); both
 settings key every trajectory's draws alike, so they sample identical trajectories (the last line counts them) and
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import random
 import statistics
 import threading
@@ -39,13 +41,14 @@ class TurnBarrier:
         if not wait:
             return []
         ready: list = []
-        while True:
-            new = self.source.poll(wait=not ready or bool(self.source.turns))
+        while True:  # block only while holding nothing (the source knows no turn the barrier holds back)
+            new = self.source.poll(wait=not ready)
             if new is None:
                 return ready or None
             ready += new
             if not self.source.turns:
                 return ready
+            time.sleep(0.001)
 
 
 class TurnByTurn:
@@ -64,13 +67,22 @@ class TurnByTurn:
         return self.engine.serve(TurnBarrier(source), params, progress)
 
 
-def slow(fn, delay: float, rng: random.Random, lock: threading.Lock):
-    """``fn`` after an exponential pause of mean ``delay`` seconds (drawn under ``lock``: tools run in threads)."""
+class EveryTurn:
+    """A tool parser that reads every turn as one calculator call of the turn's text."""
+
+    def parse(self, text: str):
+        from rlflow.tools.base import ToolCall
+
+        return text, [ToolCall("calculator", {"expression": text})]
+
+
+def slow(fn, delay: float, run: list[int]):
+    """``fn`` after a pause drawn from an exponential distribution of mean ``delay`` seconds, seeded by the call's
+    arguments and the run number ``run[0]``: a trajectory's call waits as long in both settings of a repeat."""
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        with lock:
-            pause = rng.expovariate(1.0 / delay) if delay > 0 else 0.0
-        threading.Event().wait(pause)
+        u = random.Random(f"{run[0]}:{args}:{sorted(kwargs.items())}").random()
+        threading.Event().wait(-delay * math.log(1.0 - u) if delay > 0 else 0.0)
         return fn(*args, **kwargs)
 
     return wrapper
@@ -87,6 +99,9 @@ def main(argv=None) -> None:
     parser.add_argument("--delay", type=float, default=0.2, help="mean seconds a tool call takes (exponential)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--call-every-turn", action="store_true",
+                        help="parse every turn as a calculator call of its text (most fail, after their pause): "
+                             "max_turns - 1 calls in a row per trajectory, where waiting for whole turns costs most")
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -100,8 +115,8 @@ def main(argv=None) -> None:
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     calculator = load_tools(["calculator"])["calculator"]
-    rng, lock = random.Random(0), threading.Lock()
-    tools = {"calculator": Tool("calculator", slow(calculator.fn, args.delay, rng, lock), calculator.schema)}
+    run = [0]
+    tools = {"calculator": Tool("calculator", slow(calculator.fn, args.delay, run), calculator.schema)}
     records = []
     with open(args.data) as f:
         for line in list(f)[: args.prompts]:
@@ -110,11 +125,13 @@ def main(argv=None) -> None:
                                            tools=[calculator.schema])
             records.append(PromptRecord(messages, {}, "-", tok.encode(text, add_special_tokens=False), text))
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, stop_token_ids=[tok.eos_token_id])
-    mt = MultiTurn(tok, tools, max_turns=args.max_turns, tool_timeout=600)
+    mt = MultiTurn(tok, tools, parser=EveryTurn() if args.call_every_turn else "hermes", max_turns=args.max_turns,
+                   tool_timeout=600)
     times: dict[str, list[float]] = {"async": [], "turn by turn": []}
     sampled: dict[str, list[list[int]]] = {}
     turns = calls = 0.0
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
+        run[0] = repeat
         for name in times:
             engine = EngineRollout(seed=0)
             engine.bind(model, tok)
@@ -126,7 +143,8 @@ def main(argv=None) -> None:
             turns = sum(c.info["turns"] for c in done) / len(done)
             calls = sum(sum(c.info["tool_calls"].values()) for c in done) / len(done)
     fast, anchor = statistics.median(times["async"]), statistics.median(times["turn by turn"])
-    print(f"calculator with a mean delay of {args.delay} s: {args.prompts} prompts x {args.n}, max_tokens "
+    print(f"calculator{' on every turn' if args.call_every_turn else ''} with a mean delay of {args.delay} s: "
+          f"{args.prompts} prompts x {args.n}, max_tokens "
           f"{args.max_tokens}, max_turns {args.max_turns}, {args.threads} thread(s); {turns:.2f} turns and "
           f"{calls:.2f} tool calls per trajectory")
     print(f"turn by turn (anchor): {anchor:.3f} s; async: {fast:.3f} s")

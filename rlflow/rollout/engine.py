@@ -722,7 +722,8 @@ class EngineRollout(RolloutBackend):
                             lane.rows.extend(_Row(i, s, limit) for s in range(n))
                             requests[i], done[i] = r, []
                         finished.append((lane, self._record(lane.rows, offset, tokens, lps, stop_t)))
-                else:  # one decode step of every live row of every lane
+                if not take or (live and not waiting):  # one decode step of every live row of every lane (also
+                    # right after admitting the last waiting requests next to running rows: they do not lose a step)
                     active = list(lanes.values())
                     if len(active) == 1:
                         lane = active[0]
@@ -803,6 +804,7 @@ class EngineRollout(RolloutBackend):
             row.tokens.append(tok)
             row.logprobs.append(lp)
             if stop or len(row.tokens) >= row.limit:
+                row.alive = False
                 finished.add(offset + j)
         return finished
 
