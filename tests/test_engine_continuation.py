@@ -126,7 +126,8 @@ def test_multiturn_on_the_engine_prefills_only_appended_tokens(tok, one_thread):
         prompt = [{"role": "user", "content": q}]
         text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
         recs.append(PromptRecord(prompt, {}, "t.jsonl:1", tok.encode(text, add_special_tokens=False), text))
-    params = SamplingParams(temperature=1.0, max_tokens=60, stop_token_ids=[tok.eos_token_id])
+    # short turns whatever the random model samples: 30 of the 101 characters end a turn too
+    params = SamplingParams(temperature=1.0, max_tokens=60, stop_token_ids=[tok.eos_token_id, *range(40, 70)])
     mt = MultiTurn(tok, {}, environment=Env(), max_turns=3)
     before = engine.prefilled_tokens
     # through the trainer's path: the datamodule hands the judging code a RecordsRollout over the engine

@@ -35,6 +35,9 @@ CASES = {  # id: (extra arguments, the steps the chain stops at, steps in all)
     "eval-between-steps": (EVAL, (2,), 4),
     # (g) two weighted sources (3:1, so the small one is repeated every step): MixBatchSampler's position
     "weighted-sources": ([SOURCES], (1,), 3),
+    # (h) a seeded engine: its draws (a count of sampling calls, rlflow.rollout.draws) continue from the checkpoint,
+    # and evaluating does not move them
+    "seeded-engine": (['--data.rollout={"class_path": "engine", "init_args": {"seed": 5}}', *EVAL], (1,), 3),
 }
 
 

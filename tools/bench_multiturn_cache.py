@@ -25,13 +25,21 @@ import torch
 
 
 class Replay:
-    """The engine without ``keep_caches``: the multi-turn loop then re-prefills every turn (the anchor)."""
+    """The engine without ``keep_caches``: the multi-turn loop then re-prefills every turn (the anchor). Its
+    ``serve`` and call keys are the engine's, so the loop is the same asynchronous one and each trajectory samples
+    from the same random stream as with the caches."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
 
     def stream(self, *args, **kwargs):
         return self.engine.stream(*args, **kwargs)
+
+    def serve(self, *args, **kwargs):
+        return self.engine.serve(*args, **kwargs)
+
+    def next_call_key(self) -> int:
+        return self.engine.next_call_key()
 
 
 def main(argv=None) -> None:

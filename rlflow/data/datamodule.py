@@ -52,6 +52,7 @@ from rlflow.judgers.base import Judger
 from rlflow.judgers.overlap import generate_and_judge
 from rlflow.judgers.panel import JudgePanel
 from rlflow.rollout.base import RolloutBackend, SamplingParams, stop_token_ids
+from rlflow.rollout.draws import isolated_draws
 from rlflow.rollout.multiturn import MultiTurn, RecordsRollout, multiturn_metrics
 from rlflow.rollout.select import resolve_backend
 from rlflow.vision import ImageInputs, any_images, check_backend_accepts_images, load_processor, rollout_prompts
@@ -208,6 +209,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.buffer = ReplayBuffer(seed=seed)
         self.rollout_spec = rollout
         self.backend: RolloutBackend | None = None
+        self._rollout_rng: dict[str, Any] | None = None  # a checkpoint's engine draw state, until bind() applies it
         self.sampler: PromptBatchSampler | MixBatchSampler | None = None
         self.rollout_progress: Any = None  # a listener with start(total), update(completions, tokens), close()
         self.tokenizer: Any = None
@@ -306,6 +308,8 @@ class RolloutDataModule(L.LightningDataModule):
         """Build the rollout backend (once; ``auto`` chooses it for ``policy``) and point it at the live policy."""
         if self.backend is None:
             self.backend = resolve_backend(self.rollout_spec, policy, self.load_tokenizer())
+            if self._rollout_rng is not None and hasattr(self.backend, "load_rng_state"):
+                self.backend.load_rng_state(self._rollout_rng)  # a resumed run: continue a seeded engine's draws
             check_backend_accepts_images(self.backend, self.train_records + self.eval_records)
             if self.pipeline is not None and any_images(self.train_records):
                 raise ConfigError(f"prompts with images are not pipelined: set data.max_staleness=0 (got "
@@ -428,7 +432,8 @@ class RolloutDataModule(L.LightningDataModule):
         """
         assert self.backend is not None, "bind() the policy first"
         k = self.eval_k
-        with isolated_rng(eval_seed(self.seed, step, batch_idx)):
+        seed = eval_seed(self.seed, step, batch_idx)
+        with isolated_rng(seed), isolated_draws(self.backend, seed):  # a seeded engine's draws too
             groups = self.rollout_backend(batch).generate(self.rollout_prompts(batch), self.eval_sampling, n=k)
         result, _ = self.judges.judge(batch, [c for group in groups for c in group], k)
         per_prompt = [result.rewards[i * k: (i + 1) * k] for i in range(len(batch))]
@@ -447,6 +452,9 @@ class RolloutDataModule(L.LightningDataModule):
         state = {"buffer": {**buffer, "items": [dataclasses.asdict(e) for e in buffer["items"]]}}
         if self.pipeline is not None:
             state["pipeline"] = self.pipeline.state_dict()
+        rollout_rng = self.backend.rng_state() if hasattr(self.backend, "rng_state") else self._rollout_rng
+        if rollout_rng is not None:  # a seeded engine's draws (rlflow.rollout.draws)
+            state["rollout_rng"] = rollout_rng
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -455,6 +463,9 @@ class RolloutDataModule(L.LightningDataModule):
             self.buffer.load_state_dict({**buffer, "items": [Experience(**e) for e in buffer["items"]]})
         if self.pipeline is not None and state.get("pipeline") is not None:
             self.pipeline.load_state_dict(state["pipeline"])
+        self._rollout_rng = state.get("rollout_rng")
+        if self._rollout_rng is not None and hasattr(self.backend, "load_rng_state"):
+            self.backend.load_rng_state(self._rollout_rng)  # else when bind() builds the backend
 
     def teardown(self, stage: str) -> None:
         if self.pipeline is not None and stage == "fit":

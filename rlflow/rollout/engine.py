@@ -19,12 +19,18 @@ every token, keeps finished rows in the batch until the longest one ends, and pa
   Qwen2/Qwen3/Llama-style models, and otherwise hands the model's forward its own attention function and state;
 * samples with temperature / top-k / top-p and returns ``log_softmax(logits / temperature)`` of each taken token
   (before truncation, as :class:`~rlflow.rollout.base.Completion` specifies), stopping exactly at the first stop
-  token (kept) or at ``max_tokens``;
+  token (kept) or at ``max_tokens``; each row's uniform for its ``t``-th token is a pure function of the row's
+  stream key and ``t`` (:mod:`rlflow.rollout.draws`), so a row samples the same tokens whatever rows share its
+  batch and whenever it was admitted;
 * yields each prompt's group as soon as its last completion finishes (:meth:`EngineRollout.stream`), so
   judging can overlap with the rest of the generation.
 * inside :meth:`EngineRollout.keep_caches` (multi-turn rollouts) keeps each finished row's cache and continues
   a later prompt that extends it from that cache, prefilling only the appended tokens
-  (:mod:`rlflow.rollout.continuation`).
+  (:mod:`rlflow.rollout.continuation`);
+* :meth:`EngineRollout.serve` takes its requests from a source polled between decode steps
+  (:mod:`rlflow.rollout.requests`), so a multi-turn trajectory's next turn joins the running batch as soon as its
+  tools have answered; groups of different sizes (a first turn's ``n``, later turns' one) decode side by side in
+  lanes, one :class:`DecodeState` each, in one forward (:class:`LaneStates`).
 
 Simplifications: the prompt regions of a batch are padded to the longest prompt and the generated-token
 regions grow by doubling up to ``max_tokens`` (masked, exact, but not a paged block table); each query also
@@ -52,8 +58,10 @@ from transformers import AttentionInterface, DynamicCache
 
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams, UnsupportedModelError
 from rlflow.rollout.continuation import SessionCache, merge_prefills, prefill_on_caches, row_caches
+from rlflow.rollout.draws import RowDraws, call_key, stream_key
 from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder
+from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource
 
 ATTENTION_NAME = "rlflow_shared_prefix"
 
@@ -62,8 +70,9 @@ ATTENTION_NAME = "rlflow_shared_prefix"
 class _Row:
     """A sequence being decoded: its prompt, its index in the group and what it has sampled so far."""
 
-    prompt: int
+    prompt: int  # the id of the row's request (its group) in the serve call
     sample: int
+    limit: int  # most tokens this row samples
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     alive: bool = True
@@ -246,6 +255,9 @@ class DecodeState:
         self.step_bias = torch.zeros(unwritten.shape, dtype=self.bias.dtype, device=unwritten.device).masked_fill(
             unwritten, float("-inf"))
 
+    def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+        return attend_cached(self, layer, query, scaling)
+
     def end_step(self) -> None:
         if self.fed is not None:
             self.fed += 1
@@ -263,7 +275,7 @@ def shared_prefix_attention(module: torch.nn.Module, query: torch.Tensor, key: t
     mask is not used for it, because many models rebuild their mask instead of passing a given one through).
     Returns ``([rows, 1, heads, dim], None)`` as transformers' attention functions do.
     """
-    return attend_cached(rlflow_decode_state, module.layer_idx, query, scaling), None
+    return rlflow_decode_state.attend(module.layer_idx, query, scaling), None
 
 
 def attend_cached(state: DecodeState, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
@@ -294,6 +306,53 @@ def attend_cached(state: DecodeState, layer: int, query: torch.Tensor, scaling: 
 AttentionInterface.register(ATTENTION_NAME, shared_prefix_attention)
 
 
+class LaneStates:
+    """Several :class:`DecodeState` s decoded in one forward: their rows one after the other.
+
+    Why: a state holds groups of one size ``n`` (and one shared head); a multi-turn rollout decodes its first turn's
+    groups of ``n`` next to trajectories' later turns (groups of one, continued from kept caches) in the same
+    steps. Each layer's step keys/values and queries are split by rows, each state attends its own rows."""
+
+    def __init__(self, states: list[DecodeState]) -> None:
+        self.states = states
+        self.sizes = [s.num_groups * s.n for s in states]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.write(layer_idx, key_states[:, :, 0], value_states[:, :, 0])
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(s.get_seq_length(layer_idx) for s in self.states)
+
+    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        for state, k, v in zip(self.states, key.split(self.sizes), value.split(self.sizes)):
+            state.write(layer, k, v)
+
+    def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
+        return torch.cat([attend_cached(state, layer, q, scaling)
+                          for state, q in zip(self.states, query.split(self.sizes))])
+
+    def begin_step(self) -> None:
+        for state in self.states:
+            state.begin_step()
+
+    def end_step(self) -> None:
+        for state in self.states:
+            state.end_step()
+
+
+@dataclass
+class _Lane:
+    """The rows of one :class:`DecodeState` (groups of ``n``, with or without the call's shared head) in a serve
+    call: their next positions and tokens and their random streams, aligned with ``rows``."""
+
+    state: DecodeState
+    rows: list[_Row] = field(default_factory=list)
+    pos: torch.Tensor | None = None
+    pending: torch.Tensor | None = None
+    draws: RowDraws = field(default_factory=RowDraws)
+
+
 def common_prefix_len(prompts: list[list[int]]) -> int:
     """Length of the token prefix shared by every prompt, leaving at least one own token per prompt."""
     first, n = prompts[0], min(len(p) for p in prompts) - 1
@@ -303,14 +362,17 @@ def common_prefix_len(prompts: list[list[int]]) -> int:
 
 
 def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+    uniform: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` (``[rows, vocab]``); return ``(tokens, logprobs)``.
 
     The log-probs are ``log_softmax(logits / temperature)`` of the taken tokens (temperature 1 when greedy),
     before top-k/top-p truncation; sampling itself draws from the truncated, renormalised distribution
     (top-k keeps ties with the k-th value; top-p keeps the smallest set of best tokens whose mass reaches
-    ``top_p``, as transformers' warpers do).
+    ``top_p``, as transformers' warpers do). ``uniform`` (``[rows]`` float64 in ``[0, 1)``, e.g. the engine's
+    counter-based draws of :mod:`rlflow.rollout.draws`) gives each row's uniform; without it they are drawn from
+    ``generator`` (torch's global one when None).
     """
     logits = logits.float()
     temperature = params.temperature if not params.greedy else 1.0
@@ -332,7 +394,10 @@ def sample_tokens(
         # the CDF in float64 so that the tail of a large vocabulary keeps its mass. u is in (0, total], and the
         # first index whose CDF reaches u always has positive mass (a token of zero mass repeats the CDF before it)
         cdf = torch.cumsum(filtered.exp(), dim=-1, dtype=torch.float64)
-        uniform = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=torch.float64)
+        if uniform is None:
+            uniform = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=torch.float64)
+        else:
+            uniform = uniform.to(device=cdf.device, dtype=torch.float64).view(-1, 1)
         u = (1.0 - uniform) * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, u).squeeze(-1)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
@@ -350,7 +415,10 @@ class EngineRollout(RolloutBackend):
             max_batch_size: Most sequences decoded together (bounds the KV cache's memory); a prompt's ``n``
                 completions always join together, so at least ``n`` run at once.
             prefill_batch_size: Most distinct prompts prefilled in one forward pass.
-            seed: Seed of the engine's own random generator; None draws from torch's global generator.
+            seed: Seed of the engine's sampling draws: every row samples from its own counter-based random stream
+                (:mod:`rlflow.rollout.draws`), keyed by (seed, the engine's call count, the row), so what a row
+                samples does not depend on the rows beside it; None keys each call by one draw from torch's global
+                generator instead.
             fused: Decode with rlflow's own forward of the live weights (:mod:`rlflow.rollout.fused`) where the
                 architecture is supported (Qwen2/Qwen3/Llama, unsharded); otherwise, or when False, decode steps
                 call the model's forward with the engine's attention function.
@@ -364,7 +432,7 @@ class EngineRollout(RolloutBackend):
         self.seed = seed
         self.fused = fused
         self.min_shared_prefix = min_shared_prefix
-        self.generator: torch.Generator | None = None
+        self.calls = 0  # seeded calls so far: with the seed, the whole random state (rng_state)
         self._decoder: FusedDecoder | None = None  # the fused decoder of the rollout call in progress, if any
         self._checked_model: Any = None  # the model bind() last found supported (checked once per model)
         self.decode_path = ""  # how bind()'s probe decoded: "fused decode" or why through the model's forward
@@ -396,8 +464,32 @@ class EngineRollout(RolloutBackend):
             if reason:
                 raise UnsupportedModelError("engine", reason)
             self._checked_model = model
-        if self.seed is not None and self.generator is None:
-            self.generator = torch.Generator(device=next(model.parameters()).device).manual_seed(self.seed)
+
+    # ------------------------------------------------------------------------------------ random state
+    def next_call_key(self) -> int:
+        """The key of a new sampling call (:func:`rlflow.rollout.draws.call_key`); counts the seeded calls."""
+        key = call_key(self.seed, self.calls)
+        if self.seed is not None:
+            self.calls += 1
+        return key
+
+    def reseed(self, seed: int) -> None:
+        """Restart a seeded engine's draws from ``seed`` (the pipelined generator's per-job seed); an engine without
+        a seed keeps drawing its call keys from torch's global generator."""
+        if self.seed is not None:
+            self.seed, self.calls = seed, 0
+
+    def rng_state(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue the draws exactly: the seed and the count of seeded calls."""
+        return {"seed": self.seed, "calls": self.calls}
+
+    def load_rng_state(self, state: dict[str, Any], force: bool = False) -> None:
+        """Continue from :meth:`rng_state` ``state``: a seeded engine takes its call count when the seed is the
+        same (a changed seed starts its draws afresh); ``force`` takes the state as it is (its seed too)."""
+        if force:
+            self.seed, self.calls = state["seed"], int(state["calls"])
+        elif self.seed is not None and state.get("seed") == self.seed:
+            self.calls = int(state["calls"])
 
     @property
     def pad_id(self) -> int:
@@ -451,22 +543,21 @@ class EngineRollout(RolloutBackend):
         values = [layer.values[:, :, head_len:] for layer in cache.layers]
         return keys, values, mask[:, head_len:].to(device), out.logits[:, -1]
 
-    def _admit(self, prompts: list[list[int]], take: list[int], kept: dict, device: torch.device, head=None):
-        """:meth:`_prefill` of ``prompts[i]`` for ``i`` in ``take``; those with a kept cache (``kept``, taken out of
-        the session) are prefilled on top of it (only their new tokens), the others from scratch."""
-        fresh = [j for j, i in enumerate(take) if i not in kept]
-        cont = [j for j, i in enumerate(take) if i in kept]
+    def _admit(self, prompts: list[list[int]], hits: list, device: torch.device, head=None):
+        """:meth:`_prefill` of ``prompts``; those with a kept cache (``hits[i]``, taken out of the session) are
+        prefilled on top of it (only their new tokens), the others (``hits[i]`` None) from scratch."""
+        fresh = [j for j, hit in enumerate(hits) if hit is None]
+        cont = [j for j, hit in enumerate(hits) if hit is not None]
         parts = []
         if fresh:
             head_len = 0 if head is None else head[0][0].shape[1]
-            self.prefilled_tokens += sum(len(prompts[take[j]]) - head_len for j in fresh)
-            parts.append((fresh, self._prefill([prompts[take[j]] for j in fresh], device, head)))
+            self.prefilled_tokens += sum(len(prompts[j]) - head_len for j in fresh)
+            parts.append((fresh, self._prefill([prompts[j] for j in fresh], device, head)))
         if cont:
-            hits = [kept.pop(take[j]) for j in cont]
-            self.reused_tokens += sum(length for length, _ in hits)
-            self.prefilled_tokens += sum(len(prompts[take[j]]) - length for j, (length, _) in zip(cont, hits))
-            parts.append((cont, prefill_on_caches(self, [prompts[take[j]] for j in cont], hits, device)))
-        return merge_prefills(parts, len(take))
+            self.reused_tokens += sum(hits[j][0] for j in cont)
+            self.prefilled_tokens += sum(len(prompts[j]) - hits[j][0] for j in cont)
+            parts.append((cont, prefill_on_caches(self, [prompts[j] for j in cont], [hits[j] for j in cont], device)))
+        return merge_prefills(parts, len(prompts))
 
     def _prefill_fused(self, prompts: list[list[int]], device: torch.device, head=None):
         """:meth:`_prefill` through the fused decoder: the right-padded rests of all prompts as one flat batch of
@@ -512,7 +603,7 @@ class EngineRollout(RolloutBackend):
         if decoder is not None:
             def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
                 state.write(layer, k[:, :, 0], v[:, :, 0])
-                return attend_cached(state, layer, q, scaling).reshape(q.shape[0], -1)
+                return state.attend(layer, q, scaling).reshape(q.shape[0], -1)
 
             logits = decoder.step(pending, pos, attend)
         else:
@@ -529,95 +620,181 @@ class EngineRollout(RolloutBackend):
         state.end_step()
         return logits
 
-    @torch.no_grad()
     def stream(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
                progress: Progress | None = None) -> Iterator[tuple[int, list[Completion]]]:
         """Yield ``(prompt_index, its n completions)`` as each group finishes (in finishing order); ``progress``
-        is called per finished group."""
+        is called per finished group. Sample ``s`` of prompt ``i`` draws from the stream ``(call key, i, s)``
+        (:meth:`next_call_key`)."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n}")
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        key = 0 if params.greedy else self.next_call_key()  # greedy: no draws, the random state stays
+        requests = [DecodeRequest(p, [stream_key(key, i, s) for s in range(n)], tag=i) for i, p in enumerate(prompts)]
+        for request, group in self.serve(ListSource(requests), params, progress):
+            yield request.tag, group
+
+    @torch.no_grad()
+    def serve(self, source: RequestSource, params: SamplingParams,
+              progress: Progress | None = None) -> Iterator[tuple[DecodeRequest, list[Completion]]]:
+        """Decode the requests ``source`` hands over, admitting each as soon as there is room (also while others
+        decode); yield ``(request, its completions)`` as each request's rows finish. Between steps the source is
+        polled without blocking; only when nothing is left to decode does the loop wait on it, and it ends when the
+        source says no request will come (:mod:`rlflow.rollout.requests`).
+
+        Requests are prefilled in batches of ``prefill_batch_size`` (on top of their kept caches inside
+        :meth:`keep_caches`) and decoded in lanes by group size (:class:`LaneStates`); the prefix common to the
+        first requests is prefilled once when none of them continues a kept cache, and later requests that start
+        with it share it too."""
         model = self.model
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
         stop_ids = set(params.stop_token_ids)
         stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-        capacity = max(self.max_batch_size, n)
-        waiting = deque(range(len(prompts)))
-        done: dict[int, list[tuple[int, Completion]]] = {}
-        rows: list[_Row] = []
         decoder = FusedDecoder(model) if self.fused and FusedDecoder.unsupported_reason(model) is None else None
         self._decoder = decoder
         session = self.session
-        kept = {}  # prompt index -> (length, cache) of its longest kept prefix (keep_caches)
-        if session is not None and len(session):
-            kept = {i: hit for i, p in enumerate(prompts) if (hit := session.take(p)) is not None}
-        head_len = common_prefix_len(prompts) if len(prompts) > 1 else 0
-        shared = not kept and self.min_shared_prefix and head_len >= self.min_shared_prefix
-        head = self._prefill_head(prompts[0][:head_len], device) if shared else None
-        state = DecodeState(n, params.max_tokens, head)
-        pos = pending = None  # position of the token to feed, and that token, per row
+        waiting: deque = deque()  # (request id, request, kept cache hit or None)
+        requests: dict[int, DecodeRequest] = {}  # admitted requests not finished yet
+        done: dict[int, list[tuple[int, Completion]]] = {}  # request id -> its finished rows so far
+        lanes: dict[tuple[int, bool], _Lane] = {}  # (group size, shares the head) -> its lane
+        head = head_ids = None
+        next_id, closed = 0, False
         try:
-            while waiting or rows:
-                take = []
-                while waiting and len(take) < self.prefill_batch_size and len(rows) + (len(take) + 1) * n <= capacity:
+            while True:
+                live = sum(len(lane.rows) for lane in lanes.values())
+                if not closed:
+                    new = source.poll(wait=not live and not waiting)
+                    if new is None:
+                        closed = True
+                    elif new:
+                        self._check_requests(new, params)
+                        hits = [session.take(r.ids) if session is not None and len(session) else None for r in new]
+                        if next_id == 0:  # the call's first requests: share their common prefix
+                            head_len = common_prefix_len([r.ids for r in new]) if len(new) > 1 else 0
+                            if all(h is None for h in hits) and self.min_shared_prefix and \
+                                    head_len >= self.min_shared_prefix:
+                                head_ids = new[0].ids[:head_len]
+                                head = self._prefill_head(head_ids, device)
+                        for r, hit in zip(new, hits):
+                            waiting.append((next_id, r, hit))
+                            next_id += 1
+                if not waiting and not live:
+                    if closed:
+                        break
+                    continue
+                take, taken = [], 0
+                while waiting and len(take) < self.prefill_batch_size:
+                    n = waiting[0][1].n
+                    if live + taken and live + taken + n > max(self.max_batch_size, n):
+                        break
                     take.append(waiting.popleft())
-                if take:  # admit waiting prompts: prefill once, sample each group's first tokens
-                    keys, values, mask, logits = self._admit(prompts, take, kept, device, head)
-                    tokens, lps = sample_tokens(logits.repeat_interleave(n, dim=0), params, self.generator)
-                    state.add_groups(take, keys, values, mask)
-                    new_pos = torch.tensor([len(prompts[i]) for i in take], device=device).repeat_interleave(n)
-                    pos = new_pos if pos is None else torch.cat([pos, new_pos])
-                    pending = tokens if pending is None else torch.cat([pending, tokens])
-                    offset = len(rows)
-                    rows.extend(_Row(i, s) for i in take for s in range(n))
-                    for i in take:
-                        done[i] = []
-                else:  # one decode step of every live row
-                    tokens, lps = sample_tokens(self._decode_step(state, pending, pos, decoder), params, self.generator)
-                    pos, pending, offset = pos + 1, tokens, 0
-                finished = self._record(rows, offset, tokens, lps, stop_t, params.max_tokens)
-                for j in finished:
-                    row = rows[j]
-                    row.alive = False
-                    reason = "stop" if row.tokens[-1] in stop_ids else "length"
-                    done[row.prompt].append((row.sample, Completion(row.tokens, row.logprobs, reason)))
-                if finished:
-                    for prompt in [p for p, group in done.items() if len(group) == n]:
+                    taken += n
+                finished: list[tuple[_Lane, set[int]]] = []
+                if take:  # admit waiting requests: prefill once per request, sample its rows' first tokens
+                    chunks: dict[tuple[int, bool], list] = {}
+                    for item in take:
+                        r, hit = item[1], item[2]
+                        shares = head is not None and hit is None and len(r.ids) > len(head_ids) and \
+                            r.ids[: len(head_ids)] == head_ids
+                        chunks.setdefault((r.n, shares), []).append(item)
+                    for key, chunk in chunks.items():
+                        n, lane_head = key[0], head if key[1] else None
+                        lane = lanes.get(key)
+                        if lane is None:
+                            lane = lanes[key] = _Lane(DecodeState(n, params.max_tokens, lane_head))
+                        keys, values, mask, logits = self._admit(
+                            [r.ids for _, r, _ in chunk], [hit for _, _, hit in chunk], device, lane_head)
+                        offset = len(lane.rows)
+                        lane.draws.add([k for _, r, _ in chunk for k in r.keys], [r.start for _, r, _ in chunk
+                                                                                for _ in range(n)])
+                        uniform = None if params.greedy else lane.draws.draw(device, offset)
+                        tokens, lps = sample_tokens(logits.repeat_interleave(n, dim=0) if n > 1 else logits, params,
+                                                    uniform=uniform)
+                        lane.state.add_groups([i for i, _, _ in chunk], keys, values, mask)
+                        new_pos = torch.tensor([len(r.ids) for _, r, _ in chunk], device=device).repeat_interleave(n)
+                        lane.pos = new_pos if lane.pos is None else torch.cat([lane.pos, new_pos])
+                        lane.pending = tokens if lane.pending is None else torch.cat([lane.pending, tokens])
+                        for i, r, _ in chunk:
+                            limit = params.max_tokens if r.max_tokens is None else min(r.max_tokens, params.max_tokens)
+                            lane.rows.extend(_Row(i, s, limit) for s in range(n))
+                            requests[i], done[i] = r, []
+                        finished.append((lane, self._record(lane.rows, offset, tokens, lps, stop_t)))
+                if not take or (live and not waiting):  # one decode step of every live row of every lane (also
+                    # right after admitting the last waiting requests next to running rows: they do not lose a step)
+                    active = list(lanes.values())
+                    if len(active) == 1:
+                        lane = active[0]
+                        logits = self._decode_step(lane.state, lane.pending, lane.pos, decoder)
+                        uniform = None if params.greedy else lane.draws.draw(device)
+                        parts = [sample_tokens(logits, params, uniform=uniform)]
+                    else:
+                        state = LaneStates([lane.state for lane in active])
+                        logits = self._decode_step(state, torch.cat([lane.pending for lane in active]),
+                                                   torch.cat([lane.pos for lane in active]), decoder)
+                        uniform = None if params.greedy else torch.cat([lane.draws.draw(device) for lane in active])
+                        tokens, lps = sample_tokens(logits, params, uniform=uniform)
+                        parts = list(zip(tokens.split(state.sizes), lps.split(state.sizes)))
+                    for lane, (tokens, lps) in zip(active, parts):
+                        lane.pos, lane.pending = lane.pos + 1, tokens
+                        finished.append((lane, self._record(lane.rows, 0, tokens, lps, stop_t)))
+                for lane, rows_done in finished:
+                    complete = []
+                    for j in sorted(rows_done):
+                        row = lane.rows[j]
+                        row.alive = False
+                        reason = "stop" if row.tokens[-1] in stop_ids else "length"
+                        done[row.prompt].append((row.sample, Completion(row.tokens, row.logprobs, reason)))
+                        if len(done[row.prompt]) == lane.state.n:
+                            complete.append(row.prompt)
+                    for i in sorted(complete):
+                        request = requests.pop(i)
                         if session is not None:  # keep each row's cache (all but its last token, not fed yet)
-                            first = next(j for j, row in enumerate(rows) if row.prompt == prompt)
-                            members = rows[first: first + n]
-                            caches = row_caches(state, first // n, [len(row.tokens) - 1 for row in members])
+                            first = next(j for j, row in enumerate(lane.rows) if row.prompt == i)
+                            members = lane.rows[first: first + lane.state.n]
+                            caches = row_caches(lane.state, first // lane.state.n,
+                                                [len(row.tokens) - 1 for row in members])
                             for row, cache in zip(members, caches):
-                                session.put(prompts[prompt] + row.tokens[:-1], cache)
-                        group = [c for _, c in sorted(done.pop(prompt), key=lambda sc: sc[0])]
+                                session.put(request.ids + row.tokens[:-1], cache)
+                        group = [c for _, c in sorted(done.pop(i), key=lambda sc: sc[0])]
                         if progress is not None:
                             progress(len(group), sum(len(c.token_ids) for c in group))
-                        yield prompt, group
-                # compact by whole groups (the rows of a group whose completions are all done): the batch stays
-                # whole groups in order, so attention needs no scatter; and lazily, since dropping rows copies
-                # the caches: when a quarter of the rows are done groups' or room is needed
-                gone = sum(r.prompt not in done for r in rows)
-                if gone and (4 * gone >= len(rows) or waiting):
-                    keep_list = [j for j, r in enumerate(rows) if r.prompt in done]
-                    rows = [rows[j] for j in keep_list]
-                    if rows:
+                        yield request, group
+                # compact each lane by whole groups (the rows of a group whose completions are all done): a lane stays
+                # whole groups in order, so attention needs no scatter; and lazily, since dropping rows copies the
+                # caches: when a quarter of the lane's rows are done groups' or room is needed
+                for key, lane in list(lanes.items()):
+                    gone = sum(r.prompt not in done for r in lane.rows)
+                    if gone == len(lane.rows):
+                        del lanes[key]
+                    elif gone and (4 * gone >= len(lane.rows) or waiting):
+                        keep_list = [j for j, r in enumerate(lane.rows) if r.prompt in done]
+                        lane.rows = [lane.rows[j] for j in keep_list]
                         keep = torch.tensor(keep_list, dtype=torch.long, device=device)
-                        state.keep_rows(keep)
-                        pos, pending = pos[keep], pending[keep]
-                    else:
-                        state, pos, pending = DecodeState(n, params.max_tokens, head), None, None
+                        lane.state.keep_rows(keep)
+                        lane.pos, lane.pending = lane.pos[keep], lane.pending[keep]
+                        lane.draws.keep(keep_list)
         finally:
             self._decoder = None
             model.train(was_training)
 
     @staticmethod
-    def _record(rows: list[_Row], offset: int, tokens: torch.Tensor, lps: torch.Tensor, stop_t: torch.Tensor,
-                max_tokens: int) -> set[int]:
-        """Append the sampled tokens to rows ``offset:``; return the indices of rows that just finished."""
+    def _check_requests(requests: list[DecodeRequest], params: SamplingParams) -> None:
+        for r in requests:
+            if not r.ids:
+                raise ValueError(f"request {r.tag!r} has an empty prompt; every prompt needs at least one token")
+            if r.n < 1:
+                raise ValueError(f"request {r.tag!r} has no row keys; it needs one key per completion")
+            if r.max_tokens is not None and r.max_tokens < 1:
+                raise ValueError(f"request {r.tag!r} has max_tokens={r.max_tokens}; it must be >= 1")
+
+    @staticmethod
+    def _record(rows: list[_Row], offset: int, tokens: torch.Tensor, lps: torch.Tensor,
+                stop_t: torch.Tensor) -> set[int]:
+        """Append the sampled tokens to rows ``offset:``; return the indices of rows that just finished (a stop
+        token, or their ``limit``)."""
         is_stop = torch.isin(tokens, stop_t).tolist() if stop_t.numel() else [False] * tokens.shape[0]
         finished = set()
         for j, (tok, lp, stop) in enumerate(zip(tokens.tolist(), lps.tolist(), is_stop)):
@@ -626,7 +803,8 @@ class EngineRollout(RolloutBackend):
                 continue
             row.tokens.append(tok)
             row.logprobs.append(lp)
-            if stop or len(row.tokens) >= max_tokens:
+            if stop or len(row.tokens) >= row.limit:
+                row.alive = False
                 finished.add(offset + j)
         return finished
 

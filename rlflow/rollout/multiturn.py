@@ -9,8 +9,8 @@ the sampled tokens (their ``logprobs`` are the sampler's; the inserted ones get 
 no log-prob, no KL). Each turn:
 
 1. the backend generates from the token ids of the trajectory so far (the first turn: ``n`` = group size from the
-   prompt, so the engine shares the prompt's prefill; later turns: one call over every still-active trajectory),
-   with the rest of the ``data.max_tokens`` budget as the turn's limit;
+   prompt, so the engine shares the prompt's prefill; later turns: one request per trajectory), with the rest of
+   the ``data.max_tokens`` budget as the turn's limit;
 2. the turn's text is decoded (for the parser and the messages only: the sampled ids themselves are kept), the tool
    parser finds the calls, every active trajectory's calls run concurrently in the :class:`ToolRunner` (timeout per
    call; failures become tool messages), the environment (if any) answers the turn;
@@ -25,13 +25,30 @@ no log-prob, no KL). Each turn:
 A trajectory ends when a turn has no tool call and no environment observation, the environment says ``done``, at
 ``data.max_turns`` model turns, or when the budget is spent (``finish_reason`` ``length``).
 
-Backends: ``hf`` re-prefills the trajectory each turn; the ``engine`` continues each trajectory from its own KV
-cache (the loop runs inside the backend's ``keep_caches()`` block when it has one: only the last sampled token and
-the inserted tokens are prefilled on top of the kept cache, :mod:`rlflow.rollout.continuation`); ``lmdeploy``
-sends one token-id ``/generate`` request per trajectory and turn. A trajectory's tool calls start as soon as its
-group is generated (on the ``engine``, which streams finished groups, while the other groups still generate).
-Simplification: turns are synchronous across the batch, so the next turn starts when every trajectory's tools
-have answered; a slow tool delays the next turn of the others (finished trajectories leave).
+Scheduling. On the ``engine`` (a backend with ``serve``) trajectories run at their own pace
+(:meth:`MultiTurn.run_async`): the engine's decode loop takes requests from a :class:`TurnSource`
+(:mod:`rlflow.rollout.requests`); a generated turn's tool calls go to the :class:`ToolRunner` with a completion
+callback that puts the results in a thread-safe inbox, and between two decode steps the loop polls the inbox, so a
+trajectory whose tools have answered is continued at once (from its kept KV cache: only the last sampled token and
+the inserted ones are prefilled, :mod:`rlflow.rollout.continuation`) while the others decode or wait on their own
+tools; finished trajectories leave. Tool results are inserted, environments stepped and requests built on the
+decoding thread; only the tools run elsewhere. Trajectory ``j`` samples from its own counter-based random stream
+``(call key, j)``, its counter running over all its sampled tokens (:mod:`rlflow.rollout.draws`), so with a seed
+its tokens do not depend on when its turns were admitted or beside whom, whatever the tools' timing (log-probs are
+equal up to the float rounding of the batch composition: at most 5e-7 in float32 in the tests).
+
+``hf`` and ``lmdeploy`` run turn by turn over the batch (:meth:`MultiTurn.run_sync`): a turn is one ``generate``
+call over every active trajectory, and it starts when every tool of the turn before has answered, so there a slow
+tool delays the other trajectories' next turns. Why they are not asynchronous: ``hf`` re-prefills the whole
+trajectory in ``model.generate``, which samples from torch's global generator in batch order, so batching whatever
+is ready would make a seeded run's samples depend on the tools' timing; ``lmdeploy`` sends one token-id
+``/generate`` request per trajectory and turn, but every ``generate`` call wakes and (colocated) puts the server
+back to sleep, so calls per ready batch would multiply those cycles. On both, a trajectory's tool calls still start
+as soon as the turn's batch has returned.
+
+Simplifications: environments are stepped on the decoding thread (a slow ``step`` holds the decode loop; tools are
+the concurrent part); the engine admits continuations in prefill batches of up to ``prefill_batch_size`` and within
+``max_batch_size`` rows, first come first served.
 """
 
 from __future__ import annotations
@@ -40,6 +57,7 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import queue
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +65,8 @@ from typing import Any
 from rlflow import registry
 from rlflow.environments.base import Environment, EnvStep
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams
+from rlflow.rollout.draws import stream_key
+from rlflow.rollout.requests import DecodeRequest
 from rlflow.tools.base import Tool, ToolCall, ToolResult, ToolRunner
 from rlflow.tools.parsers import GROUP as PARSER_GROUP
 from rlflow.tools.parsers import ToolParser
@@ -166,27 +186,51 @@ class MultiTurn:
                  progress: Progress | None = None) -> list[list[Completion]]:
         """``n`` multi-turn trajectories per record, in record order."""
         trajectories = [self.start(r) for r in records for _ in range(n)]
-        budget = params.max_tokens
         if self.environment is None:  # n samples of each prompt: the backend shares the prompt's prefill
             prompts, owners, k = [r.prompt_ids for r in records], [list(range(i * n, (i + 1) * n))
                                                                     for i in range(len(records))], n
         else:
             prompts, owners, k = [t.prompt_ids for t in trajectories], [[i] for i in range(len(trajectories))], 1
-        active = list(range(len(trajectories)))
         keep_caches = getattr(backend, "keep_caches", None)  # the engine: continue from each row's own KV cache
         with keep_caches() if keep_caches is not None else contextlib.nullcontext():
-            while True:
-                self.run_turn(backend, trajectories, prompts, owners, dataclasses.replace(params, max_tokens=min(
-                    budget, max(budget - len(trajectories[i].ids) for i in active))), k, budget)
-                active = [i for i in active if not trajectories[i].done]
-                if not active:
-                    break
-                prompts = [trajectories[i].prompt_ids + trajectories[i].ids for i in active]
-                owners, k = [[i] for i in active], 1
+            if hasattr(backend, "serve"):  # the engine: each trajectory's next turn as soon as its tools answered
+                self.run_async(backend, trajectories, prompts, owners, k, params)
+            else:
+                self.run_sync(backend, trajectories, prompts, owners, k, params)
         done = [t.completion() for t in trajectories]
         if progress is not None:
             progress(len(done), sum(sum(c.mask) for c in done))
         return [done[i * n: (i + 1) * n] for i in range(len(records))]
+
+    def run_sync(self, backend: RolloutBackend, trajectories: list[_Trajectory], prompts: list[list[int]],
+                 owners: list[list[int]], k: int, params: SamplingParams) -> None:
+        """Turn by turn over the batch (``hf``, ``lmdeploy``): each turn is one backend call over every active
+        trajectory, after every tool of the turn before has answered."""
+        budget = params.max_tokens
+        active = list(range(len(trajectories)))
+        while True:
+            self.run_turn(backend, trajectories, prompts, owners, dataclasses.replace(params, max_tokens=min(
+                budget, max(budget - len(trajectories[i].ids) for i in active))), k, budget)
+            active = [i for i in active if not trajectories[i].done]
+            if not active:
+                return
+            prompts = [trajectories[i].prompt_ids + trajectories[i].ids for i in active]
+            owners, k = [[i] for i in active], 1
+
+    def run_async(self, backend: Any, trajectories: list[_Trajectory], prompts: list[list[int]],
+                  owners: list[list[int]], k: int, params: SamplingParams) -> None:
+        """Every trajectory at its own pace on a backend with ``serve`` (the engine): a turn's tool calls start when
+        its group is generated, and the trajectory's next turn goes back to the decode loop as soon as they have
+        answered, while the others decode or wait on their own tools (:class:`TurnSource`). Trajectory ``j``
+        samples from the random stream ``(call key, j)``, its token counter running over all its turns, so what it
+        samples does not depend on the tools' timing (:mod:`rlflow.rollout.draws`)."""
+        key = 0 if params.greedy else backend.next_call_key()
+        first = [DecodeRequest(p, [stream_key(key, j) for j in own], 0, params.max_tokens, own)
+                 for p, own in zip(prompts, owners)]
+        source = TurnSource(self, trajectories, key, params.max_tokens, first)
+        for request, group in backend.serve(source, params):
+            for j, out in zip(request.tag, group):
+                source.turn_done(j, out)
 
     def run_turn(self, backend: RolloutBackend, trajectories: list[_Trajectory], prompts: list[list[int]],
                  owners: list[list[int]], params: SamplingParams, n: int, budget: int) -> None:
@@ -258,6 +302,60 @@ class MultiTurn:
             raise TypeError(f"environment {type(t.env).__name__}.step() returned {type(step).__name__}; "
                             "it must return an EnvStep")
         return step
+
+
+class TurnSource:
+    """The request source of an asynchronous multi-turn call (:meth:`MultiTurn.run_async`): trajectories' next
+    turns, queued as their tools answer.
+
+    A generated turn whose calls go to the :class:`~rlflow.tools.base.ToolRunner` gets a completion callback that
+    puts the results in a thread-safe inbox; the decode loop polls the inbox between its steps (and waits on it when
+    it has nothing to decode), so tool results are inserted, environments stepped and continuation requests built
+    on the decoding thread, one trajectory at a time, while only the tools run elsewhere.
+    """
+
+    def __init__(self, multiturn: MultiTurn, trajectories: list[_Trajectory], key: int, budget: int,
+                 first: list[DecodeRequest]) -> None:
+        self.mt, self.trajectories, self.key, self.budget = multiturn, trajectories, key, budget
+        self.ready: list[DecodeRequest] = list(first)
+        self.inbox: queue.Queue = queue.Queue()  # (trajectory, future of its tool results), from the tool threads
+        self.turns: dict[int, tuple[Completion, str, list[ToolCall]]] = {}  # trajectories waiting on their tools
+        self.open = sum(not t.done for t in trajectories)  # trajectories not finished
+
+    def turn_done(self, j: int, out: Completion) -> None:
+        """Trajectory ``j`` sampled ``out``: start its tool calls (results come back through the inbox) or, with
+        none, finish its turn now."""
+        text, calls = self.mt.take_turn(self.trajectories[j], out, self.budget)
+        if calls:
+            self.turns[j] = (out, text, calls)
+            self.mt.runner.submit(calls).add_done_callback(lambda future, j=j: self.inbox.put((j, future)))
+        else:
+            self.finish(j, out, text, [], [])
+
+    def finish(self, j: int, out: Completion, text: str, calls: list[ToolCall], results: list[ToolResult]) -> None:
+        t = self.trajectories[j]
+        self.mt.finish_turn(t, out, text, calls, results, self.budget)
+        if t.done:
+            self.open -= 1
+        else:  # its next turn: the whole history, continued from its kept cache on the engine
+            self.ready.append(DecodeRequest(t.prompt_ids + t.ids, [stream_key(self.key, j)], sum(t.mask),
+                                            self.budget - len(t.ids), [j]))
+
+    def poll(self, wait: bool) -> list[DecodeRequest] | None:
+        while True:
+            try:
+                j, future = self.inbox.get(block=wait and not self.ready and bool(self.turns))
+            except queue.Empty:
+                break
+            out, text, calls = self.turns.pop(j)
+            self.finish(j, out, text, calls, future.result())
+        if not self.ready and not self.open:
+            return None
+        if wait and not self.ready:
+            raise RuntimeError("multi-turn: the decode loop is idle, no tool is running and no turn is queued, but "
+                               f"{self.open} trajectories are not finished")
+        ready, self.ready = self.ready, []
+        return ready
 
 
 def multiturn_metrics(completions: list[Completion]) -> dict[str, float]:

@@ -163,8 +163,8 @@ def _worker(threads: int, jobs: Any, results: Any) -> None:
             if job.delay:
                 time.sleep(job.delay)
             torch.manual_seed(job.seed)
-            if getattr(backend, "generator", None) is not None:  # an engine with its own generator (seed set)
-                backend.generator.manual_seed(job.seed)
+            if hasattr(backend, "reseed"):  # a seeded engine: its own counter-based draws (rlflow.rollout.draws)
+                backend.reseed(job.seed)
             start = time.perf_counter()
             groups = backend.generate(job.prompts, job.params, n=job.n)
             seconds = time.perf_counter() - start
@@ -309,9 +309,8 @@ class ThreadGenerator:
     def _run(self, job: Job) -> JobResult:
         if job.delay:
             time.sleep(job.delay)
-        generator = getattr(self.backend, "generator", None)
-        if generator is not None:
-            generator.manual_seed(job.seed)
+        if hasattr(self.backend, "reseed"):  # a seeded engine: its own counter-based draws (rlflow.rollout.draws)
+            self.backend.reseed(job.seed)
         start = time.perf_counter()
         groups = self.backend.generate(job.prompts, job.params, n=job.n)
         plain = [[(list(c.token_ids), [float(x) for x in c.logprobs], c.finish_reason) for c in g] for g in groups]
