@@ -67,6 +67,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     alive: bool = True
+    versions: list[int] = field(default_factory=list)  # the policy version of each token (when the engine has one)
 
 
 class DecodeState:
@@ -371,6 +372,12 @@ class EngineRollout(RolloutBackend):
         self.session: SessionCache | None = None  # rows' caches kept across calls (keep_caches), else None
         self.prefilled_tokens = 0  # tokens run through a prefill forward (counted over the engine's life)
         self.reused_tokens = 0  # prompt tokens taken from a kept cache instead (keep_caches)
+        # Partial rollouts (rlflow.data.pipeline): ``step_hook(iteration)`` runs before every iteration of the
+        # decode loop and returns True when it changed the model's weights (the rows keep their caches; the fused
+        # decoder is rebuilt on the new weights); ``version`` set: each token is stamped with it
+        # (Completion.token_versions).
+        self.step_hook: Any = None
+        self.version: int | None = None
 
     @contextmanager
     def keep_caches(self):
@@ -560,8 +567,13 @@ class EngineRollout(RolloutBackend):
         head = self._prefill_head(prompts[0][:head_len], device) if shared else None
         state = DecodeState(n, params.max_tokens, head)
         pos = pending = None  # position of the token to feed, and that token, per row
+        iteration = 0
         try:
             while waiting or rows:
+                if self.step_hook is not None and self.step_hook(iteration):  # new weights, the caches kept
+                    decoder = FusedDecoder(model) if decoder is not None else None
+                    self._decoder = decoder
+                iteration += 1
                 take = []
                 while waiting and len(take) < self.prefill_batch_size and len(rows) + (len(take) + 1) * n <= capacity:
                     take.append(waiting.popleft())
@@ -579,12 +591,14 @@ class EngineRollout(RolloutBackend):
                 else:  # one decode step of every live row
                     tokens, lps = sample_tokens(self._decode_step(state, pending, pos, decoder), params, self.generator)
                     pos, pending, offset = pos + 1, tokens, 0
-                finished = self._record(rows, offset, tokens, lps, stop_t, params.max_tokens)
+                finished = self._record(rows, offset, tokens, lps, stop_t, params.max_tokens, self.version)
                 for j in finished:
                     row = rows[j]
                     row.alive = False
                     reason = "stop" if row.tokens[-1] in stop_ids else "length"
-                    done[row.prompt].append((row.sample, Completion(row.tokens, row.logprobs, reason)))
+                    versions = row.versions if self.version is not None else None
+                    done[row.prompt].append((row.sample, Completion(row.tokens, row.logprobs, reason,
+                                                                    token_versions=versions)))
                 if finished:
                     for prompt in [p for p, group in done.items() if len(group) == n]:
                         if session is not None:  # keep each row's cache (all but its last token, not fed yet)
@@ -616,8 +630,9 @@ class EngineRollout(RolloutBackend):
 
     @staticmethod
     def _record(rows: list[_Row], offset: int, tokens: torch.Tensor, lps: torch.Tensor, stop_t: torch.Tensor,
-                max_tokens: int) -> set[int]:
-        """Append the sampled tokens to rows ``offset:``; return the indices of rows that just finished."""
+                max_tokens: int, version: int | None = None) -> set[int]:
+        """Append the sampled tokens (and ``version``, if given) to rows ``offset:``; return the indices of rows
+        that just finished."""
         is_stop = torch.isin(tokens, stop_t).tolist() if stop_t.numel() else [False] * tokens.shape[0]
         finished = set()
         for j, (tok, lp, stop) in enumerate(zip(tokens.tolist(), lps.tolist(), is_stop)):
@@ -626,6 +641,8 @@ class EngineRollout(RolloutBackend):
                 continue
             row.tokens.append(tok)
             row.logprobs.append(lp)
+            if version is not None:
+                row.versions.append(version)
             if stop or len(row.tokens) >= max_tokens:
                 finished.add(offset + j)
         return finished
