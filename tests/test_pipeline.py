@@ -137,8 +137,10 @@ def test_the_bound_holds_and_nothing_changes_under_adversarial_timing(slow, pipe
         assert {e.policy_version for e in rec.experiences[step]} == {e.policy_version for e in base.experiences[step]}
         for key in base.metrics[step].keys() - TIMINGS:
             assert rec.metrics[step][key] == base.metrics[step][key], (step, key)
-    if slow == "generator":  # the trainer really waited for the slow generator instead of running ahead
-        assert all(m["rollout/wait_time"] > 0.25 for m in rec.metrics), [m["rollout/wait_time"] for m in rec.metrics]
+    if slow == "generator":  # the trainer really waited for the slow generator instead of running ahead (step 0's
+        # completions are generated in the trainer, while the generator starts and samples step 1)
+        waits = [m["rollout/wait_time"] for m in rec.metrics]
+        assert waits[0] == 0.0 and all(w > 0.25 for w in waits[1:]), waits
 
 
 def test_max_staleness_zero_is_todays_loop_bit_for_bit(tiny_model, small_data, tmp_path, one_thread):
