@@ -47,11 +47,15 @@ share no prompt-head cache across the swap (``min_shared_prefix`` is off for the
 from __future__ import annotations
 
 import copy
+import os
 import time
 from typing import Any
 
+import torch
+
 from rlflow.config_error import ConfigError
 from rlflow.data.staleness import StalenessGate
+from rlflow.log import info
 from rlflow.rollout.base import Completion, RolloutBackend, SamplingParams
 from rlflow.rollout.process import GeneratorProcess, Job, JobResult, ThreadGenerator, copy_weights, plain_groups
 
@@ -116,6 +120,7 @@ class RolloutPipeline:
         self.swap_step = swap_step  # 0: half of data.max_tokens
         self.policy: Any = None  # the live policy (partial rollouts: written into the generator at the swap)
         self.current_version: Any = None  # () -> the trainer's policy version now
+        self.trainer_threads: int | None = None  # the trainer's torch threads before share_cores cut them
         self.generator: GeneratorProcess | ThreadGenerator | None = None
         self.in_flight: Job | None = None
         self.ready: JobResult | None = None  # collected early (a checkpoint) or loaded from one
@@ -189,6 +194,22 @@ class RolloutPipeline:
             return
         self.prestart()
         self.generator.attach(dm.backend.model, dm.tokenizer_path, _worker_spec(dm))
+        self.share_cores(dm.backend.model)
+
+    def share_cores(self, policy: Any) -> None:
+        """On a CPU, leave the generator process its ``data.generator_threads`` cores: the trainer's torch threads
+        are cut to the rest (at least 1) for the run when the two would oversubscribe the cores this process may
+        use (threads of two busy processes spinning on the same cores slow both far more than they gain), and
+        restored by :meth:`close`."""
+        if self.trainer_threads is not None or next(policy.parameters()).device.type != "cpu":
+            return
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        threads = torch.get_num_threads()
+        if threads + self.threads > cores:
+            self.trainer_threads = threads
+            torch.set_num_threads(max(1, cores - self.threads))
+            info(f"data.max_staleness={self.gate.max_staleness}: the trainer uses {torch.get_num_threads()} torch "
+                 f"threads (was {threads}), the generator process {self.threads}, on {cores} cores")
 
     def _submit(self, job: Job) -> None:
         self.generator.submit(job)
@@ -260,6 +281,9 @@ class RolloutPipeline:
             self.generator.close()
         self.generator = None
         self.in_flight = None
+        if self.trainer_threads is not None:
+            torch.set_num_threads(self.trainer_threads)
+            self.trainer_threads = None
 
 
 def group_versions(result: JobResult) -> list[int]:
