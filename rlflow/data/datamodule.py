@@ -459,7 +459,7 @@ class RolloutDataModule(L.LightningDataModule):
             buffer = state["buffer"]
             self.buffer.load_state_dict({**buffer, "items": [Experience(**e) for e in buffer["items"]]})
         if self.pipeline is not None and state.get("pipeline") is not None:
-            self.pipeline.load_state_dict(state["pipeline"])
+            self.pipeline.load_state_dict(state["pipeline"], self.rank)
 
     def teardown(self, stage: str) -> None:
         if self.pipeline is not None and stage == "fit":

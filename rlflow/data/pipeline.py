@@ -268,13 +268,25 @@ class RolloutPipeline:
 
     # ---------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        """The completions in flight (waited for) and the gate's counters, as plain types."""
+        """The completions in flight (waited for) and the gate's counters, as plain types. With several ranks
+        (FSDP) every rank's completions in flight, gathered (a collective: every rank saves the checkpoint)."""
         result = self._collect()
-        return {"in_flight": result.to_state() if result is not None else None, "gate": self.gate.state_dict()}
+        mine = result.to_state() if result is not None else None
+        state = {"in_flight": mine, "gate": self.gate.state_dict()}
+        world = torch.distributed.get_world_size() if torch.distributed.is_available() and \
+            torch.distributed.is_initialized() else 1
+        if world > 1:
+            every: list[Any] = [None] * world
+            torch.distributed.all_gather_object(every, mine)
+            state["in_flight_by_rank"] = every
+        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], rank: int = 0) -> None:
+        """Take this ``rank``'s completions in flight back (a checkpoint of one process: the only ones)."""
         self.gate.load_state_dict(state.get("gate", {}))
-        self.ready = JobResult.from_state(state["in_flight"]) if state.get("in_flight") else None
+        by_rank = state.get("in_flight_by_rank")
+        mine = by_rank[rank] if by_rank and rank < len(by_rank) else state.get("in_flight")
+        self.ready = JobResult.from_state(mine) if mine else None
 
     def close(self) -> None:
         if self.generator is not None:
