@@ -119,11 +119,21 @@ def test_the_oldest_token_bounds_a_groups_staleness():
     assert JobResult.from_state(result.to_state()) == result
 
 
-def test_partial_rollouts_need_pipelining():
+def test_partial_rollouts_need_pipelining_the_engine_and_one_process():
+    from types import SimpleNamespace
+
+    from rlflow.data.pipeline import check_partial
+    from rlflow.rollout.hf import HFRollout
+
     with pytest.raises(ConfigError, match="data.partial_rollouts .* needs data.max_staleness >= 1"):
         make_pipeline(0, "regenerate", 1, 0, partial_rollouts=True)
     with pytest.raises(ConfigError, match="data.partial_swap_step"):
         make_pipeline(1, "regenerate", 1, 0, partial_rollouts=True, partial_swap_step=-1)
+    with pytest.raises(ConfigError, match="needs the engine rollout backend.*HFRollout"):
+        check_partial(SimpleNamespace(backend=HFRollout(), world_size=1))
+    with pytest.raises(ConfigError, match="not supported with 2 ranks"):
+        check_partial(SimpleNamespace(backend=EngineRollout(), world_size=2))
+    check_partial(SimpleNamespace(backend=EngineRollout(), world_size=1))
 
 
 # --------------------------------------------------------------------------------------- end to end

@@ -93,6 +93,7 @@ def run(config: str, setting: list[str], seed: int, steps: int, out: Path, extra
         "generator_ready": float(ready.group(1)) if ready else None,
         "trainer_threads": int(threads.group(1)) if threads else None,
         "rewards": rewards, "gain": statistics.fmean(rewards[-5:]) - statistics.fmean(rewards[:5]),
+        "gain_se": gain_se(rewards),
         "staleness_max": max(column("sampling/staleness/max")),
         "staleness_mean": statistics.fmean(column("sampling/staleness/mean")),
         "token_staleness_mean": statistics.fmean(column("sampling/staleness/token_mean")),
@@ -107,6 +108,12 @@ def _completions_per_step(config: str) -> int:
 
     data = yaml.safe_load(open(ROOT / config))["data"]
     return int(data["global_batch_size"]) * int(data["prompt_repeat_k"])
+
+
+def gain_se(rewards: list[float]) -> float:
+    """Standard error of the gain (mean of the last 5 steps minus the first 5) from the step-to-step scatter of the
+    rewards inside each window: what one run's gain is known to."""
+    return (statistics.variance(rewards[-5:]) / 5 + statistics.variance(rewards[:5]) / 5) ** 0.5
 
 
 def spread(values: list[float]) -> str:
@@ -149,10 +156,14 @@ def main() -> None:
     base = names[0]
     for name in names[1:]:
         diffs = [results[name][s][0]["gain"] - results[base][s][0]["gain"] for s in args.seeds]
-        per_seed = ", ".join(f"seed {s}: {results[name][s][0]['gain']:+.3f} vs {results[base][s][0]['gain']:+.3f}"
-                             for s in args.seeds)
-        print(f"reward gain, {name} vs {base}: {per_seed}; difference {spread(diffs)}; "
-              f"within 0.05 on {sum(abs(d) <= 0.05 for d in diffs)} of {len(diffs)} seeds")
+        ses = [(results[name][s][0]["gain_se"] ** 2 + results[base][s][0]["gain_se"] ** 2) ** 0.5 for s in args.seeds]
+        per_seed = ", ".join(f"seed {s}: {results[name][s][0]['gain']:+.3f} vs {results[base][s][0]['gain']:+.3f} "
+                             f"(difference {d:+.3f} +- {se:.3f} standard error)"
+                             for s, d, se in zip(args.seeds, diffs, ses))
+        mean_se = (sum(se ** 2 for se in ses) ** 0.5) / len(ses)
+        print(f"reward gain, {name} vs {base}: {per_seed}; difference {spread(diffs)}, standard error of the mean "
+              f"difference {mean_se:.3f}; within 0.05 on {sum(abs(d) <= 0.05 for d in diffs)} of {len(diffs)} "
+              f"seeds; mean within 0.05: {abs(statistics.fmean(diffs)) <= 0.05}")
     base_gains = [results[base][s][0]["gain"] for s in args.seeds]
     print(f"reward gain, {base} alone across seeds: {spread(base_gains)} (the seed-to-seed noise of the anchor)")
 
