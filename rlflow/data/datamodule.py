@@ -279,6 +279,10 @@ class RolloutDataModule(L.LightningDataModule):
         return self.trainer.world_size if self.trainer is not None else 1
 
     def setup(self, stage: str) -> None:
+        if stage == "fit" and self.sampler is None and self.pipeline is not None:
+            # data.max_staleness > 0: the generator process starts first, so that its imports and tokenizer
+            # overlap everything the trainer loads before the first step
+            self.pipeline.prestart(self.tokenizer_path)
         tokenizer = self.load_tokenizer()
         if stage == "fit" and self.sampler is None:
             self.judges.check_rows(self.train_prompts.load(tokenizer, self.processor), "train")
@@ -286,8 +290,6 @@ class RolloutDataModule(L.LightningDataModule):
                 raise ValueError(f"data.global_batch_size={self.global_batch_size} must be a multiple of the "
                                  f"{self.world_size} ranks")
             self.sampler = self.train_prompts.sampler(self.global_batch_size, self.seed)
-            if self.pipeline is not None:
-                self.pipeline.prestart()  # data.max_staleness > 0: the generator process imports meanwhile
         if stage in ("fit", "validate") and self.eval_prompts.sources and not self.eval_records:
             self.judges.check_rows(self.eval_prompts.load(tokenizer, self.processor), "eval")
 

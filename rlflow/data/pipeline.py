@@ -173,11 +173,11 @@ class RolloutPipeline:
         })
         return FixedRollout(prompts, result.completions()), result.version, metrics
 
-    def prestart(self) -> None:
-        """Start the generator process early (the datamodule's ``setup("fit")``), so that its imports overlap the
-        trainer's model loading; it gets the policy in :meth:`start`."""
+    def prestart(self, tokenizer_path: str | None = None) -> None:
+        """Start the generator process early (the datamodule's ``setup("fit")``), so that its imports (and the
+        tokenizer at ``tokenizer_path``) overlap the trainer's loading; it gets the policy in :meth:`start`."""
         if self.generator is None:
-            self.generator = GeneratorProcess(self.threads)
+            self.generator = GeneratorProcess(self.threads, tokenizer_path=tokenizer_path)
 
     def start(self, dm: Any) -> None:
         """Attach the policy to the generator process, or, for a backend with weights of its own (a server),

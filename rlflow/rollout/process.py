@@ -195,25 +195,31 @@ def run_job(job: Job, backend: Any, jobs: Any = None, results: Any = None, paren
                      swapped[0] if swapped else None)
 
 
-def _worker(threads: int, jobs: Any, results: Any) -> None:
-    """The worker process: import what generation needs, wait for the shared model, build the backend on it,
-    then run jobs until told to stop."""
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _worker(threads: int, jobs: Any, results: Any, tokenizer_path: str | None = None) -> None:
+    """The worker process: import what generation needs (and load the tokenizer, if given), wait for the shared
+    model, build the backend on it, then run jobs until told to stop."""
     parent = mp.parent_process()
     try:
         torch.set_num_threads(max(int(threads), 1))
-        from transformers import AutoTokenizer
-
         import rlflow.data.packing  # noqa: F401 - registers rlflow's attention function, as in the trainer
         from rlflow import registry
         from rlflow.rollout.select import resolve_backend
 
+        early = _load_tokenizer(tokenizer_path) if tokenizer_path else None
         attach = _next_message(jobs, parent)  # ("attach", model, tokenizer_path, spec)
         if attach is None:
             return
-        _, model, tokenizer_path, spec = attach
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        _, model, path, spec = attach
+        tokenizer = early if early is not None and path == tokenizer_path else _load_tokenizer(path)
         if isinstance(spec, type):
             backend = spec()
             backend.bind(model, tokenizer)
@@ -245,15 +251,16 @@ class GeneratorProcess:
     Args:
         threads: torch threads of the worker.
         start_timeout: Seconds to wait for the worker to build its backend.
+        tokenizer_path: The tokenizer the worker loads while it waits for the policy (else at :meth:`attach`).
     """
 
-    def __init__(self, threads: int = 1, start_timeout: float = 600.0) -> None:
+    def __init__(self, threads: int = 1, start_timeout: float = 600.0, tokenizer_path: str | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.model: torch.nn.Module | None = None
         self.jobs = ctx.Queue()
         self.results = ctx.Queue()
         self.process = ctx.Process(target=_worker, name="rlflow-generator", daemon=True,
-                                   args=(threads, self.jobs, self.results))
+                                   args=(threads, self.jobs, self.results, tokenizer_path))
         self.started_at = time.perf_counter()
         self.process.start()
         self.busy = False
