@@ -80,8 +80,9 @@ def run(config: str, setting: list[str], seed: int, steps: int, out: Path, extra
     rewards = [float(r["reward"]) for r in rows]
     first = float(rows[0]["step_time"])  # the first step (the generator process starts meanwhile, when pipelined)
     first_tokens = float(rows[0]["completions/mean_length"]) * batch
-    ready = re.search(r"generator process \d+ ready ([\d.]+) s after its start", proc.stderr)
-    threads = re.search(r"the trainer uses (\d+) torch threads", proc.stderr)
+    log = proc.stdout + proc.stderr  # rlflow's messages go to stdout
+    ready = re.search(r"generator process \d+ ready ([\d.]+) s after its start", log)
+    threads = re.search(r"the trainer uses (\d+) torch threads", log)
 
     def column(key: str, default: float = 0.0) -> list[float]:
         return [float(r.get(key) or default) for r in rows]
