@@ -102,6 +102,8 @@ class RolloutDataModule(L.LightningDataModule):
         max_staleness: int = 0,
         stale_policy: str = "regenerate",
         generator_threads: int = 1,
+        partial_rollouts: bool = False,
+        partial_swap_step: int = 0,
     ) -> None:
         """
         Args:
@@ -167,6 +169,11 @@ class RolloutDataModule(L.LightningDataModule):
             stale_policy: With ``max_staleness > 0``, experience beyond the bound is ``drop``-ped (counted) or
                 ``regenerate``-d from the current weights (counted).
             generator_threads: With ``max_staleness > 0``, torch threads of the generator process.
+            partial_rollouts: With ``max_staleness > 0`` (engine backend, one process): the look-ahead job takes the
+                trainer's next weights at decode iteration ``partial_swap_step`` and continues its unfinished
+                completions under them from their KV caches, each token stamped with the version that sampled it
+                (trajectories' ``token_versions``); staleness is the oldest token's. See docs/pipelining.md.
+            partial_swap_step: The decode iteration of that swap (0: half of ``max_tokens``).
         """
         check_data_args(locals())  # every invalid value is one ConfigError naming its option
         super().__init__()
@@ -226,7 +233,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.overlap_judging = overlap_judging
         self.max_staleness = max_staleness
         self.pipeline = make_pipeline(max_staleness, stale_policy, generator_threads, seed, dynamic_sampling,
-                                      multiturn=bool(tools) or environment is not None)
+                                      multiturn=bool(tools) or environment is not None,
+                                      partial_rollouts=partial_rollouts, partial_swap_step=partial_swap_step)
 
     # ----------------------------------------------------------------------------------------------- set-up
     def load_tokenizer(self) -> Any:
@@ -273,6 +281,10 @@ class RolloutDataModule(L.LightningDataModule):
         return self.trainer.world_size if self.trainer is not None else 1
 
     def setup(self, stage: str) -> None:
+        if stage == "fit" and self.sampler is None and self.pipeline is not None:
+            # data.max_staleness > 0: the generator process starts first, so that its imports and tokenizer
+            # overlap everything the trainer loads before the first step
+            self.pipeline.prestart(self.tokenizer_path)
         tokenizer = self.load_tokenizer()
         if stage == "fit" and self.sampler is None:
             self.judges.check_rows(self.train_prompts.load(tokenizer, self.processor), "train")
@@ -280,8 +292,6 @@ class RolloutDataModule(L.LightningDataModule):
                 raise ValueError(f"data.global_batch_size={self.global_batch_size} must be a multiple of the "
                                  f"{self.world_size} ranks")
             self.sampler = self.train_prompts.sampler(self.global_batch_size, self.seed)
-            if self.pipeline is not None:
-                self.pipeline.prestart()  # data.max_staleness > 0: the generator process imports meanwhile
         if stage in ("fit", "validate") and self.eval_prompts.sources and not self.eval_records:
             self.judges.check_rows(self.eval_prompts.load(tokenizer, self.processor), "eval")
 
@@ -364,8 +374,9 @@ class RolloutDataModule(L.LightningDataModule):
                 prompt_ids=c.prompt_ids or chosen.records[i // k].prompt_ids, completion_ids=c.token_ids,
                 rollout_logprobs=c.logprobs, sampled_mask=c.mask,
                 reward=chosen.rewards[i], advantage=advantages[i], group=i // k, finish_reason=c.finish_reason,
-                policy_version=policy_version, data_source=chosen.records[i // k].data_source,
-                images=chosen.records[i // k].images,
+                policy_version=min(c.token_versions) if c.token_versions else policy_version,
+                data_source=chosen.records[i // k].data_source, images=chosen.records[i // k].images,
+                token_versions=c.token_versions,
             ) for i, c in enumerate(chosen.completions)
         ]
         self.buffer.add(experiences)
@@ -415,6 +426,7 @@ class RolloutDataModule(L.LightningDataModule):
             "ground_truth": records[i // k].columns.get("ground_truth"),
             "reward": e.reward, "advantage": e.advantage, "finish_reason": e.finish_reason,
             "num_tokens": len(e.completion_ids), "policy_version": e.policy_version,
+            **({"token_versions": e.token_versions} if e.token_versions is not None else {}),
         } for i, (text, e) in enumerate(zip(texts, experiences))]
 
     def prompt_text(self, record: PromptRecord, experience: Experience) -> str:
@@ -462,7 +474,7 @@ class RolloutDataModule(L.LightningDataModule):
             buffer = state["buffer"]
             self.buffer.load_state_dict({**buffer, "items": [Experience(**e) for e in buffer["items"]]})
         if self.pipeline is not None and state.get("pipeline") is not None:
-            self.pipeline.load_state_dict(state["pipeline"])
+            self.pipeline.load_state_dict(state["pipeline"], self.rank)
         self._rollout_rng = state.get("rollout_rng")
         if self._rollout_rng is not None and hasattr(self.backend, "load_rng_state"):
             self.backend.load_rng_state(self._rollout_rng)  # else when bind() builds the backend

@@ -37,6 +37,7 @@ class Experience:
     info: dict[str, Any] = field(default_factory=dict)
     images: list[str | bytes] | None = None  # the prompt's images (paths or bytes; rlflow.vision re-processes them)
     sampled_mask: list[bool] | None = None
+    token_versions: list[int] | None = None  # partial rollouts: the version that sampled each token (oldest: above)
 
     @property
     def num_sampled(self) -> int:

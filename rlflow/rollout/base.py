@@ -77,6 +77,9 @@ class Completion:
     their ``logprobs`` 0), ``prompt_ids`` is set when the environment wrote the prompt, ``messages`` is the
     conversation after the prompt (what judgers see), ``env_reward`` the environment's summed reward and ``info``
     the turn and tool-call counts. Single-turn completions leave them None.
+
+    ``token_versions`` (partial rollouts, :mod:`rlflow.data.pipeline`) is the policy version that sampled each
+    token, when a weight update reached the generator in the middle of the completion; None otherwise.
     """
 
     token_ids: list[int]
@@ -87,6 +90,7 @@ class Completion:
     messages: list[dict[str, Any]] | None = None
     env_reward: float | None = None
     info: dict[str, Any] | None = None
+    token_versions: list[int] | None = None
 
     @property
     def num_sampled(self) -> int:

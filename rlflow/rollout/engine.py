@@ -76,6 +76,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     alive: bool = True
+    versions: list[int] = field(default_factory=list)  # the policy version of each token (when the engine has one)
 
 
 class DecodeState:
@@ -439,6 +440,12 @@ class EngineRollout(RolloutBackend):
         self.session: SessionCache | None = None  # rows' caches kept across calls (keep_caches), else None
         self.prefilled_tokens = 0  # tokens run through a prefill forward (counted over the engine's life)
         self.reused_tokens = 0  # prompt tokens taken from a kept cache instead (keep_caches)
+        # Partial rollouts (rlflow.data.pipeline): ``step_hook(iteration)`` runs before every iteration of the
+        # decode loop and returns True when it changed the model's weights (the rows keep their caches; the fused
+        # decoder is rebuilt on the new weights); ``version`` set: each token is stamped with it
+        # (Completion.token_versions).
+        self.step_hook: Any = None
+        self.version: int | None = None
 
     @contextmanager
     def keep_caches(self):
@@ -661,7 +668,7 @@ class EngineRollout(RolloutBackend):
         done: dict[int, list[tuple[int, Completion]]] = {}  # request id -> its finished rows so far
         lanes: dict[tuple[int, bool], _Lane] = {}  # (group size, shares the head) -> its lane
         head = head_ids = None
-        next_id, closed = 0, False
+        next_id, closed, iteration = 0, False, 0
         try:
             while True:
                 live = sum(len(lane.rows) for lane in lanes.values())
@@ -685,6 +692,10 @@ class EngineRollout(RolloutBackend):
                     if closed:
                         break
                     continue
+                if self.step_hook is not None and self.step_hook(iteration):  # new weights, the caches kept
+                    decoder = FusedDecoder(model) if decoder is not None else None
+                    self._decoder = decoder
+                iteration += 1
                 take, taken = [], 0
                 while waiting and len(take) < self.prefill_batch_size:
                     n = waiting[0][1].n
@@ -721,7 +732,7 @@ class EngineRollout(RolloutBackend):
                             limit = params.max_tokens if r.max_tokens is None else min(r.max_tokens, params.max_tokens)
                             lane.rows.extend(_Row(i, s, limit) for s in range(n))
                             requests[i], done[i] = r, []
-                        finished.append((lane, self._record(lane.rows, offset, tokens, lps, stop_t)))
+                        finished.append((lane, self._record(lane.rows, offset, tokens, lps, stop_t, self.version)))
                 if not take or (live and not waiting):  # one decode step of every live row of every lane (also
                     # right after admitting the last waiting requests next to running rows: they do not lose a step)
                     active = list(lanes.values())
@@ -739,14 +750,16 @@ class EngineRollout(RolloutBackend):
                         parts = list(zip(tokens.split(state.sizes), lps.split(state.sizes)))
                     for lane, (tokens, lps) in zip(active, parts):
                         lane.pos, lane.pending = lane.pos + 1, tokens
-                        finished.append((lane, self._record(lane.rows, 0, tokens, lps, stop_t)))
+                        finished.append((lane, self._record(lane.rows, 0, tokens, lps, stop_t, self.version)))
                 for lane, rows_done in finished:
                     complete = []
                     for j in sorted(rows_done):
                         row = lane.rows[j]
                         row.alive = False
                         reason = "stop" if row.tokens[-1] in stop_ids else "length"
-                        done[row.prompt].append((row.sample, Completion(row.tokens, row.logprobs, reason)))
+                        versions = row.versions if self.version is not None else None
+                        done[row.prompt].append((row.sample, Completion(row.tokens, row.logprobs, reason,
+                                                                        token_versions=versions)))
                         if len(done[row.prompt]) == lane.state.n:
                             complete.append(row.prompt)
                     for i in sorted(complete):
@@ -792,9 +805,9 @@ class EngineRollout(RolloutBackend):
 
     @staticmethod
     def _record(rows: list[_Row], offset: int, tokens: torch.Tensor, lps: torch.Tensor,
-                stop_t: torch.Tensor) -> set[int]:
-        """Append the sampled tokens to rows ``offset:``; return the indices of rows that just finished (a stop
-        token, or their ``limit``)."""
+                stop_t: torch.Tensor, version: int | None = None) -> set[int]:
+        """Append the sampled tokens (and ``version``, if given) to rows ``offset:``; return the indices of rows
+        that just finished (a stop token, or their ``limit``)."""
         is_stop = torch.isin(tokens, stop_t).tolist() if stop_t.numel() else [False] * tokens.shape[0]
         finished = set()
         for j, (tok, lp, stop) in enumerate(zip(tokens.tolist(), lps.tolist(), is_stop)):
@@ -803,6 +816,8 @@ class EngineRollout(RolloutBackend):
                 continue
             row.tokens.append(tok)
             row.logprobs.append(lp)
+            if version is not None:
+                row.versions.append(version)
             if stop or len(row.tokens) >= row.limit:
                 row.alive = False
                 finished.add(offset + j)

@@ -13,6 +13,13 @@ the weights, the prompts and the seed, not on timing: the trainer decides when w
 (:mod:`rlflow.data.pipeline` only writes them while the worker is idle). The worker exits when its parent
 dies (``kill -9`` of the trainer leaves no orphan), when told to, or when its queue is closed.
 
+Partial rollouts (a job with ``swap_at``, engine backend only): before decode iteration ``swap_at`` the worker
+stops, tells the trainer (``("swap", step)``) and waits for new weights; the trainer writes them into the shared
+copy while the worker waits and answers ``("weights", version)``; the worker then continues every row from its
+KV cache under the new weights, stamping each token with the version that sampled it
+(:attr:`~rlflow.rollout.base.Completion.token_versions`). The swap point is a decode iteration, not a moment, so
+a job's completions still depend only on the weights, the prompts and the seed.
+
 A backend that already generates outside the trainer's process on its own copy of the weights (``lmdeploy``:
 :attr:`~rlflow.rollout.base.RolloutBackend.reads_policy_weights` false) needs no second process:
 :class:`ThreadGenerator` sends its requests from a background thread, so the servers keep generating while the
@@ -52,35 +59,51 @@ class Job:
     params: SamplingParams
     n: int
     delay: float = 0.0  # seconds to sleep before generating (tests: an adversarially slow generator)
+    swap_at: int | None = None  # partial rollouts: the decode iteration before which new weights come in
 
 
 @dataclass
 class JobResult:
-    """The completions of a :class:`Job` as plain lists (``[prompt][sample] = (token_ids, logprobs, reason)``)."""
+    """The completions of a :class:`Job` as plain lists (``[prompt][sample] = (token_ids, logprobs, reason,
+    token_versions or None)``); ``version`` is the version the job started from (its oldest tokens').
+
+    ``swapped_to``: the version the worker switched to in the middle of the job (partial rollouts), else None."""
 
     step: int
     version: int
     prompts: list[list[int]]
-    groups: list[list[tuple[list[int], list[float], str]]]
+    groups: list[list[tuple[list[int], list[float], str, list[int] | None]]]
     seconds: float
+    swapped_to: int | None = None
 
     def completions(self) -> list[list[Completion]]:
-        return [[Completion(list(ids), list(lps), reason) for ids, lps, reason in group] for group in self.groups]
+        return [[Completion(list(ids), list(lps), reason, token_versions=None if vs is None else list(vs))
+                 for ids, lps, reason, vs in group] for group in self.groups]
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(ids) for group in self.groups for ids, _, _ in group)
+        return sum(len(c[0]) for group in self.groups for c in group)
 
     def to_state(self) -> dict[str, Any]:
         """Plain types only (a checkpoint is read with ``torch.load(weights_only=True)``)."""
         return {"step": self.step, "version": self.version, "prompts": self.prompts, "seconds": self.seconds,
-                "groups": [[[list(ids), list(lps), reason] for ids, lps, reason in g] for g in self.groups]}
+                "swapped_to": self.swapped_to,
+                "groups": [[[list(ids), list(lps), reason, None if vs is None else list(vs)]
+                            for ids, lps, reason, vs in g] for g in self.groups]}
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> JobResult:
-        groups = [[(list(ids), list(lps), str(reason)) for ids, lps, reason in g] for g in state["groups"]]
+        groups = [[(list(c[0]), list(c[1]), str(c[2]), list(c[3]) if len(c) > 3 and c[3] is not None else None)
+                   for c in g] for g in state["groups"]]
+        swapped = state.get("swapped_to")
         return cls(int(state["step"]), int(state["version"]), [list(p) for p in state["prompts"]], groups,
-                   float(state["seconds"]))
+                   float(state["seconds"]), None if swapped is None else int(swapped))
+
+
+def plain_groups(groups: list[list[Completion]]) -> list[list[tuple[list[int], list[float], str, list[int] | None]]]:
+    """Completions as the plain tuples of :class:`JobResult`."""
+    return [[(list(c.token_ids), [float(x) for x in c.logprobs], c.finish_reason,
+              None if c.token_versions is None else list(c.token_versions)) for c in g] for g in groups]
 
 
 def generator_copy(policy: torch.nn.Module) -> torch.nn.Module:
@@ -126,25 +149,77 @@ def _next_message(jobs: Any, parent: Any) -> Any:
                 return None  # the trainer was killed: do not linger
 
 
-def _worker(threads: int, jobs: Any, results: Any) -> None:
-    """The worker process: import what generation needs, wait for the shared model, build the backend on it,
-    then run jobs until told to stop."""
+class _Stopped(Exception):
+    """The worker was told to stop (or lost its parent) while waiting for new weights in the middle of a job."""
+
+
+def _swap_hook(job: Job, backend: Any, jobs: Any, results: Any, parent: Any, swapped: list[int]) -> Any:
+    """The engine's ``step_hook`` for a partial-rollout job: before decode iteration ``job.swap_at``, ask the
+    trainer for new weights and wait for them (the trainer writes them while this process waits)."""
+
+    def hook(iteration: int) -> bool:
+        if iteration != job.swap_at:
+            return False
+        results.put(("swap", job.step))
+        message = _next_message(jobs, parent)
+        if not (isinstance(message, tuple) and message[0] == "weights"):
+            raise _Stopped
+        backend.version = int(message[1])
+        swapped.append(backend.version)
+        return True
+
+    return hook
+
+
+def run_job(job: Job, backend: Any, jobs: Any = None, results: Any = None, parent: Any = None) -> JobResult:
+    """Generate ``job`` on ``backend`` (seeded; with a swap of weights at ``job.swap_at`` for partial rollouts)."""
+    if job.delay:
+        time.sleep(job.delay)
+    torch.manual_seed(job.seed)
+    if hasattr(backend, "reseed"):  # a seeded engine: its own counter-based draws (rlflow.rollout.draws)
+        backend.reseed(job.seed)
+    swapped: list[int] = []
+    partial = job.swap_at is not None
+    if partial:  # every cache a swap keeps is a row's own: no rollout-wide head shared across the swap
+        backend.step_hook = _swap_hook(job, backend, jobs, results, parent, swapped)
+        backend.version, shared = job.version, backend.min_shared_prefix
+        backend.min_shared_prefix = 0
+    start = time.perf_counter()
+    try:
+        groups = backend.generate(job.prompts, job.params, n=job.n)
+    finally:
+        if partial:
+            backend.step_hook, backend.version, backend.min_shared_prefix = None, None, shared
+    seconds = time.perf_counter() - start
+    return JobResult(job.step, job.version, job.prompts, plain_groups(groups), seconds,
+                     swapped[0] if swapped else None)
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _worker(threads: int, jobs: Any, results: Any, tokenizer_path: str | None = None) -> None:
+    """The worker process: import what generation needs (and load the tokenizer, if given), wait for the shared
+    model, build the backend on it, then run jobs until told to stop."""
     parent = mp.parent_process()
     try:
         torch.set_num_threads(max(int(threads), 1))
-        from transformers import AutoTokenizer
-
         import rlflow.data.packing  # noqa: F401 - registers rlflow's attention function, as in the trainer
         from rlflow import registry
         from rlflow.rollout.select import resolve_backend
 
+        early = _load_tokenizer(tokenizer_path) if tokenizer_path else None
         attach = _next_message(jobs, parent)  # ("attach", model, tokenizer_path, spec)
         if attach is None:
             return
-        _, model, tokenizer_path, spec = attach
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        _, model, path, spec = attach
+        tokenizer = early if early is not None and path == tokenizer_path else _load_tokenizer(path)
         if isinstance(spec, type):
             backend = spec()
             backend.bind(model, tokenizer)
@@ -160,16 +235,9 @@ def _worker(threads: int, jobs: Any, results: Any) -> None:
         if job is None:
             return
         try:
-            if job.delay:
-                time.sleep(job.delay)
-            torch.manual_seed(job.seed)
-            if hasattr(backend, "reseed"):  # a seeded engine: its own counter-based draws (rlflow.rollout.draws)
-                backend.reseed(job.seed)
-            start = time.perf_counter()
-            groups = backend.generate(job.prompts, job.params, n=job.n)
-            seconds = time.perf_counter() - start
-            plain = [[(list(c.token_ids), [float(x) for x in c.logprobs], c.finish_reason) for c in g] for g in groups]
-            results.put(("done", JobResult(job.step, job.version, job.prompts, plain, seconds)))
+            results.put(("done", run_job(job, backend, jobs, results, parent)))
+        except _Stopped:
+            return
         except BaseException:  # noqa: BLE001
             results.put(("error", traceback.format_exc()))
 
@@ -183,15 +251,16 @@ class GeneratorProcess:
     Args:
         threads: torch threads of the worker.
         start_timeout: Seconds to wait for the worker to build its backend.
+        tokenizer_path: The tokenizer the worker loads while it waits for the policy (else at :meth:`attach`).
     """
 
-    def __init__(self, threads: int = 1, start_timeout: float = 600.0) -> None:
+    def __init__(self, threads: int = 1, start_timeout: float = 600.0, tokenizer_path: str | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.model: torch.nn.Module | None = None
         self.jobs = ctx.Queue()
         self.results = ctx.Queue()
         self.process = ctx.Process(target=_worker, name="rlflow-generator", daemon=True,
-                                   args=(threads, self.jobs, self.results))
+                                   args=(threads, self.jobs, self.results, tokenizer_path))
         self.started_at = time.perf_counter()
         self.process.start()
         self.busy = False
@@ -212,6 +281,9 @@ class GeneratorProcess:
         if self.model is None:
             raise RuntimeError("attach() the policy before the first job")
         kind, payload = self._receive(self.start_timeout)
+        self._started(kind, payload)
+
+    def _started(self, kind: str, payload: Any) -> None:
         if kind != "ready":
             self.close()
             raise RuntimeError(f"the generator process failed to start:\n{payload}")
@@ -238,17 +310,31 @@ class GeneratorProcess:
         copy_weights(policy, self.model)
 
     def submit(self, job: Job) -> None:
+        """Queue ``job``; it does not wait for the worker to be ready (a job submitted during the worker's start-up
+        runs as soon as it is: the first rollout step's look-ahead overlaps the start-up)."""
         if self.busy:
             raise RuntimeError("the generator runs one job at a time; collect() the previous one first")
-        self.wait_ready()
+        if self.model is None:
+            raise RuntimeError("attach() the policy before the first job")
         self.jobs.put(job)
         self.busy = True
 
-    def collect(self, timeout: float | None = None) -> JobResult:
-        """Wait for the job submitted last; raise (with the worker's traceback) if it failed."""
+    def collect(self, timeout: float | None = None, on_swap: Any = None) -> JobResult:
+        """Wait for the job submitted last; raise (with the worker's traceback) if it failed.
+
+        ``on_swap()`` (partial rollouts) is called when the worker stops for new weights in the middle of the job:
+        it writes them (the worker waits meanwhile) and returns their version, which the worker stamps."""
         if not self.busy:
             raise RuntimeError("collect() without a submitted job")
-        kind, payload = self._receive(timeout)
+        while True:
+            kind, payload = self._receive(self.start_timeout if not self.ready else timeout)
+            if not self.ready:
+                self._started(kind, payload)
+                continue
+            if kind == "swap" and on_swap is not None:
+                self.jobs.put(("weights", int(on_swap())))
+                continue
+            break
         self.busy = False
         if kind != "done":
             raise RuntimeError(f"the generator process failed:\n{payload}")
@@ -313,15 +399,14 @@ class ThreadGenerator:
             self.backend.reseed(job.seed)
         start = time.perf_counter()
         groups = self.backend.generate(job.prompts, job.params, n=job.n)
-        plain = [[(list(c.token_ids), [float(x) for x in c.logprobs], c.finish_reason) for c in g] for g in groups]
-        return JobResult(job.step, job.version, job.prompts, plain, time.perf_counter() - start)
+        return JobResult(job.step, job.version, job.prompts, plain_groups(groups), time.perf_counter() - start)
 
     def submit(self, job: Job) -> None:
         if self.busy:
             raise RuntimeError("the generator runs one job at a time; collect() the previous one first")
         self.future = self.pool.submit(self._run, job)
 
-    def collect(self, timeout: float | None = None) -> JobResult:
+    def collect(self, timeout: float | None = None, on_swap: Any = None) -> JobResult:
         if not self.busy:
             raise RuntimeError("collect() without a submitted job")
         future, self.future = self.future, None
