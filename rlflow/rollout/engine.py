@@ -17,6 +17,10 @@ every token, keeps finished rows in the batch until the longest one ends, and pa
 * decodes and prefills with its own forward of the live weights (:mod:`rlflow.rollout.fused`: q/k/v and gate/up
   folded into one matrix product each, no per-token module, hook, cache-object or mask machinery) for
   Qwen2/Qwen3/Llama-style models, and otherwise hands the model's forward its own attention function and state;
+* with ``dtype: bfloat16`` (or ``auto`` where the device multiplies bfloat16 natively) decodes through a bfloat16
+  copy of float32 master weights, made with the fused decoder's per-call copies (so it follows every optimizer
+  step), while training keeps float32: a decode step reads half the bytes and runs on the bf16 units (AMX on
+  recent Xeons, tensor cores on GPUs). The behaviour log-probs are then the bf16 model's;
 * samples with temperature / top-k / top-p and returns ``log_softmax(logits / temperature)`` of each taken token
   (before truncation, as :class:`~rlflow.rollout.base.Completion` specifies), stopping exactly at the first stop
   token (kept) or at ``max_tokens``;
@@ -44,7 +48,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -294,6 +298,28 @@ def attend_cached(state: DecodeState, layer: int, query: torch.Tensor, scaling: 
 AttentionInterface.register(ATTENTION_NAME, shared_prefix_attention)
 
 
+DECODE_DTYPES = ("model", "float32", "bfloat16", "float16", "auto")
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices in hardware (a CUDA GPU with bf16; a CPU with AMX tiles or
+    AVX512-BF16, which oneDNN uses for bf16 ``mm``), i.e. whether bf16 decoding is faster there, not only smaller."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        cpu = getattr(torch, "cpu", None)
+        checks = [getattr(cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+        return any(check() for check in checks if check is not None)
+    return False
+
+
+def decode_dtype(choice: str, device: torch.device) -> torch.dtype | None:
+    """The fused decoder's dtype for the engine's ``dtype`` option on ``device`` (None: the model's own)."""
+    if choice == "auto":
+        return torch.bfloat16 if native_bf16(device) else None
+    return None if choice == "model" else getattr(torch, choice)
+
+
 def common_prefix_len(prompts: list[list[int]]) -> int:
     """Length of the token prefix shared by every prompt, leaving at least one own token per prompt."""
     first, n = prompts[0], min(len(p) for p in prompts) - 1
@@ -344,7 +370,8 @@ class EngineRollout(RolloutBackend):
     streams = True  # groups are yielded as they finish, so judging overlaps generation
 
     def __init__(self, max_batch_size: int = 256, prefill_batch_size: int = 16, seed: int | None = None,
-                 fused: bool = True, min_shared_prefix: int = 16) -> None:
+                 fused: bool = True, min_shared_prefix: int = 16,
+                 dtype: Literal["model", "float32", "bfloat16", "float16", "auto"] = "model") -> None:
         """
         Args:
             max_batch_size: Most sequences decoded together (bounds the KV cache's memory); a prompt's ``n``
@@ -356,6 +383,13 @@ class EngineRollout(RolloutBackend):
                 call the model's forward with the engine's attention function.
             min_shared_prefix: Prefill the token prefix common to all prompts of a rollout once, and attend to it
                 with one matrix product for all rows, when it is at least this long (0 disables it).
+            dtype: Arithmetic of the fused decoder: ``model`` (the policy's own dtype, exact), ``float32``,
+                ``bfloat16``, ``float16`` (a copy of the weights in that dtype, made per rollout call, so it
+                always holds the current weights; training keeps the policy's dtype), or ``auto`` (``bfloat16``
+                where the device multiplies it natively: a CUDA GPU with bf16, a CPU with AMX or AVX512-BF16;
+                the model's own otherwise). Lower precision halves the weight bytes a decode step reads; the
+                rollout log-probs are then those of the rounded weights (see docs/performance.md, "bf16
+                decoding"). Decoding through the model's forward (no fused path) ignores it.
         """
         if max_batch_size < 1 or prefill_batch_size < 1:
             raise ValueError("engine max_batch_size and prefill_batch_size must be >= 1")
@@ -364,8 +398,12 @@ class EngineRollout(RolloutBackend):
         self.seed = seed
         self.fused = fused
         self.min_shared_prefix = min_shared_prefix
+        if dtype not in DECODE_DTYPES:
+            raise ValueError(f"engine dtype must be one of {', '.join(DECODE_DTYPES)}; got {dtype!r}")
+        self.dtype = dtype
         self.generator: torch.Generator | None = None
         self._decoder: FusedDecoder | None = None  # the fused decoder of the rollout call in progress, if any
+        self._kept_decoder: tuple[Any, FusedDecoder] | None = None  # (weights' key, decoder) reused across calls
         self._checked_model: Any = None  # the model bind() last found supported (checked once per model)
         self.decode_path = ""  # how bind()'s probe decoded: "fused decode" or why through the model's forward
         self.session: SessionCache | None = None  # rows' caches kept across calls (keep_caches), else None
@@ -398,6 +436,23 @@ class EngineRollout(RolloutBackend):
             self._checked_model = model
         if self.seed is not None and self.generator is None:
             self.generator = torch.Generator(device=next(model.parameters()).device).manual_seed(self.seed)
+
+    def sync_weights(self) -> None:
+        """The weights changed: drop the fused decoder's weight copies (the next rollout copies them again)."""
+        self._kept_decoder = None
+
+    def _fused_decoder(self, model: Any, device: torch.device) -> FusedDecoder | None:
+        """The fused decoder of ``model`` (None where it cannot run): the one of the last call while the weights
+        are unchanged (same storage, same in-place version counters, no :meth:`sync_weights` since), else a new
+        one (its weight copies, in the ``dtype`` option's precision, are what a rollout call decodes with)."""
+        if not self.fused or FusedDecoder.unsupported_reason(model) is not None:
+            return None
+        dtype = decode_dtype(self.dtype, device)
+        key = (id(model), dtype, tuple((p.data_ptr(), p._version) for p in model.parameters()))
+        if self._kept_decoder is None or self._kept_decoder[0] != key:
+            self._kept_decoder = None  # free the old copies before making new ones
+            self._kept_decoder = (key, FusedDecoder(model, dtype))
+        return self._kept_decoder[1]
 
     @property
     def pad_id(self) -> int:
@@ -549,7 +604,7 @@ class EngineRollout(RolloutBackend):
         waiting = deque(range(len(prompts)))
         done: dict[int, list[tuple[int, Completion]]] = {}
         rows: list[_Row] = []
-        decoder = FusedDecoder(model) if self.fused and FusedDecoder.unsupported_reason(model) is None else None
+        decoder = self._fused_decoder(model, device)
         self._decoder = decoder
         session = self.session
         kept = {}  # prompt index -> (length, cache) of its longest kept prefix (keep_caches)

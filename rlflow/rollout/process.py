@@ -165,6 +165,7 @@ def _worker(threads: int, jobs: Any, results: Any) -> None:
             torch.manual_seed(job.seed)
             if getattr(backend, "generator", None) is not None:  # an engine with its own generator (seed set)
                 backend.generator.manual_seed(job.seed)
+            backend.sync_weights()  # the trainer may have copied new weights in (invisible to version counters here)
             start = time.perf_counter()
             groups = backend.generate(job.prompts, job.params, n=job.n)
             seconds = time.perf_counter() - start
