@@ -283,8 +283,12 @@ def attend_cached(state: DecodeState, layer: int, query: torch.Tensor, scaling: 
     scale = dim ** -0.5 if scaling is None else scaling
     q = query.reshape(groups, n, kv_heads, rep, dim).transpose(1, 2).reshape(groups, kv_heads, n * rep, dim)
     keys, values = cache_k[:, :, :width], cache_v[:, :, :width]
-    if cache_k.dtype != torch.float32:  # attention in float32
-        q, keys, values = q.float(), keys.float(), values.float()
+    if cache_k.dtype != torch.float32:  # half-precision caches: one fused kernel (float32 accumulation inside)
+        bias = state.bias[:, None, :, None, :width].expand(groups, 1, n, rep, width).reshape(groups, 1, n * rep, width)
+        if state.step_bias is not None:
+            bias = bias + state.step_bias[:, None, None, :]
+        out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=bias.to(keys.dtype), scale=scale)
+        return out.view(groups, kv_heads, n, rep, dim).transpose(1, 2).reshape(rows, 1, heads, dim).to(query.dtype)
     if scale != 1.0:
         q = q * scale
     scores = torch.matmul(q, keys.transpose(-1, -2))  # [groups, kv, n * rep, width]

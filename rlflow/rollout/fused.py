@@ -16,8 +16,7 @@ With ``dtype`` (:class:`FusedDecoder`'s argument; the engine's ``dtype`` option)
 dtype than the live weights': its weight copies are made in that dtype (bfloat16 copies of float32 master
 weights, as vLLM and lmdeploy decode), with the model's own order of operations for that dtype, so its logits are
 those of the model cast to ``dtype`` up to rounding (no folds: they would round differently from that model).
-Attention then runs in float32 on the (exactly upcast) low-precision q/k/v, so the KV caches the engine keeps
-are float32 and a decode step reads them without converting them again.
+The engine's KV caches are then in that dtype too (half the bytes a decode step's attention reads).
 
 LoRA (PEFT) projections are folded: each one's weight copy is its base weight plus the adapters' delta
 (:func:`rlflow.lora.linear_weights`), computed when the decoder is built, so a rollout samples from the adapted
@@ -175,8 +174,6 @@ class FusedDecoder:
             self.lm_head_w, self.norm_w = self.lm_head_w * self.norm_w, None
         self.norm_w = _cast(self.norm_w, cast)
         self.lm_head_w = _transposed(self.lm_head_w, cast, physical=True)
-        # attention (and the caches it fills) in float32 when the weights are cast: q/k/v are upcast exactly once
-        self.attention_dtype = torch.float32 if cast is not None else self.dtype
         self.rope_table = getattr(self.rotary, "rope_type", "default") in STATIC_ROPE_TYPES
         self._table = None  # [positions, 2, dim]: cos, and sin with rotate_half's sign folded in
 
@@ -249,8 +246,8 @@ class FusedDecoder:
             tokens: ``[rows]`` token fed at this step.
             positions: ``[rows]`` its position id.
             attend: ``attend(layer_idx, q, k, v, scaling) -> [rows, heads * head_dim]`` with ``q``
-                ``[rows, heads, 1, dim]`` and ``k``/``v`` ``[rows, kv_heads, 1, dim]`` after RoPE, in
-                :attr:`attention_dtype`: stores ``k``/``v`` in the cache and attends.
+                ``[rows, heads, 1, dim]`` and ``k``/``v`` ``[rows, kv_heads, 1, dim]`` after RoPE: stores ``k``/``v``
+                in the cache and attends.
             select: rows whose logits to return (all when None), e.g. the last token of each prompt of a prefill.
         """
         rows, heads, kv_heads, dim = tokens.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -264,9 +261,7 @@ class FusedDecoder:
             if layer.qk_norm is not None:
                 qk = _rms_norm(qk, *layer.qk_norm)
             qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)[:, :, None]  # RoPE on q and k at once
-            if self.attention_dtype != qk.dtype:
-                qk, v = qk.to(self.attention_dtype), v.to(self.attention_dtype)
-            out = attend(idx, qk[:, :heads], qk[:, heads:], v, layer.scaling).to(h.dtype)
+            out = attend(idx, qk[:, :heads], qk[:, heads:], v, layer.scaling)
             h = _residual(h, out, layer.o_w, layer.o_b)
             x = _rms_norm(h, layer.ln2_w, layer.ln2_eps)
             gate, up = _linear(x, layer.gate_up_w, layer.gate_up_b).split(layer.inter, dim=-1)
