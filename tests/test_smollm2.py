@@ -7,6 +7,7 @@ cannot be reached to install the GGUF package.
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import json
 from pathlib import Path
@@ -87,6 +88,13 @@ def test_the_shipped_cpu_config_trains_a_step_on_the_real_model_and_the_export_r
                     f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false"])
     assert cli.trainer.global_step == 1
     assert type(cli.datamodule.backend).__name__ == "EngineRollout" and cli.model.packing  # the defaults apply
+    # bf16 compute (autocast training, bf16 decoding copies where the CPU has bf16 units) over float32 master
+    # weights: the lr-1e-6 update still reaches most weights (in bf16 parameters it would round away)
+    assert cli.trainer.precision == "bf16-mixed" and cli.datamodule.backend.dtype == "auto"
+    assert all(p.dtype == torch.float32 for p in cli.model.policy.parameters())
+    with open(Path(cli.trainer.log_dir) / "metrics.csv") as f:
+        fractions = [float(r["optim/update_fraction"]) for r in csv.DictReader(f) if r.get("optim/update_fraction")]
+    assert fractions and fractions[-1] > 0.5, fractions
     rollout = cli.model.last_rollout
     assert len(rollout.experiences) == 16 and max(len(e.completion_ids) for e in rollout.experiences) <= 64
     assert all(60 < len(e.prompt_ids) < 200 for e in rollout.experiences)  # GSM8K rows after the system prompt
