@@ -135,3 +135,25 @@ def model(tiny_model):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+
+
+@torch.no_grad()
+def test_switching_lora_adapters_off_is_a_weight_change():
+    """PEFT's disable_adapter() changes what the LoRA layers apply without touching a parameter: the engine must
+    not reuse the adapted copies then."""
+    from test_lora import forward_logprobs, random_lora
+
+    model = tiny_causal_lm("qwen3")
+    base = copy.deepcopy(model)
+    wrapper = random_lora(model)
+    engine = bound_engine(model)
+    prompts, params = [[5, 9, 17, 33, 2], [8, 3, 60]], SamplingParams(1.0, max_tokens=8)
+    adapted = engine.generate(prompts, params, n=2)
+    with wrapper.disable_adapter():
+        plain = engine.generate(prompts, params, n=2)
+    for groups, reference in ((adapted, wrapper), (plain, base)):
+        for prompt, group in zip(prompts, groups):
+            for c in group:
+                ids = torch.tensor([prompt + c.token_ids])
+                want = forward_logprobs(reference, ids)[0, -len(c.token_ids):]
+                torch.testing.assert_close(torch.tensor(c.logprobs), want, rtol=0, atol=1e-4)

@@ -447,12 +447,15 @@ class EngineRollout(RolloutBackend):
 
     def _fused_decoder(self, model: Any, device: torch.device) -> FusedDecoder | None:
         """The fused decoder of ``model`` (None where it cannot run): the one of the last call while the weights
-        are unchanged (same storage, same in-place version counters, no :meth:`sync_weights` since), else a new
-        one (its weight copies, in the ``dtype`` option's precision, are what a rollout call decodes with)."""
+        are unchanged (same storage, same in-place version counters, same LoRA switches, no :meth:`sync_weights`
+        since), else a new one (its weight copies, in the ``dtype`` option's precision, are what a rollout call
+        decodes with)."""
         if not self.fused or FusedDecoder.unsupported_reason(model) is not None:
             return None
         dtype = decode_dtype(self.dtype, device)
-        key = (id(model), dtype, tuple((p.data_ptr(), p._version) for p in model.parameters()))
+        adapters = tuple((m.disable_adapters, m.merged, tuple(m.active_adapters))  # PEFT LoRA layers' switches
+                         for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "merged"))
+        key = (id(model), dtype, adapters, tuple((p.data_ptr(), p._version) for p in model.parameters()))
         if self._kept_decoder is None or self._kept_decoder[0] != key:
             self._kept_decoder = None  # free the old copies before making new ones
             self._kept_decoder = (key, FusedDecoder(model, dtype))
