@@ -157,3 +157,29 @@ def test_switching_lora_adapters_off_is_a_weight_change():
                 ids = torch.tensor([prompt + c.token_ids])
                 want = forward_logprobs(reference, ids)[0, -len(c.token_ids):]
                 torch.testing.assert_close(torch.tensor(c.logprobs), want, rtol=0, atol=1e-4)
+
+
+def test_multi_turn_continuation_runs_on_bf16_caches(one_thread):
+    """keep_caches with bf16 decoding: later turns prefill on the kept bf16 caches; each turn's log-probs lie
+    within bf16 rounding of the bf16 model's forward over the whole history (the bound measured as above)."""
+    from multiturn_helpers import qwen3_char_tokenizer, tiny_model
+    from test_engine_continuation import three_turns
+
+    tok = qwen3_char_tokenizer()
+    model = tiny_model(len(tok))
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, len(tok), (k,), generator=g).tolist() for k in (9, 14)]
+    inserts = [[torch.randint(0, len(tok), (3,), generator=g).tolist() for _ in range(4)] for _ in range(2)]
+    engine = EngineRollout(seed=3, dtype="bfloat16")
+    engine.bind(model, tok)
+    turns = three_turns(engine, prompts, SamplingParams(1.0, max_tokens=8), inserts, 2, keep=True)
+    assert engine.reused_tokens > 0  # the later turns continued from kept caches
+    to_half, float_to_half = [], []
+    for turn, (current, outs, _, _) in enumerate(turns):
+        for prefix, c in zip([p for p in current for _ in range(2 if turn == 0 else 1)], outs):
+            fp32, bf16 = completion_logprobs(model, prefix, c.token_ids), completion_logprobs(half, prefix, c.token_ids)
+            to_half.append((torch.tensor(c.logprobs, dtype=torch.float64) - bf16).abs())
+            float_to_half.append((fp32 - bf16).abs())
+    to_half, float_to_half = torch.cat(to_half), torch.cat(float_to_half)
+    assert to_half.max() <= 2 * float_to_half.max() + 1e-6 and to_half.mean() <= 2 * float_to_half.mean() + 1e-6
