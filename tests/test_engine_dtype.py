@@ -1,9 +1,10 @@
 """The engine's ``dtype`` option: decoding through a bfloat16 copy of float32 master weights.
 
 What is checked: the copies are exactly the bf16 casts of the live weights, refreshed after an optimizer step
-(and reused while the weights are unchanged); the bf16 engine's log-probs agree with the model's own bf16 forward
-to within bf16 rounding, a bound measured in the test itself (how far the model's bf16 forward lies from its
-float32 forward on the same tokens); the float32 paths stay exact; ``auto`` and bad values.
+(and reused while the weights are unchanged; switching LoRA adapters off counts as a change); the bf16 engine's
+log-probs agree with the model's own bf16 forward to within bf16 rounding, a bound measured in the test itself
+(how far the model's bf16 forward lies from its float32 forward on the same tokens), in one-turn rollouts and in
+multi-turn continuations on kept bf16 caches; the float32 paths stay exact; ``auto`` and bad values.
 """
 
 from __future__ import annotations
