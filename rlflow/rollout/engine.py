@@ -17,10 +17,12 @@ every token, keeps finished rows in the batch until the longest one ends, and pa
 * decodes and prefills with its own forward of the live weights (:mod:`rlflow.rollout.fused`: q/k/v and gate/up
   folded into one matrix product each, no per-token module, hook, cache-object or mask machinery) for
   Qwen2/Qwen3/Llama-style models, and otherwise hands the model's forward its own attention function and state;
-* with ``dtype: bfloat16`` (or ``auto`` where the device multiplies bfloat16 natively) decodes through a bfloat16
-  copy of float32 master weights, made with the fused decoder's per-call copies (so it follows every optimizer
-  step), while training keeps float32: a decode step reads half the bytes and runs on the bf16 units (AMX on
-  recent Xeons, tensor cores on GPUs). The behaviour log-probs are then the bf16 model's;
+* with ``dtype: bfloat16`` (or ``auto`` where the device multiplies bfloat16 natively) decodes through bfloat16
+  copies of float32 master weights, with bf16 KV caches and one SDPA call per layer for the decode attention,
+  while training keeps float32: a decode step reads half the bytes and runs on the bf16 units (AMX on recent
+  Xeons, tensor cores on GPUs). The behaviour log-probs are then the bf16 model's. The fused decoder (its weight
+  copies, in whatever dtype) is kept across rollout calls while every parameter keeps its storage, in-place
+  version counter and LoRA switches, and dropped by :meth:`EngineRollout.sync_weights` after an optimizer step;
 * samples with temperature / top-k / top-p and returns ``log_softmax(logits / temperature)`` of each taken token
   (before truncation, as :class:`~rlflow.rollout.base.Completion` specifies), stopping exactly at the first stop
   token (kept) or at ``max_tokens``;
