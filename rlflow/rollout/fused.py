@@ -26,7 +26,8 @@ Simplifications: only the architectures listed in :data:`SUPPORTED_MODEL_TYPES` 
 the model's own ``rotary_emb``, optional q/k RMSNorm as in Qwen3, optional projection biases as in Qwen2,
 SwiGLU-style MLP, full attention); weights must be plain tensors on one device (FSDP-sharded DTensors are not,
 so the engine falls back to the model's forward there). The folded q/k/v and gate/up matrices are copies made
-once per :class:`FusedDecoder`, i.e. once per rollout call: build a new one after every optimizer step.
+once per :class:`FusedDecoder`: build a new one after every optimizer step (the engine keeps one while the
+weights are unchanged and builds a new one when they changed).
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ class _Layer:
         self.inter = mlp.gate_proj.out_features
         self.down_w, self.down_b = linear_weights(mlp.down_proj)
         self.act = mlp.act_fn
-        # transposed copies for _linear (made per decoder, i.e. per rollout call, like the concatenations)
+        # transposed copies for _linear (made per decoder, like the concatenations)
         self.qkv_w, self.o_w = _transposed(self.qkv_w, dtype), _transposed(self.o_w, dtype)
         self.gate_up_w, self.down_w = _transposed(self.gate_up_w, dtype), _transposed(self.down_w, dtype)
         self.qkv_b, self.o_b, self.gate_up_b, self.down_b = (
