@@ -4,10 +4,10 @@ The physical limit of a dense decoder on a CPU is its matrix-multiply throughput
 achieved FLOP/s and as a share of that peak, all measured in one run::
 
     python tools/bench_flops.py --model checkpoints/smollm2-135m-instruct --data tests/data/train_example.jsonl \
-        --threads 2
+        --threads 1 --dtype bfloat16
     ...
-    flops: peak 131.2 GFLOP/s (2048^3 float32 matmul, 2 threads); training 88.0 GFLOP/s (0.67 of peak);
-        engine decode 35.1 GFLOP/s (0.27); hf decode 21.0 GFLOP/s (0.16)
+    flops (bfloat16): peak 1185.4 GFLOP/s (2048^3 bfloat16 matmul, 1 threads; float32 192.3, bfloat16 1185.4);
+        training 213.8 GFLOP/s (0.18 of peak); engine decode 103.0 GFLOP/s (0.09); hf decode 51.5 GFLOP/s (0.04)
 
 What is counted (:func:`model_flops`; the usual dense-transformer arithmetic, as in the PaLM/Chinchilla papers):
 ``2 x (weights of every linear layer, LM head included)`` per token and pass, plus attention's two products,
