@@ -4,10 +4,10 @@ The physical limit of a dense decoder on a CPU is its matrix-multiply throughput
 achieved FLOP/s and as a share of that peak, all measured in one run::
 
     python tools/bench_flops.py --model checkpoints/smollm2-135m-instruct --data tests/data/train_example.jsonl \
-        --threads 2
+        --threads 1 --dtype bfloat16
     ...
-    flops: peak 131.2 GFLOP/s (2048^3 float32 matmul, 2 threads); training 88.0 GFLOP/s (0.67 of peak);
-        engine decode 35.1 GFLOP/s (0.27); hf decode 21.0 GFLOP/s (0.16)
+    flops (bfloat16): peak 1185.4 GFLOP/s (2048^3 bfloat16 matmul, 1 threads; float32 192.3, bfloat16 1185.4);
+        training 213.8 GFLOP/s (0.18 of peak); engine decode 103.0 GFLOP/s (0.09); hf decode 51.5 GFLOP/s (0.04)
 
 What is counted (:func:`model_flops`; the usual dense-transformer arithmetic, as in the PaLM/Chinchilla papers):
 ``2 x (weights of every linear layer, LM head included)`` per token and pass, plus attention's two products,
@@ -17,11 +17,17 @@ profile below shows). Decoding counts only the generated tokens' passes, at thei
 
 Phases, each timed over ``--repeats`` runs (median):
 
-* peak: a ``--peak-size`` cubed float32 matmul (``2 n^3`` FLOPs);
+* peak: a ``--peak-size`` cubed matmul (``2 n^3`` FLOPs) in float32 and in bfloat16 (on CPUs with AMX or
+  AVX512-BF16, oneDNN runs bf16 products several times faster); each phase is set against the peak of its dtype;
 * training: forward + backward of the chunked completion log-probs (:func:`rlflow.logprobs.completion_logprobs`,
   what a GRPO update runs) on ``--seqs`` padded sequences of a data prompt plus ``--completion`` tokens;
 * decoding: the ``engine`` and ``hf`` backends sampling ``--prompts`` x ``--n`` completions of up to
   ``--completion`` tokens (prefill included in the time, not in the FLOPs: a lower bound on decode efficiency).
+
+``--dtype bfloat16`` measures the bf16 settings rlflow offers, against the bf16 peak: training under
+``torch.autocast("cpu", bfloat16)`` with float32 master weights (what ``trainer.precision: bf16-mixed`` runs),
+the engine decoding through bf16 copies of the weights (``data.rollout.init_args.dtype: bfloat16``), and
+``generate`` on the model cast to bf16.
 
 ``--profile`` prints torch.profiler's top operators of one training pass and one engine rollout: where the time
 that is not matrix products goes. Simplifications: CPU or one device, float32, no packing in the training phase
@@ -31,6 +37,7 @@ that is not matrix products goes. Simplifications: CPU or one device, float32, n
 from __future__ import annotations
 
 import argparse
+import copy
 import statistics
 import time
 from pathlib import Path
@@ -77,8 +84,8 @@ def median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def matmul_peak(size: int, repeats: int) -> float:
-    a, b = torch.randn(size, size), torch.randn(size, size)
+def matmul_peak(size: int, repeats: int, dtype: torch.dtype = torch.float32) -> float:
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     seconds = min(median_time(lambda: a @ b, 1) for _ in range(repeats))
     return 2.0 * size**3 / seconds
 
@@ -109,6 +116,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--profile", action="store_true", help="print the top operators of training and decoding")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="float32 throughout, or bf16: autocast training, bf16 engine copies, generate on a bf16 model")
     args = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -129,8 +138,12 @@ def main(argv=None) -> dict:
     prompts = load_prompts(args.data, tok, max(args.seqs, args.prompts))
     threads = torch.get_num_threads()
 
-    peak = matmul_peak(args.peak_size, args.repeats)
-    print(f"peak: {peak / 1e9:.1f} GFLOP/s ({args.peak_size}^3 float32 matmul, {threads} threads)", flush=True)
+    peaks = {name: matmul_peak(args.peak_size, args.repeats, getattr(torch, name)) for name in ("float32", "bfloat16")}
+    for name, value in peaks.items():
+        print(f"peak: {value / 1e9:.1f} GFLOP/s ({args.peak_size}^3 {name} matmul, {threads} threads)", flush=True)
+    peak = peaks[args.dtype]
+    bf16 = args.dtype == "bfloat16"
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
 
     # training: forward + backward of the completion log-probs, as a GRPO update runs them
     batch = training_batch(prompts[: args.seqs], args.completion, model.config.vocab_size, pad_id, args.seed)
@@ -138,23 +151,27 @@ def main(argv=None) -> dict:
 
     def train_pass():
         model.zero_grad(set_to_none=True)
-        logprobs, _ = completion_logprobs(model, batch)
+        with autocast:
+            logprobs, _ = completion_logprobs(model, batch)
         (logprobs * batch["completion_mask"]).sum().backward()
 
     lengths = batch["attention_mask"].sum(1).tolist()
     train_flops = model_flops(model, sum(lengths), sum(causal_pairs(n) for n in lengths), passes=3)
     train_s = median_time(train_pass, args.repeats)
     train_rate = train_flops / train_s
-    print(f"training: {args.seqs} sequences, {sum(lengths)} tokens, {train_s:.2f} s = {train_rate / 1e9:.1f} GFLOP/s "
-          f"({train_rate / peak:.2f} of peak)", flush=True)
+    print(f"training ({'bf16 autocast' if bf16 else 'float32'}): {args.seqs} sequences, {sum(lengths)} tokens, "
+          f"{train_s:.2f} s = {train_rate / 1e9:.1f} GFLOP/s ({train_rate / peak:.2f} of the {args.dtype} peak)",
+          flush=True)
 
     # decoding: generated tokens only, at their real context lengths
     model.eval()
     params = SamplingParams(1.0, 1.0, 0, args.completion, [tok.eos_token_id] if tok.eos_token_id is not None else [])
     rollout_prompts = prompts[: args.prompts]
     decode: dict[str, float] = {}
-    for name, backend in {"engine": EngineRollout(seed=args.seed), "hf": HFRollout()}.items():
-        backend.bind(model, tok)
+    half = copy.deepcopy(model).to(torch.bfloat16) if bf16 else model
+    engine_kwargs = {"dtype": "bfloat16"} if bf16 else {}
+    for name, backend in {"engine": EngineRollout(seed=args.seed, **engine_kwargs), "hf": HFRollout()}.items():
+        backend.bind(model if name == "engine" else half, tok)
         result: list = []
 
         def rollout(backend=backend, result=result):
@@ -173,7 +190,7 @@ def main(argv=None) -> dict:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        engine = EngineRollout(seed=args.seed)
+        engine = EngineRollout(seed=args.seed, **engine_kwargs)
         engine.bind(model, tok)
         phases = (("training pass", train_pass, True),
                   ("engine rollout", lambda: engine.generate(rollout_prompts, params, n=args.n), False))
@@ -184,11 +201,13 @@ def main(argv=None) -> dict:
             print(f"--- profile of one {name}")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
-    print(f"flops: peak {peak / 1e9:.1f} GFLOP/s ({args.peak_size}^3 float32 matmul, {threads} threads); training "
+    print(f"flops ({args.dtype}): peak {peak / 1e9:.1f} GFLOP/s ({args.peak_size}^3 {args.dtype} matmul, {threads} "
+          f"threads; float32 {peaks['float32'] / 1e9:.1f}, bfloat16 {peaks['bfloat16'] / 1e9:.1f}); training "
           f"{train_rate / 1e9:.1f} GFLOP/s ({train_rate / peak:.2f} of peak); engine decode "
           f"{decode['engine'] / 1e9:.1f} GFLOP/s ({decode['engine'] / peak:.2f}); hf decode "
           f"{decode['hf'] / 1e9:.1f} GFLOP/s ({decode['hf'] / peak:.2f})")
-    return {"peak": peak, "training": train_rate, **{f"{k}_decode": v for k, v in decode.items()}}
+    return {"peak": peak, **{f"peak_{k}": v for k, v in peaks.items()}, "training": train_rate,
+            **{f"{k}_decode": v for k, v in decode.items()}}
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ reported, and the last line (one line, wrapped here) is the ratio::
     rollout engine/hf speedup: 4.30x (engine 54656.3 tok/s, hf 12717.7 tok/s, median of 9 runs x 3 rollouts;
         median of paired run ratios 4.25x; 2 threads)
 
+``--dtype bfloat16`` compares at the same precision on both sides: the engine decoding through bf16 copies of the
+float32 weights (``EngineRollout(dtype="bfloat16")``, as in training) against ``generate`` on the model cast to
+bf16; ``--dtype both`` runs the float32 pair and the bf16 pair in one run (four backends, alternating) and prints
+a ratio line for each, plus bf16 engine over float32 ``generate``.
+
 Simplifications: CPU or a single device; prompts are the first ``--prompts`` rows of an XTuner/TRL jsonl file
 rendered with the tokenizer's chat template (or given as plain strings); no warm-up beyond one discarded run; each
 timed run is ``--rollouts`` rollouts back to back (one rollout of the engine is only ~60 ms on 2 cores, short
@@ -19,6 +24,7 @@ enough for scheduler noise to move a single timing by several per cent).
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -71,6 +77,9 @@ def main(argv=None) -> dict:
                     help="rollouts per timed run (a rollout of the engine is ~60 ms)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="float32",
+                    help="precision of both sides: float32 weights, bf16 (engine: bf16 copies of float32 weights; "
+                    "generate: the model cast to bf16), or both pairs in one run")
     args = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -91,10 +100,16 @@ def main(argv=None) -> dict:
     prompts = load_prompts(args.data, tok, args.prompts)
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_tokens, stop)
-    backends = {"hf": HFRollout(), "engine": EngineRollout()}
-    for b in backends.values():
-        b.bind(model, tok)
+    backends = {}
+    if args.dtype in ("float32", "both"):
+        backends.update({"hf": (HFRollout(), model), "engine": (EngineRollout(), model)})
+    if args.dtype in ("bfloat16", "both"):
+        half = copy.deepcopy(model).to(torch.bfloat16)
+        backends.update({"hf-bf16": (HFRollout(), half), "engine-bf16": (EngineRollout(dtype="bfloat16"), model)})
+    for b, m in backends.values():
+        b.bind(m, tok)
         run_once(b, prompts[:2], params, 2)  # warm-up
+    backends = {name: b for name, (b, _) in backends.items()}
     rates: dict[str, list[float]] = {name: [] for name in backends}
     for r in range(args.repeats):
         for name, backend in backends.items():
@@ -103,13 +118,23 @@ def main(argv=None) -> dict:
             print(f"run {r + 1} {name:6s}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s "
                   f"(mean length {statistics.mean(lengths):.1f}, max {max(lengths)})", flush=True)
     med = {name: statistics.median(v) for name, v in rates.items()}
-    ratio = med["engine"] / med["hf"]
-    # robust to load drifting between runs
-    paired = statistics.median(e / h for e, h in zip(rates["engine"], rates["hf"]))
-    print(f"rollout engine/hf speedup: {ratio:.2f}x (engine {med['engine']:.1f} tok/s, hf {med['hf']:.1f} tok/s, "
-          f"median of {args.repeats} runs x {args.rollouts} rollouts; median of paired run ratios {paired:.2f}x; "
-          f"{torch.get_num_threads()} threads)")
-    return {"ratio": ratio, "paired_ratio": paired, **{f"{k}_tok_s": v for k, v in med.items()}}
+    out: dict[str, float] = {f"{k}_tok_s": v for k, v in med.items()}
+    print(f"settings: {args.prompts} prompts x {args.n}, {args.max_tokens} max tokens, T={args.temperature}, "
+          f"top_p {args.top_p}, top_k {args.top_k}; {torch.get_num_threads()} threads")
+    pairs = [("engine", "hf", "")] if "engine" in med else []
+    if "engine-bf16" in med:
+        pairs.append(("engine-bf16", "hf-bf16", "-bf16"))
+        if "hf" in med:
+            pairs.append(("engine-bf16", "hf", "-bf16-over-float32-generate"))
+    for fast, anchor, label in pairs:
+        ratio = med[fast] / med[anchor]
+        # robust to load drifting between runs
+        paired = statistics.median(e / h for e, h in zip(rates[fast], rates[anchor]))
+        print(f"rollout {fast}/{anchor} speedup: {ratio:.2f}x ({fast} {med[fast]:.1f} tok/s, {anchor} "
+              f"{med[anchor]:.1f} tok/s, median of {args.repeats} runs x {args.rollouts} rollouts; median of paired "
+              f"run ratios {paired:.2f}x; {torch.get_num_threads()} threads)")
+        out[f"ratio{label}"], out[f"paired_ratio{label}"] = ratio, paired
+    return out
 
 
 if __name__ == "__main__":

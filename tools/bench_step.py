@@ -21,6 +21,11 @@ from it; explicit flags still win::
 
     PYTHONPATH=/tmp/trl-site python tools/bench_step.py --config configs/demo_cpu.yaml --threads 2 --repeats 3 --steps 6
 
+``--bf16`` compares both at bf16 compute with float32 master weights: TRL with ``bf16=True`` (on CPU, accelerate's
+``torch.autocast("cpu", bfloat16)`` around the model's forward, generation included) against rlflow with
+``trainer.precision: bf16-mixed`` (Lightning's CPU autocast) and the engine decoding through bf16 weight copies
+(``data.rollout.init_args.dtype: bfloat16``). Without it both run float32.
+
 ``--rlflow-args`` passes extra ``rlflow fit`` flags (default: the ``engine`` rollout and packing without
 ``--config``, nothing with it); ``--only-packing`` instead times one training forward/backward of padded vs
 packed micro-batches.
@@ -122,7 +127,7 @@ def trl_worker(args) -> dict:
     with tempfile.TemporaryDirectory() as out:
         per_step = args.prompts * args.group
         config = GRPOConfig(
-            output_dir=out, use_cpu=True, bf16=False, learning_rate=args.lr, lr_scheduler_type="constant",
+            output_dir=out, use_cpu=True, bf16=args.bf16, learning_rate=args.lr, lr_scheduler_type="constant",
             warmup_steps=args.warmup_steps, weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9, adam_beta2=0.999,
             per_device_train_batch_size=args.micro_batch, gradient_accumulation_steps=per_step // args.micro_batch,
             num_generations=args.group, max_completion_length=args.max_tokens, temperature=args.temperature, top_p=1.0,
@@ -256,6 +261,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rlflow-args", default=None,
                     help="extra rlflow fit flags (default without --config: "
                     "'--data.rollout=engine --model.packing=true')")
+    ap.add_argument("--bf16", action="store_true",
+                    help="bf16 compute on both sides (TRL bf16=True; rlflow bf16-mixed + bf16 engine decoding)")
     ap.add_argument("--only", choices=["rlflow", "trl"], default=None, help="run one framework and print its figures")
     ap.add_argument("--only-packing", action="store_true", help="time padded vs packed forward/backward instead")
     ap.add_argument("--worker", choices=["rlflow", "trl"], default=None, help=argparse.SUPPRESS)
@@ -265,6 +272,9 @@ def main(argv=None) -> None:
         args, _ = ap.parse_known_args(argv)
     if args.rlflow_args is None:
         args.rlflow_args = "" if args.config else "--data.rollout=engine --model.packing=true"
+    if args.bf16:
+        engine = "" if "--data.rollout" in args.rlflow_args else "--data.rollout=engine "
+        args.rlflow_args += f" --trainer.precision=bf16-mixed {engine}--data.rollout.init_args.dtype=bfloat16"
     if args.worker:
         result = rlflow_worker(args) if args.worker == "rlflow" else trl_worker(args)
         print(json.dumps(result))
@@ -278,7 +288,8 @@ def main(argv=None) -> None:
         return
     print(f"settings: {args.prompts} prompts x {args.group} completions, {args.max_tokens} max tokens, "
           f"T={args.temperature}, lr {args.lr} (warm-up {args.warmup_steps}), loss {args.loss}, "
-          f"epsilon {args.epsilon}/{args.epsilon_high}, kl {args.kl_coef}, TRL micro-batch {args.micro_batch}; rlflow: "
+          f"epsilon {args.epsilon}/{args.epsilon_high}, kl {args.kl_coef}, TRL micro-batch {args.micro_batch}, "
+          f"{'bf16 compute' if args.bf16 else 'float32'} (TRL bf16={args.bf16}); rlflow: "
           f"{' '.join(rlflow_settings(args)) if args.config else 'the flags above'} {args.rlflow_args}; "
           f"OMP_NUM_THREADS={args.threads or os.environ.get('OMP_NUM_THREADS', 'unset')}", flush=True)
     load_start = os.getloadavg()[0]

@@ -17,6 +17,12 @@ every token, keeps finished rows in the batch until the longest one ends, and pa
 * decodes and prefills with its own forward of the live weights (:mod:`rlflow.rollout.fused`: q/k/v and gate/up
   folded into one matrix product each, no per-token module, hook, cache-object or mask machinery) for
   Qwen2/Qwen3/Llama-style models, and otherwise hands the model's forward its own attention function and state;
+* with ``dtype: bfloat16`` (or ``auto`` where the device multiplies bfloat16 natively) decodes through bfloat16
+  copies of float32 master weights, with bf16 KV caches and one SDPA call per layer for the decode attention,
+  while training keeps float32: a decode step reads half the bytes and runs on the bf16 units (AMX on recent
+  Xeons, tensor cores on GPUs). The behaviour log-probs are then the bf16 model's. The fused decoder (its weight
+  copies, in whatever dtype) is kept across rollout calls while every parameter keeps its storage, in-place
+  version counter and LoRA switches, and dropped by :meth:`EngineRollout.sync_weights` after an optimizer step;
 * samples with temperature / top-k / top-p and returns ``log_softmax(logits / temperature)`` of each taken token
   (before truncation, as :class:`~rlflow.rollout.base.Completion` specifies), stopping exactly at the first stop
   token (kept) or at ``max_tokens``; each row's uniform for its ``t``-th token is a pure function of the row's
@@ -50,7 +56,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -292,8 +298,12 @@ def attend_cached(state: DecodeState, layer: int, query: torch.Tensor, scaling: 
     scale = dim ** -0.5 if scaling is None else scaling
     q = query.reshape(groups, n, kv_heads, rep, dim).transpose(1, 2).reshape(groups, kv_heads, n * rep, dim)
     keys, values = cache_k[:, :, :width], cache_v[:, :, :width]
-    if cache_k.dtype != torch.float32:  # attention in float32
-        q, keys, values = q.float(), keys.float(), values.float()
+    if cache_k.dtype != torch.float32:  # half-precision caches: one fused kernel (float32 accumulation inside)
+        bias = state.bias[:, None, :, None, :width].expand(groups, 1, n, rep, width).reshape(groups, 1, n * rep, width)
+        if state.step_bias is not None:
+            bias = bias + state.step_bias[:, None, None, :]
+        out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=bias.to(keys.dtype), scale=scale)
+        return out.view(groups, kv_heads, n, rep, dim).transpose(1, 2).reshape(rows, 1, heads, dim).to(query.dtype)
     if scale != 1.0:
         q = q * scale
     scores = torch.matmul(q, keys.transpose(-1, -2))  # [groups, kv, n * rep, width]
@@ -354,6 +364,28 @@ class _Lane:
     draws: RowDraws = field(default_factory=RowDraws)
 
 
+DECODE_DTYPES = ("model", "float32", "bfloat16", "float16", "auto")
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether ``device`` multiplies bfloat16 matrices in hardware (a CUDA GPU with bf16; a CPU with AMX tiles or
+    AVX512-BF16, which oneDNN uses for bf16 ``mm``), i.e. whether bf16 decoding is faster there, not only smaller."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        cpu = getattr(torch, "cpu", None)
+        checks = [getattr(cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+        return any(check() for check in checks if check is not None)
+    return False
+
+
+def decode_dtype(choice: str, device: torch.device) -> torch.dtype | None:
+    """The fused decoder's dtype for the engine's ``dtype`` option on ``device`` (None: the model's own)."""
+    if choice == "auto":
+        return torch.bfloat16 if native_bf16(device) else None
+    return None if choice == "model" else getattr(torch, choice)
+
+
 def common_prefix_len(prompts: list[list[int]]) -> int:
     """Length of the token prefix shared by every prompt, leaving at least one own token per prompt."""
     first, n = prompts[0], min(len(p) for p in prompts) - 1
@@ -410,7 +442,8 @@ class EngineRollout(RolloutBackend):
     streams = True  # groups are yielded as they finish, so judging overlaps generation
 
     def __init__(self, max_batch_size: int = 256, prefill_batch_size: int = 16, seed: int | None = None,
-                 fused: bool = True, min_shared_prefix: int = 16) -> None:
+                 fused: bool = True, min_shared_prefix: int = 16,
+                 dtype: Literal["model", "float32", "bfloat16", "float16", "auto"] = "model") -> None:
         """
         Args:
             max_batch_size: Most sequences decoded together (bounds the KV cache's memory); a prompt's ``n``
@@ -425,6 +458,13 @@ class EngineRollout(RolloutBackend):
                 call the model's forward with the engine's attention function.
             min_shared_prefix: Prefill the token prefix common to all prompts of a rollout once, and attend to it
                 with one matrix product for all rows, when it is at least this long (0 disables it).
+            dtype: Arithmetic of the fused decoder: ``model`` (the policy's own dtype, exact), ``float32``,
+                ``bfloat16``, ``float16`` (a copy of the weights in that dtype, made per rollout call, so it
+                always holds the current weights; training keeps the policy's dtype), or ``auto`` (``bfloat16``
+                where the device multiplies it natively: a CUDA GPU with bf16, a CPU with AMX or AVX512-BF16;
+                the model's own otherwise). Lower precision halves the weight bytes a decode step reads; the
+                rollout log-probs are then those of the rounded weights (see docs/performance.md, "bf16
+                decoding"). Decoding through the model's forward (no fused path) ignores it.
         """
         if max_batch_size < 1 or prefill_batch_size < 1:
             raise ValueError("engine max_batch_size and prefill_batch_size must be >= 1")
@@ -434,7 +474,11 @@ class EngineRollout(RolloutBackend):
         self.fused = fused
         self.min_shared_prefix = min_shared_prefix
         self.calls = 0  # seeded calls so far: with the seed, the whole random state (rng_state)
+        if dtype not in DECODE_DTYPES:
+            raise ValueError(f"engine dtype must be one of {', '.join(DECODE_DTYPES)}; got {dtype!r}")
+        self.dtype = dtype
         self._decoder: FusedDecoder | None = None  # the fused decoder of the rollout call in progress, if any
+        self._kept_decoder: tuple[Any, FusedDecoder] | None = None  # (weights' key, decoder) reused across calls
         self._checked_model: Any = None  # the model bind() last found supported (checked once per model)
         self.decode_path = ""  # how bind()'s probe decoded: "fused decode" or why through the model's forward
         self.session: SessionCache | None = None  # rows' caches kept across calls (keep_caches), else None
@@ -497,6 +541,26 @@ class EngineRollout(RolloutBackend):
             self.seed, self.calls = state["seed"], int(state["calls"])
         elif self.seed is not None and state.get("seed") == self.seed:
             self.calls = int(state["calls"])
+
+    def sync_weights(self) -> None:
+        """The weights changed: drop the fused decoder's weight copies (the next rollout copies them again)."""
+        self._kept_decoder = None
+
+    def _fused_decoder(self, model: Any, device: torch.device) -> FusedDecoder | None:
+        """The fused decoder of ``model`` (None where it cannot run): the one of the last call while the weights
+        are unchanged (same storage, same in-place version counters, same LoRA switches, no :meth:`sync_weights`
+        since), else a new one (its weight copies, in the ``dtype`` option's precision, are what a rollout call
+        decodes with)."""
+        if not self.fused or FusedDecoder.unsupported_reason(model) is not None:
+            return None
+        dtype = decode_dtype(self.dtype, device)
+        adapters = tuple((m.disable_adapters, m.merged, tuple(m.active_adapters))  # PEFT LoRA layers' switches
+                         for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "merged"))
+        key = (id(model), dtype, adapters, tuple((p.data_ptr(), p._version) for p in model.parameters()))
+        if self._kept_decoder is None or self._kept_decoder[0] != key:
+            self._kept_decoder = None  # free the old copies before making new ones
+            self._kept_decoder = (key, FusedDecoder(model, dtype))
+        return self._kept_decoder[1]
 
     @property
     def pad_id(self) -> int:
@@ -660,7 +724,7 @@ class EngineRollout(RolloutBackend):
         model.eval()
         stop_ids = set(params.stop_token_ids)
         stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-        decoder = FusedDecoder(model) if self.fused and FusedDecoder.unsupported_reason(model) is None else None
+        decoder = self._fused_decoder(model, device)
         self._decoder = decoder
         session = self.session
         waiting: deque = deque()  # (request id, request, kept cache hit or None)
@@ -693,8 +757,8 @@ class EngineRollout(RolloutBackend):
                         break
                     continue
                 if self.step_hook is not None and self.step_hook(iteration):  # new weights, the caches kept
-                    decoder = FusedDecoder(model) if decoder is not None else None
-                    self._decoder = decoder
+                    self.sync_weights()  # copied in place: the version counters may not show it
+                    decoder = self._decoder = self._fused_decoder(model, device)
                 iteration += 1
                 take, taken = [], 0
                 while waiting and len(take) < self.prefill_batch_size:

@@ -66,7 +66,9 @@ def probe_error(engine: Any, model: Any) -> str | None:
     else why not (an exception raised on the way, or the largest log-prob difference).
 
     Also sets ``engine.decode_path``: ``"fused decode"``, or why decode steps go through the model's forward
-    (decided on the unsharded weights, as during a rollout).
+    (decided on the unsharded weights, as during a rollout). The probe decodes in the model's own dtype (the
+    engine's ``dtype`` option set aside): it checks the decode path, which a lower-precision copy of the weights
+    only rounds differently.
     """
     from rlflow.distributed import full_weights
     from rlflow.rollout.fused import FusedDecoder
@@ -77,6 +79,8 @@ def probe_error(engine: Any, model: Any) -> str | None:
     params = SamplingParams(temperature=0.0, max_tokens=PROBE_TOKENS)
     device = next(model.parameters()).device
     was_training = model.training
+    dtype = getattr(engine, "dtype", "model")
+    engine.dtype = "model"
     try:
         with full_weights(model):  # FSDP-sharded: no collectives, as during a rollout
             fused = FusedDecoder.unsupported_reason(model) if engine.fused else "fused=False"
@@ -94,6 +98,7 @@ def probe_error(engine: Any, model: Any) -> str | None:
         return f"its forward does not run the engine's decode step ({type(exc).__name__}: {exc})"
     finally:
         model.train(was_training)
+        engine.dtype = dtype
     tolerance = TOLERANCE.get(next(model.parameters()).dtype, HALF_TOLERANCE)
     if not worst <= tolerance:
         return f"the engine's log-probs differ from the model's own forward by {worst:.3g} (> {tolerance:g})"

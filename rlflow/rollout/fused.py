@@ -12,6 +12,12 @@ recomputed), and ``rotate_half(x) * sin`` is ``roll(x, dim / 2) * (sign * sin)``
 float rounding, so logits agree with the model's forward to float32 precision; other dtypes keep the model's
 own order of operations.
 
+With ``dtype`` (:class:`FusedDecoder`'s argument; the engine's ``dtype`` option) the decoder computes in another
+dtype than the live weights': its weight copies are made in that dtype (bfloat16 copies of float32 master
+weights, as vLLM and lmdeploy decode), with the model's own order of operations for that dtype, so its logits are
+those of the model cast to ``dtype`` up to rounding (no folds: they would round differently from that model).
+The engine's KV caches are then in that dtype too (half the bytes a decode step's attention reads).
+
 LoRA (PEFT) projections are folded: each one's weight copy is its base weight plus the adapters' delta
 (:func:`rlflow.lora.linear_weights`), computed when the decoder is built, so a rollout samples from the adapted
 model; DoRA and other variants are refused (the engine then decodes through the model's forward).
@@ -20,7 +26,8 @@ Simplifications: only the architectures listed in :data:`SUPPORTED_MODEL_TYPES` 
 the model's own ``rotary_emb``, optional q/k RMSNorm as in Qwen3, optional projection biases as in Qwen2,
 SwiGLU-style MLP, full attention); weights must be plain tensors on one device (FSDP-sharded DTensors are not,
 so the engine falls back to the model's forward there). The folded q/k/v and gate/up matrices are copies made
-once per :class:`FusedDecoder`, i.e. once per rollout call: build a new one after every optimizer step.
+once per :class:`FusedDecoder`: build a new one after every optimizer step (the engine keeps one while the
+weights are unchanged and builds a new one when they changed).
 """
 
 from __future__ import annotations
@@ -64,25 +71,43 @@ def _residual(h: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor, bias: to
     return torch.addmm(h, x, weight_t) if bias is None else h + torch.addmm(bias, x, weight_t)
 
 
-def _cat(*linears: tuple[torch.Tensor, torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _cat(*linears: tuple[torch.Tensor, torch.Tensor | None],
+         dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenated weights and biases (None if no projection has one) of ``(weight, bias)`` pairs, the weights
-    those the projections apply (:func:`rlflow.lora.linear_weights`: under LoRA, base plus the adapters' delta)."""
-    weight = torch.cat([w for w, _ in linears])
+    those the projections apply (:func:`rlflow.lora.linear_weights`: under LoRA, base plus the adapters' delta);
+    the weights cast to ``dtype`` first (None: kept)."""
+    weight = torch.cat([w if dtype is None else w.to(dtype) for w, _ in linears])
     if all(b is None for _, b in linears):
         return weight, None
     return weight, torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in linears])
 
 
+def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:
+    """``t`` in ``dtype`` (None: as it is)."""
+    return t if t is None or dtype is None else t.to(dtype)
+
+
+def _transposed(weight: torch.Tensor, dtype: torch.dtype | None, physical: bool = False) -> torch.Tensor:
+    """``weight`` (``[out, in]``) as ``[in, out]`` for :func:`_linear`: a contiguous transposed copy in its own
+    dtype (the faster layout for a float32 ``mm`` at decode batch sizes); in another ``dtype`` (None: its own), the
+    transposed view of a plain cast, unless ``physical`` (a transposing copy is ~7x slower than a cast, and bf16
+    ``mm`` at decode sizes runs about as fast on either layout; the LM head is the exception)."""
+    if dtype is None or physical:
+        return weight.to(dtype or weight.dtype).t().contiguous()  # cast first: a converting transpose is slower
+    return weight.to(dtype).t()
+
+
 class _Layer:
     """One decoder layer's weights, with q/k/v and gate/up concatenated (and, with ``fold``, the norms' weights
-    and the attention scale folded in)."""
+    and the attention scale folded in), copied in ``dtype`` (None: the weights' own)."""
 
-    def __init__(self, layer: torch.nn.Module, fold: bool) -> None:
+    def __init__(self, layer: torch.nn.Module, fold: bool, dtype: torch.dtype | None = None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1_w, self.ln1_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         post_norm = layer.post_attention_layernorm
         self.ln2_w, self.ln2_eps = post_norm.weight, post_norm.variance_epsilon
-        self.qkv_w, self.qkv_b = _cat(*(linear_weights(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)))
+        self.qkv_w, self.qkv_b = _cat(*(linear_weights(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)),
+                                      dtype=dtype)
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
         self.o_w, self.o_b = linear_weights(attn.o_proj)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -94,7 +119,8 @@ class _Layer:
         elif q_norm is not None or k_norm is not None:
             raise ValueError("FusedDecoder: q_norm and k_norm must both exist with one epsilon")
         self.scaling = attn.scaling
-        self.gate_up_w, self.gate_up_b = _cat(linear_weights(mlp.gate_proj), linear_weights(mlp.up_proj))
+        self.gate_up_w, self.gate_up_b = _cat(linear_weights(mlp.gate_proj), linear_weights(mlp.up_proj),
+                                              dtype=dtype)
         if fold:  # W @ (g * x) == (W * g) @ x; scale * q == q computed with scaled weights (RoPE is linear)
             self.qkv_w, self.ln1_w = self.qkv_w * self.ln1_w, None
             self.gate_up_w, self.ln2_w = self.gate_up_w * self.ln2_w, None
@@ -109,16 +135,26 @@ class _Layer:
         self.inter = mlp.gate_proj.out_features
         self.down_w, self.down_b = linear_weights(mlp.down_proj)
         self.act = mlp.act_fn
-        # transposed copies for _linear (made per decoder, i.e. per rollout call, like the concatenations)
-        self.qkv_w, self.o_w = self.qkv_w.t().contiguous(), self.o_w.t().contiguous()
-        self.gate_up_w, self.down_w = self.gate_up_w.t().contiguous(), self.down_w.t().contiguous()
+        # transposed copies for _linear (made per decoder, like the concatenations)
+        self.qkv_w, self.o_w = _transposed(self.qkv_w, dtype), _transposed(self.o_w, dtype)
+        self.gate_up_w, self.down_w = _transposed(self.gate_up_w, dtype), _transposed(self.down_w, dtype)
+        self.qkv_b, self.o_b, self.gate_up_b, self.down_b = (
+            _cast(b, dtype) for b in (self.qkv_b, self.o_b, self.gate_up_b, self.down_b))
+        self.ln1_w, self.ln2_w = _cast(self.ln1_w, dtype), _cast(self.ln2_w, dtype)
+        if self.qk_norm is not None:
+            self.qk_norm = (_cast(self.qk_norm[0], dtype), self.qk_norm[1])
 
 
 class FusedDecoder:
     """The decode-step forward of a supported decoder over its live weights (see the module docstring)."""
 
     @torch.no_grad()
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, dtype: torch.dtype | None = None) -> None:
+        """
+        Args:
+            model: The live model (a supported decoder, optionally under PEFT LoRA).
+            dtype: Dtype of the decoder's weight copies and arithmetic; None: the model's own.
+        """
         reason = self.unsupported_reason(model)
         if reason:
             raise ValueError(f"FusedDecoder: {reason}")
@@ -127,15 +163,18 @@ class FusedDecoder:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.embed = inner.embed_tokens.weight
+        self.embed = inner.embed_tokens.weight  # looked up in its own dtype, the rows cast (no copy of the table)
+        self.dtype = dtype or self.embed.dtype
+        cast = None if self.dtype == self.embed.dtype else self.dtype
         self.rotary = inner.rotary_emb
-        fold = self.embed.dtype == torch.float32
-        self.layers = [_Layer(layer, fold) for layer in inner.layers]
+        fold = self.embed.dtype == torch.float32 and self.dtype == torch.float32
+        self.layers = [_Layer(layer, fold, cast) for layer in inner.layers]
         self.norm_w, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
-        self.lm_head_w, self.lm_head_b = model.lm_head.weight, model.lm_head.bias
+        self.lm_head_w, self.lm_head_b = model.lm_head.weight, _cast(model.lm_head.bias, cast)
         if fold:
             self.lm_head_w, self.norm_w = self.lm_head_w * self.norm_w, None
-        self.lm_head_w = self.lm_head_w.t().contiguous()
+        self.norm_w = _cast(self.norm_w, cast)
+        self.lm_head_w = _transposed(self.lm_head_w, cast, physical=True)
         self.rope_table = getattr(self.rotary, "rope_type", "default") in STATIC_ROPE_TYPES
         self._table = None  # [positions, 2, dim]: cos, and sin with rotate_half's sign folded in
 
@@ -213,7 +252,7 @@ class FusedDecoder:
             select: rows whose logits to return (all when None), e.g. the last token of each prompt of a prefill.
         """
         rows, heads, kv_heads, dim = tokens.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        h = F.embedding(tokens, self.embed)
+        h = F.embedding(tokens, self.embed).to(self.dtype)
         cos, sin = self._rope(h, positions)  # [rows, 1, dim]
         for idx, layer in enumerate(self.layers):
             x = _rms_norm(h, layer.ln1_w, layer.ln1_eps)

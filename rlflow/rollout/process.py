@@ -178,6 +178,7 @@ def run_job(job: Job, backend: Any, jobs: Any = None, results: Any = None, paren
     torch.manual_seed(job.seed)
     if hasattr(backend, "reseed"):  # a seeded engine: its own counter-based draws (rlflow.rollout.draws)
         backend.reseed(job.seed)
+    backend.sync_weights()  # the trainer may have copied new weights in (invisible to version counters here)
     swapped: list[int] = []
     partial = job.swap_at is not None
     if partial:  # every cache a swap keeps is a row's own: no rollout-wide head shared across the swap
