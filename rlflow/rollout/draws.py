@@ -14,7 +14,9 @@ small integers (:func:`stream_key`): for a single-turn call ``(call key, prompt 
 multi-turn trajectory ``(call key, trajectory index)`` with ``t`` counting the trajectory's sampled tokens over all
 its turns. The call key is ``(seed, number of seeded calls so far)`` for an engine with a seed (that counter is
 its whole random state, checkpointed with the data module) and one draw from torch's global generator otherwise
-(whose state Lightning's checkpoint already holds).
+(whose state Lightning's checkpoint already holds). The ``hf`` backend uses the same streams and keys
+(:class:`CallKeys`, :class:`rlflow.rollout.hf.RowDrawsSampler`), so ``hf`` and the engine with one seed sample
+the same tokens.
 
 Simplifications: the arithmetic runs in NumPy's uint64 (wrap-around is defined there; torch's int64 shifts are
 arithmetic and its overflow is not specified) on the host, one vector of ``rows`` per step, so a GPU decode step
