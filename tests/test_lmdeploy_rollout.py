@@ -31,6 +31,8 @@ from rlflow.rollout.lmdeploy import (
     wakeup_params,
     weight_buckets,
 )
+from rlflow.tools.base import ToolCall
+from rlflow.tools.parsers import ToolParser
 
 EOS = 2
 
@@ -247,6 +249,107 @@ def test_server_errors_surface_with_the_endpoint(fake_server):
     backend.url = fake_server.url
     with pytest.raises(LMDeployError, match="/update_weights failed: HTTP 400"):
         backend._request("POST", "/update_weights", body={"serialized_named_tensors": {}, "finished": True})
+
+
+# ------------------------------------------------------------------------------- multi-turn on a fake server
+class EveryTurnGate(ToolParser):
+    """Every turn calls ``gate`` (whatever the fake server "sampled")."""
+
+    def parse(self, text):
+        return text, [ToolCall("gate", {"x": len(text)})]
+
+
+def gated_lmdeploy_rollout(fake_server, wait: float):
+    """A colocated, asleep backend on the fake server; one record, two trajectories calling ``gate``."""
+    from multiturn_helpers import qwen3_char_tokenizer
+
+    from rlflow.data.dataset import PromptRecord
+    from rlflow.rollout.multiturn import MultiTurn
+    from rlflow.tools.base import load_tools
+
+    tok = qwen3_char_tokenizer()
+    lock, release, count = threading.Lock(), threading.Event(), [0]
+
+    def gate(x: int) -> int:
+        """Waits for a later turn on the first call.
+
+        Args:
+            x: Returned as is.
+        """
+        with lock:
+            count[0] += 1
+            number = count[0]
+        fake_server.calls.append(("tool start", {"number": number}))
+        if number == 3:
+            release.set()
+        if number == 1 and not release.wait(wait):
+            raise RuntimeError("no later turn started while the first call waited")
+        fake_server.calls.append(("tool end", {"number": number}))
+        return x
+
+    backend = LMDeployRollout(sleep_level=1, max_concurrency=4)  # colocated: sleeps between rollouts
+    backend.bind(torch.nn.Linear(2, 2), tok)
+    backend.url, backend.weights_current = fake_server.url, True  # the server "started", the weights pushed
+    backend.weights_awake = backend.kv_awake = False  # asleep since the last rollout
+    mt = MultiTurn(tok, load_tools([gate]), parser=EveryTurnGate(), max_turns=3, tool_timeout=60)
+    prompt = [{"role": "user", "content": "Wait for me."}]
+    text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    record = PromptRecord(prompt, {}, "test.jsonl:1", tok.encode(text, add_special_tokens=False), text)
+    params = SamplingParams(temperature=1.0, max_tokens=300, stop_token_ids=[EOS])
+    (group,) = mt.generate(backend, [record], params, n=2)
+    return record, group
+
+
+def test_multiturn_sends_a_ready_turn_while_another_tool_waits(fake_server):
+    """Two trajectories, a tool call after every turn. The first call waits until the third call starts, which only
+    another trajectory's second turn can make: turn by turn it would time out (the turn-by-turn loop waits for every
+    tool of a turn). Here the other trajectory's next /generate reaches the server while the first call still
+    waits, the held trajectory goes on after it, and the colocated engine is woken once before and put to sleep
+    once after the whole rollout, not around each request."""
+    record, group = gated_lmdeploy_rollout(fake_server, wait=30.0)
+    assert sorted(c.info["turns"] for c in group) == [3, 3] and all(not c.info["tool_failures"] for c in group)
+    events = fake_server.calls
+    paths = [path for path, _ in events]
+    assert paths[0] == "/wakeup" and sorted(events[0][1]["tags"]) == ["kv_cache", "weights"]
+    assert paths[-1] == "/sleep" and paths.count("/sleep") == paths.count("/wakeup") == 1
+    generates = [i for i, (path, _) in enumerate(events) if path == "/generate"]
+    assert len(generates) == 6  # 2 trajectories x 3 turns, one request each
+    prompt_len = len(record.prompt_ids)
+    held_end = next(i for i, (path, body) in enumerate(events) if path == "tool end" and body["number"] == 1)
+    # a second-turn request (longer than the prompt) of the other trajectory went out while call 1 still waited
+    later_turns = [i for i in generates if len(events[i][1]["input_ids"]) > prompt_len]
+    assert later_turns and later_turns[0] < held_end
+    assert sum(i < held_end for i in generates) >= 3  # both first turns and the other trajectory's second turn
+    # every request continues its trajectory's own ids: a later turn's input starts with the prompt
+    assert all(events[i][1]["input_ids"][:prompt_len] == record.prompt_ids for i in generates)
+
+def test_turn_by_turn_lmdeploy_would_wait_for_the_gate(fake_server, monkeypatch):
+    """The check above can fail: without ``serve`` (the turn-by-turn loop) no second turn starts while call 1
+    waits, so it times out, and the engine sleeps and wakes around every turn's batch."""
+    monkeypatch.delattr(LMDeployRollout, "serve")
+    _, group = gated_lmdeploy_rollout(fake_server, wait=1.0)
+    assert sum(c.info["tool_failures"].get("raised", 0) for c in group) == 1
+    assert fake_server.paths().count("/sleep") == 3
+
+
+def test_serve_yields_each_request_as_it_answers_and_raises_server_errors(fake_server):
+    """A plain request list through serve: one completion group per request (n rows, n /generate calls), rows
+    cut at the request's own max_tokens; a server error surfaces instead of hanging the loop."""
+    from rlflow.rollout.requests import DecodeRequest, ListSource
+
+    backend = LMDeployRollout(server_url=fake_server.url)
+    backend.bind(torch.nn.Linear(2, 2), tokenizer=None)
+    backend.url, backend.weights_current = fake_server.url, True
+    params = SamplingParams(max_tokens=8, stop_token_ids=[EOS])
+    out = dict((r.tag, g) for r, g in backend.serve(ListSource([
+        DecodeRequest([5, 6, 7], [0, 0], tag="a"), DecodeRequest([9, 10], [0], max_tokens=2, tag="b")]), params))
+    assert [c.token_ids for c in out["a"]] == [[7, 8, EOS]] * 2
+    assert [(c.token_ids, c.finish_reason) for c in out["b"]] == [([10, 11], "length")]
+    assert fake_server.paths() == ["/generate"] * 3
+    assert sorted(body["max_tokens"] for _, body in fake_server.calls) == [2, 8, 8]
+    fake_server.kv = False  # the fake answers HTTP 500
+    with pytest.raises(LMDeployError, match="/generate failed: HTTP 500"):
+        list(backend.serve(ListSource([DecodeRequest([1, 2], [0])]), params))
 
 
 # ------------------------------------------------------------------------------------------ the real engine

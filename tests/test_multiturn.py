@@ -170,7 +170,7 @@ def test_real_backend_multiturn_is_token_exact_and_logprobs_match_a_full_forward
     from rlflow.rollout.hf import HFRollout
 
     model = tiny_model(len(tok))
-    inner = HFRollout() if backend_name == "hf" else EngineRollout(seed=0)
+    inner = HFRollout(seed=0) if backend_name == "hf" else EngineRollout(seed=0)
     inner.bind(model, tok)
     backend = RecordingBackend(inner)
 

@@ -1,15 +1,15 @@
-"""Multi-turn rollout time on the ``engine`` with slow tools: trajectories at their own pace (``MultiTurn.run_async``)
-against the same engine turn by turn (the anchor, measured in the same run, interleaved).
+"""Multi-turn rollout time on the ``engine`` (or ``--backend hf``) with slow tools: trajectories at their own pace
+(``MultiTurn.run_async``) against the same backend turn by turn (the anchor, measured in the same run, interleaved).
 
 The model and prompts are the agentic CPU demo's (``configs/demo_tools_cpu.yaml``: build them with
 ``python tools/make_tiny_tool_model.py --out checkpoints/tiny-tool-qwen3 --data-out checkpoints/mult``): 16
 multiplication prompts x 8 samples, ``max_tokens`` 160, up to 3 turns, T=1, and the real ``calculator`` tool made
 slow: each call sleeps an exponentially distributed time of mean ``--delay`` seconds (a search API, a sandbox),
 drawn from the call's arguments and the repeat, so a call waits as long in both settings.
-The anchor is the same engine and loop behind a source that admits the next turns only once every tool of the
-turn has answered and nothing decodes (synchronous turns, as the ``hf`` and ``lmdeploy`` backends run them); both
-settings key every trajectory's draws alike, so they sample identical trajectories (the last line counts them) and
-the time difference is the scheduling alone. Medians of ``--repeats`` interleaved runs.
+The anchor is the same backend and loop behind a source that admits the next turns only once every tool of the
+turn has answered and nothing decodes (synchronous turns, as ``MultiTurn.run_sync`` runs a backend without
+``serve``); both settings key every trajectory's draws alike, so they sample identical trajectories (the last
+line counts them) and the time difference is the scheduling alone. Medians of ``--repeats`` interleaved runs.
 
 Usage::
 
@@ -52,13 +52,11 @@ class TurnBarrier:
 
 
 class TurnByTurn:
-    """The engine whose ``serve`` waits for whole turns (:class:`TurnBarrier`); caches and call keys as the engine's."""
+    """The backend whose ``serve`` waits for whole turns (:class:`TurnBarrier`); caches and call keys as its own."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
-
-    def keep_caches(self):
-        return self.engine.keep_caches()
+        self.keep_caches = getattr(engine, "keep_caches", None)  # hf keeps no caches
 
     def next_call_key(self) -> int:
         return self.engine.next_call_key()
@@ -99,6 +97,8 @@ def main(argv=None) -> None:
     parser.add_argument("--delay", type=float, default=0.2, help="mean seconds a tool call takes (exponential)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--backend", choices=["engine", "hf"], default="engine",
+                        help="the backend both settings run on (hf: model.generate over the ready trajectories)")
     parser.add_argument("--call-every-turn", action="store_true",
                         help="parse every turn as a calculator call of its text (most fail, after their pause): "
                              "max_turns - 1 calls in a row per trajectory, where waiting for whole turns costs most")
@@ -108,6 +108,7 @@ def main(argv=None) -> None:
     from rlflow.data.dataset import PromptRecord
     from rlflow.rollout.base import SamplingParams
     from rlflow.rollout.engine import EngineRollout
+    from rlflow.rollout.hf import HFRollout
     from rlflow.rollout.multiturn import MultiTurn
     from rlflow.tools.base import Tool, load_tools
 
@@ -133,7 +134,7 @@ def main(argv=None) -> None:
     for repeat in range(args.repeats):
         run[0] = repeat
         for name in times:
-            engine = EngineRollout(seed=0)
+            engine = EngineRollout(seed=0) if args.backend == "engine" else HFRollout(seed=0)
             engine.bind(model, tok)
             t0 = time.perf_counter()
             groups = mt.generate(engine if name == "async" else TurnByTurn(engine), records, params, n=args.n)
@@ -143,7 +144,8 @@ def main(argv=None) -> None:
             turns = sum(c.info["turns"] for c in done) / len(done)
             calls = sum(sum(c.info["tool_calls"].values()) for c in done) / len(done)
     fast, anchor = statistics.median(times["async"]), statistics.median(times["turn by turn"])
-    print(f"calculator{' on every turn' if args.call_every_turn else ''} with a mean delay of {args.delay} s: "
+    every = " on every turn" if args.call_every_turn else ""
+    print(f"{args.backend}: calculator{every} with a mean delay of {args.delay} s: "
           f"{args.prompts} prompts x {args.n}, max_tokens "
           f"{args.max_tokens}, max_turns {args.max_turns}, {args.threads} thread(s); {turns:.2f} turns and "
           f"{calls:.2f} tool calls per trajectory")

@@ -14,7 +14,9 @@ small integers (:func:`stream_key`): for a single-turn call ``(call key, prompt 
 multi-turn trajectory ``(call key, trajectory index)`` with ``t`` counting the trajectory's sampled tokens over all
 its turns. The call key is ``(seed, number of seeded calls so far)`` for an engine with a seed (that counter is
 its whole random state, checkpointed with the data module) and one draw from torch's global generator otherwise
-(whose state Lightning's checkpoint already holds).
+(whose state Lightning's checkpoint already holds). The ``hf`` backend uses the same streams and keys
+(:class:`CallKeys`, :class:`rlflow.rollout.hf.RowDrawsSampler`), so ``hf`` and the engine with one seed sample
+the same tokens.
 
 Simplifications: the arithmetic runs in NumPy's uint64 (wrap-around is defined there; torch's int64 shifts are
 arithmetic and its overflow is not specified) on the host, one vector of ``rows`` per step, so a GPU decode step
@@ -74,6 +76,38 @@ def call_key(seed: int | None, calls: int) -> int:
     if seed is not None:
         return stream_key(seed, calls)
     return int(torch.randint(0, 2 ** 62, (1,)).item())
+
+
+class CallKeys:
+    """The call keys of a backend that samples with per-row draws (the ``hf`` backend; the engine has the same
+    methods): ``seed`` and ``calls``, the count of seeded calls, are its whole random state, which the data module
+    checkpoints (``rng_state``) and evaluation isolates (:func:`isolated_draws`)."""
+
+    seed: int | None = None
+    calls: int = 0
+
+    def next_call_key(self) -> int:
+        """The key of a new sampling call (:func:`call_key`); counts the seeded calls."""
+        key = call_key(self.seed, self.calls)
+        if self.seed is not None:
+            self.calls += 1
+        return key
+
+    def reseed(self, seed: int) -> None:
+        """Restart a seeded backend's draws from ``seed``; without a seed the call keys keep coming from torch's
+        global generator."""
+        if self.seed is not None:
+            self.seed, self.calls = seed, 0
+
+    def rng_state(self) -> dict[str, Any]:
+        return {"seed": self.seed, "calls": self.calls}
+
+    def load_rng_state(self, state: dict[str, Any], force: bool = False) -> None:
+        """Continue from :meth:`rng_state` ``state`` when the seed is the same (``force``: take it as it is)."""
+        if force:
+            self.seed, self.calls = state["seed"], int(state["calls"])
+        elif self.seed is not None and state.get("seed") == self.seed:
+            self.calls = int(state["calls"])
 
 
 class RowDraws:

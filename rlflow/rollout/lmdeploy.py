@@ -33,8 +33,10 @@ here), and it relies on LMDeploy's processor expanding the placeholders as the t
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -50,6 +52,7 @@ import torch
 
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams
 from rlflow.rollout.hf import trim_at_stop
+from rlflow.rollout.requests import DecodeRequest, RequestSource
 
 PICKLE_ENV = "LMDEPLOY_ALLOW_PICKLE_UPDATE_PARAMS"  # lmdeploy's opt-in for same-node CUDA IPC weight updates
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -249,6 +252,7 @@ class LMDeployRollout(RolloutBackend):
         api_key: str | None = None,
         model_name: str | None = None,
         extra_server_args: list[str] | None = None,
+        poll_interval: float = 0.005,
     ) -> None:
         """
         Args:
@@ -269,6 +273,8 @@ class LMDeployRollout(RolloutBackend):
             api_key: Bearer token of the servers, if they require one.
             model_name: ``model`` field of requests (servers serving several models).
             extra_server_args: More ``lmdeploy serve api_server`` arguments for started servers.
+            poll_interval: Seconds between two looks for trajectories whose tools answered while requests are in
+                flight (multi-turn rollouts, :meth:`serve`).
         """
         if tp != 1 and server_url is None:
             raise ValueError("lmdeploy: colocated engines run one per training GPU (tp=1); for tp>1 start servers "
@@ -293,6 +299,7 @@ class LMDeployRollout(RolloutBackend):
         self.api_key = api_key
         self.model_name = model_name
         self.extra_server_args = list(extra_server_args or [])
+        self.poll_interval = poll_interval
         self.url: str | None = None
         self.process: subprocess.Popen | None = None
         self.weights_current = False  # the engine holds the policy's latest weights
@@ -453,15 +460,14 @@ class LMDeployRollout(RolloutBackend):
         ), "safetensors"
 
     # ----------------------------------------------------------------------------------------- generate
-    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
-                 progress: Progress | None = None) -> list[list[Completion]]:
-        """``n`` completions per prompt, requested concurrently; ``progress`` is called once they all returned."""
+    def _begin(self, params: SamplingParams) -> None:
+        """Before a rollout call: the server up, the policy's weights pushed if stale, a sleeping engine woken."""
         if getattr(self, "model", None) is None:
             raise LMDeployError("bind() the policy first")
         if params.temperature not in (0.0, 1.0) and not self._warned_temperature:
             warnings.warn(f"lmdeploy returns log-probs of the unscaled logits; at temperature {params.temperature} the "
                           "rollout log-probs differ from the trainer's (rollout corrections compare them)",
-                          stacklevel=2)
+                          stacklevel=3)
             self._warned_temperature = True
         self._ensure_server()
         if not self.weights_current:
@@ -469,15 +475,82 @@ class LMDeployRollout(RolloutBackend):
         asleep = [tag for tag, awake in (("weights", self.weights_awake), ("kv_cache", self.kv_awake)) if not awake]
         if asleep and self.colocated:
             self.wakeup(asleep)
+
+    def _end(self) -> None:
+        """After a rollout call: a colocated engine goes back to sleep, so training has the GPU memory."""
+        if self.sleep_level is not None and self.colocated:
+            self.sleep(self.sleep_level)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
+                 progress: Progress | None = None) -> list[list[Completion]]:
+        """``n`` completions per prompt, requested concurrently; ``progress`` is called once they all returned."""
+        self._begin(params)
         bodies = [generate_payload(p, params, self.model_name) for p in prompts for _ in range(n)]
         with ThreadPoolExecutor(max_workers=max(1, min(self.max_concurrency, len(bodies)))) as pool:
             answers = list(pool.map(lambda b: self._request("POST", "/generate", body=b), bodies))
         flat = [parse_generate_response(a, params) for a in answers]
         if progress is not None:
             progress(len(flat), sum(len(c.token_ids) for c in flat))
-        if self.sleep_level is not None and self.colocated:
-            self.sleep(self.sleep_level)
+        self._end()
         return [flat[i * n: (i + 1) * n] for i in range(len(prompts))]
+
+    def next_call_key(self) -> int:
+        """The server samples with its own generator: a request's row keys are not used here (always 0)."""
+        return 0
+
+    def serve(self, source: RequestSource, params: SamplingParams,
+              progress: Progress | None = None) -> Iterator[tuple[DecodeRequest, list[Completion]]]:
+        """Send the requests ``source`` hands over as they come (:mod:`rlflow.rollout.requests`; a multi-turn
+        rollout's next turns, :meth:`rlflow.rollout.multiturn.MultiTurn.run_async`): each row is one ``/generate``
+        request sent at once from a thread pool of ``max_concurrency`` (the server batches what is in flight), and
+        ``(request, its completions)`` is yielded as soon as its rows answered. The engine is woken once before and
+        (colocated) put to sleep once after the whole call, not per request. Between answers the source is polled
+        every ``poll_interval`` seconds (it is waited on only when no request is in flight).
+
+        The rows' ``keys`` are ignored: the server samples with its own generator, so seeded multi-turn rollouts
+        on ``lmdeploy`` are not reproducible (neither are single-turn ones)."""
+        self._begin(params)
+        answers: queue.Queue = queue.Queue()  # (request number, row, the answer or the exception)
+        requests: dict[int, tuple[DecodeRequest, list[Completion | None]]] = {}  # in flight
+        closed, number = False, 0
+
+        def send(k: int, row: int, body: dict[str, Any]) -> None:
+            try:
+                answers.put((k, row, self._request("POST", "/generate", body=body)))
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the serving thread
+                answers.put((k, row, exc))
+
+        with ThreadPoolExecutor(max_workers=max(1, self.max_concurrency)) as pool:
+            while requests or not closed:
+                if not closed:
+                    new = source.poll(wait=not requests)
+                    if new is None:
+                        closed = True
+                    for r in new or []:
+                        turn = dataclasses.replace(params, max_tokens=min(params.max_tokens,
+                                                                          r.max_tokens or params.max_tokens))
+                        body = generate_payload(r.ids, turn, self.model_name)
+                        requests[number] = (r, [None] * r.n)
+                        for row in range(r.n):
+                            pool.submit(send, number, row, body)
+                        number += 1
+                if not requests:
+                    continue
+                try:
+                    k, row, answer = answers.get(timeout=self.poll_interval if not closed else None)
+                except queue.Empty:
+                    continue
+                if isinstance(answer, BaseException):
+                    raise answer
+                r, rows = requests[k]
+                rows[row] = parse_generate_response(answer, dataclasses.replace(
+                    params, max_tokens=min(params.max_tokens, r.max_tokens or params.max_tokens)))
+                if all(c is not None for c in rows):
+                    del requests[k]
+                    if progress is not None:
+                        progress(len(rows), sum(len(c.token_ids) for c in rows))
+                    yield r, rows
+        self._end()
 
     def close(self) -> None:
         """Stop a server this backend started."""

@@ -25,29 +25,38 @@ no log-prob, no KL). Each turn:
 A trajectory ends when a turn has no tool call and no environment observation, the environment says ``done``, at
 ``data.max_turns`` model turns, or when the budget is spent (``finish_reason`` ``length``).
 
-Scheduling. On the ``engine`` (a backend with ``serve``) trajectories run at their own pace
-(:meth:`MultiTurn.run_async`): the engine's decode loop takes requests from a :class:`TurnSource`
-(:mod:`rlflow.rollout.requests`); a generated turn's tool calls go to the :class:`ToolRunner` with a completion
-callback that puts the results in a thread-safe inbox, and between two decode steps the loop polls the inbox, so a
-trajectory whose tools have answered is continued at once (from its kept KV cache: only the last sampled token and
-the inserted ones are prefilled, :mod:`rlflow.rollout.continuation`) while the others decode or wait on their own
-tools; finished trajectories leave. Tool results are inserted, environments stepped and requests built on the
-decoding thread; only the tools run elsewhere. Trajectory ``j`` samples from its own counter-based random stream
-``(call key, j)``, its counter running over all its sampled tokens (:mod:`rlflow.rollout.draws`), so with a seed
-its tokens do not depend on when its turns were admitted or beside whom, whatever the tools' timing (log-probs are
-equal up to the float rounding of the batch composition: at most 5e-7 in float32 in the tests).
+Scheduling. Trajectories run at their own pace on every built-in backend (:meth:`MultiTurn.run_async`, for a
+backend with ``serve``): the backend takes requests from a :class:`TurnSource` (:mod:`rlflow.rollout.requests`); a
+generated turn's tool calls go to the :class:`ToolRunner` with a completion callback that puts the results in a
+thread-safe inbox, and the backend polls the inbox between its own units of work, so a trajectory whose tools have
+answered is continued at once while the others generate or wait on their own tools; finished trajectories leave.
+Tool results are inserted, environments stepped and requests built on the backend's thread; only the tools (and
+``lmdeploy``'s HTTP requests) run elsewhere. Per backend:
 
-``hf`` and ``lmdeploy`` run turn by turn over the batch (:meth:`MultiTurn.run_sync`): a turn is one ``generate``
-call over every active trajectory, and it starts when every tool of the turn before has answered, so there a slow
-tool delays the other trajectories' next turns. Why they are not asynchronous: ``hf`` re-prefills the whole
-trajectory in ``model.generate``, which samples from torch's global generator in batch order, so batching whatever
-is ready would make a seeded run's samples depend on the tools' timing; ``lmdeploy`` sends one token-id
-``/generate`` request per trajectory and turn, but every ``generate`` call wakes and (colocated) puts the server
-back to sleep, so calls per ready batch would multiply those cycles. On both, a trajectory's tool calls still start
-as soon as the turn's batch has returned.
+* ``engine``: polled between two decode steps; a continuation is admitted into the running batch and continued
+  from its kept KV cache (only the last sampled token and the inserted ones are prefilled,
+  :mod:`rlflow.rollout.continuation`);
+* ``hf``: whenever ``model.generate`` is idle, every ready trajectory is batched into one ``generate`` call (its
+  whole token ids re-prefilled; a trajectory that becomes ready meanwhile waits for that call to end);
+* ``lmdeploy``: each ready trajectory's next turn is one ``/generate`` request sent at once from a thread pool (the
+  server batches what is in flight); the colocated engine is woken once before the rollout and put to sleep once
+  after it, not around each request.
+
+Trajectory ``j`` samples from its own counter-based random stream ``(call key, j)``, its counter running over all
+its sampled tokens (:mod:`rlflow.rollout.draws`; on ``hf`` through a logits processor,
+:class:`rlflow.rollout.hf.RowDrawsSampler`), so with a seed its tokens do not depend on when its turns were
+generated or beside whom, whatever the tools' timing (log-probs are equal up to the float rounding of the batch
+composition: at most 5e-7 in float32 in the tests); ``hf`` and the ``engine`` with the same seed sample the same
+trajectories. ``lmdeploy`` samples with the server's own generator, so its rollouts are not reproducible.
+
+:meth:`MultiTurn.run_sync` (a backend without ``serve``, e.g. a plugin's) runs turn by turn over the batch: a turn
+is one ``generate`` call over every active trajectory, and it starts when every tool of the turn before has
+answered, so there a slow tool delays the other trajectories' next turns; a trajectory's tool calls still start as
+soon as the turn's batch has returned.
 
 Simplifications: environments are stepped on the decoding thread (a slow ``step`` holds the decode loop; tools are
-the concurrent part); the engine admits continuations in prefill batches of up to ``prefill_batch_size`` and within
+the concurrent part); ``lmdeploy`` looks at the inbox every ``poll_interval`` seconds while requests are in flight
+(a poll, not a wake-up); the engine admits continuations in prefill batches of up to ``prefill_batch_size`` and within
 ``max_batch_size`` rows, first come first served.
 """
 
@@ -193,7 +202,7 @@ class MultiTurn:
             prompts, owners, k = [t.prompt_ids for t in trajectories], [[i] for i in range(len(trajectories))], 1
         keep_caches = getattr(backend, "keep_caches", None)  # the engine: continue from each row's own KV cache
         with keep_caches() if keep_caches is not None else contextlib.nullcontext():
-            if hasattr(backend, "serve"):  # the engine: each trajectory's next turn as soon as its tools answered
+            if hasattr(backend, "serve"):  # each trajectory's next turn as soon as its tools answered
                 self.run_async(backend, trajectories, prompts, owners, k, params)
             else:
                 self.run_sync(backend, trajectories, prompts, owners, k, params)
@@ -204,8 +213,8 @@ class MultiTurn:
 
     def run_sync(self, backend: RolloutBackend, trajectories: list[_Trajectory], prompts: list[list[int]],
                  owners: list[list[int]], k: int, params: SamplingParams) -> None:
-        """Turn by turn over the batch (``hf``, ``lmdeploy``): each turn is one backend call over every active
-        trajectory, after every tool of the turn before has answered."""
+        """Turn by turn over the batch (a backend without ``serve``): each turn is one backend call over every
+        active trajectory, after every tool of the turn before has answered."""
         budget = params.max_tokens
         active = list(range(len(trajectories)))
         while True:
@@ -219,11 +228,11 @@ class MultiTurn:
 
     def run_async(self, backend: Any, trajectories: list[_Trajectory], prompts: list[list[int]],
                   owners: list[list[int]], k: int, params: SamplingParams) -> None:
-        """Every trajectory at its own pace on a backend with ``serve`` (the engine): a turn's tool calls start when
-        its group is generated, and the trajectory's next turn goes back to the decode loop as soon as they have
-        answered, while the others decode or wait on their own tools (:class:`TurnSource`). Trajectory ``j``
-        samples from the random stream ``(call key, j)``, its token counter running over all its turns, so what it
-        samples does not depend on the tools' timing (:mod:`rlflow.rollout.draws`)."""
+        """Every trajectory at its own pace on a backend with ``serve`` (``engine``, ``hf``, ``lmdeploy``): a
+        turn's tool calls start when its group is generated, and the trajectory's next turn goes back to the backend
+        as soon as they have answered, while the others generate or wait on their own tools (:class:`TurnSource`).
+        Trajectory ``j`` samples from the random stream ``(call key, j)``, its token counter running over all its
+        turns, so what it samples does not depend on the tools' timing (:mod:`rlflow.rollout.draws`)."""
         key = 0 if params.greedy else backend.next_call_key()
         first = [DecodeRequest(p, [stream_key(key, j) for j in own], 0, params.max_tokens, own)
                  for p, own in zip(prompts, owners)]
