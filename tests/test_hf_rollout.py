@@ -12,7 +12,7 @@ from multiturn_helpers import qwen3_char_tokenizer, tiny_model
 
 from rlflow.rollout.base import SamplingParams
 from rlflow.rollout.draws import isolated_draws
-from rlflow.rollout.hf import HFRollout
+from rlflow.rollout.hf import HFRollout, PlainGenerateRollout
 
 
 @pytest.fixture(scope="module")
@@ -93,3 +93,31 @@ def test_seeded_draws_continue_from_the_saved_state_and_evaluation_sets_them_asi
     x = unseeded.generate(ids, params, n=2)
     torch.manual_seed(0)
     assert unseeded.generate(ids, params, n=2) == x  # without a seed, torch's global generator keys each call
+
+
+def test_the_benchmarks_plain_generate_anchor_samples_with_transformers_own_warpers(tok, model, one_thread):
+    """PlainGenerateRollout (tools/bench_rollout.py's anchor) samples with generate's own top-k warper and torch's
+    global generator: the same tempered top-k distribution, different draws than the per-row streams."""
+    ids = prompt(tok, "Hello there")
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1].double()
+    temperature, k, n = 0.7, 4, 3000
+    tempered = torch.softmax(logits / temperature, dim=-1)
+    top = torch.topk(tempered, k).indices
+    expected = torch.zeros_like(tempered)
+    expected[top] = tempered[top] / tempered[top].sum()
+    params = SamplingParams(temperature=temperature, top_k=k, max_tokens=1)
+    anchor = PlainGenerateRollout(batch_size=1000)
+    anchor.bind(model, tok)
+    torch.manual_seed(0)
+    (group,) = anchor.generate([ids], params, n=n)
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in group]), minlength=len(tok)).double() / n
+    assert set(torch.nonzero(counts).flatten().tolist()) <= set(top.tolist())
+    assert (counts - expected).abs().max() < 0.03
+    torch.manual_seed(0)
+    (again,) = anchor.generate([ids], params, n=n)
+    assert [c.token_ids for c in again] == [c.token_ids for c in group]  # torch's global generator decides
+    rows = HFRollout(seed=5, batch_size=1000)
+    rows.bind(model, tok)
+    (own,) = rows.generate([ids], params, n=n)
+    assert [c.token_ids for c in own] != [c.token_ids for c in group]

@@ -125,7 +125,7 @@ def main(argv=None) -> dict:
     from rlflow.logprobs import completion_logprobs
     from rlflow.rollout.base import SamplingParams
     from rlflow.rollout.engine import EngineRollout
-    from rlflow.rollout.hf import HFRollout
+    from rlflow.rollout.hf import PlainGenerateRollout
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -170,7 +170,8 @@ def main(argv=None) -> dict:
     decode: dict[str, float] = {}
     half = copy.deepcopy(model).to(torch.bfloat16) if bf16 else model
     engine_kwargs = {"dtype": "bfloat16"} if bf16 else {}
-    for name, backend in {"engine": EngineRollout(seed=args.seed, **engine_kwargs), "hf": HFRollout()}.items():
+    backends = {"engine": EngineRollout(seed=args.seed, **engine_kwargs), "hf": PlainGenerateRollout()}
+    for name, backend in backends.items():
         backend.bind(model if name == "engine" else half, tok)
         result: list = []
 

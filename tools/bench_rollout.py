@@ -86,7 +86,7 @@ def main(argv=None) -> dict:
 
     from rlflow.rollout.base import SamplingParams
     from rlflow.rollout.engine import EngineRollout
-    from rlflow.rollout.hf import HFRollout
+    from rlflow.rollout.hf import PlainGenerateRollout
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -102,10 +102,11 @@ def main(argv=None) -> dict:
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_tokens, stop)
     backends = {}
     if args.dtype in ("float32", "both"):
-        backends.update({"hf": (HFRollout(), model), "engine": (EngineRollout(), model)})
+        backends.update({"hf": (PlainGenerateRollout(), model), "engine": (EngineRollout(), model)})
     if args.dtype in ("bfloat16", "both"):
         half = copy.deepcopy(model).to(torch.bfloat16)
-        backends.update({"hf-bf16": (HFRollout(), half), "engine-bf16": (EngineRollout(dtype="bfloat16"), model)})
+        backends.update({"hf-bf16": (PlainGenerateRollout(), half),
+                         "engine-bf16": (EngineRollout(dtype="bfloat16"), model)})
     for b, m in backends.values():
         b.bind(m, tok)
         run_once(b, prompts[:2], params, 2)  # warm-up

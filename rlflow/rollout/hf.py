@@ -102,6 +102,17 @@ class HFRollout(CallKeys, RolloutBackend):
             use_cache=True,
         )
 
+    def sampling_processors(self, params: SamplingParams, rows: list[tuple[DecodeRequest, int]],
+                            config: GenerationConfig) -> LogitsProcessorList:
+        """The processors that sample ``rows`` in a greedy ``generate`` call: :class:`RowDrawsSampler` over the rows'
+        own streams (none when ``params`` is greedy)."""
+        processors = LogitsProcessorList()
+        if not params.greedy:
+            draws = RowDraws()
+            draws.add([r.keys[s] for r, s in rows], [r.start for r, _ in rows])
+            processors.append(RowDrawsSampler(params, draws))
+        return processors
+
     @torch.no_grad()
     def generate(
         self, prompts: list[list[int]], params: SamplingParams, n: int = 1, progress: Progress | None = None
@@ -158,11 +169,7 @@ class HFRollout(CallKeys, RolloutBackend):
         config.max_new_tokens = max(limits)
         if is_vision_model(model):  # a sampled image placeholder would have no image to fill it in training
             config.suppress_tokens = placeholder_ids(model.config) or None
-        processors = LogitsProcessorList()
-        if not params.greedy:
-            draws = RowDraws()
-            draws.add([r.keys[s] for r, s in rows], [r.start for r, _ in rows])
-            processors.append(RowDrawsSampler(params, draws))
+        processors = self.sampling_processors(params, rows, config)
         temperature = params.temperature if not params.greedy else 1.0
         ids, mask = left_pad(chunk, pad_id)
         vision = {k: v.to(device) for k, v in generation_inputs(model, chunk, ids).items()}
@@ -176,3 +183,16 @@ class HFRollout(CallKeys, RolloutBackend):
         logprobs = torch.stack(steps, dim=1) if steps else new.new_zeros((new.shape[0], 0), dtype=torch.float)
         return [trim_at_stop(row, lp, stop_ids, limit)
                 for row, lp, limit in zip(new.tolist(), logprobs.tolist(), limits)]
+
+
+class PlainGenerateRollout(HFRollout):
+    """``model.generate`` with transformers' own sampler (``do_sample`` with its temperature/top-k/top-p warpers,
+    torch's global generator): the benchmarks' anchor (``tools/bench_rollout.py``, ``tools/bench_flops.py``), what a
+    user of ``generate`` gets. Not a registered backend: its samples depend on the batch composition."""
+
+    def sampling_processors(self, params: SamplingParams, rows: list[tuple[DecodeRequest, int]],
+                            config: GenerationConfig) -> LogitsProcessorList:
+        if not params.greedy:
+            config.do_sample = True
+            config.temperature, config.top_p, config.top_k = params.temperature, params.top_p, params.top_k
+        return LogitsProcessorList()
