@@ -1,4 +1,5 @@
-r"""Benchmark: completion tokens/s of the ``engine`` rollout backend against ``model.generate`` (the ``hf`` backend).
+r"""Benchmark: completion tokens/s of the ``engine`` rollout backend against plain ``model.generate``
+(transformers' own sampler: :class:`~rlflow.rollout.hf.PlainGenerateRollout`, not the ``hf`` backend's per-row draws).
 
 Both backends sample the same prompts with the same settings from the same model, alternately (hf, engine, hf,
 engine, ...) so that load from other processes hits both alike; the medians over ``--repeats`` runs are
