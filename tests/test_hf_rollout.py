@@ -32,15 +32,22 @@ def prompt(tok, text):
     return tok.encode(text, add_special_tokens=False)
 
 
-def test_first_tokens_follow_the_tempered_top_k_distribution_and_logprobs_are_untruncated(tok, model, one_thread):
-    ids = prompt(tok, "Hello there")
+def tempered_top_k(model, ids, temperature, k):
+    """The next-token distribution after ``ids`` from a plain forward, tempered, and truncated to the top ``k`` by
+    hand: (tempered probabilities, top-k ids, the truncated and renormalised distribution)."""
     with torch.no_grad():
         logits = model(torch.tensor([ids])).logits[0, -1].double()
-    temperature, k, n = 0.7, 4, 3000
     tempered = torch.softmax(logits / temperature, dim=-1)
     top = torch.topk(tempered, k).indices
     expected = torch.zeros_like(tempered)
     expected[top] = tempered[top] / tempered[top].sum()
+    return tempered, top, expected
+
+
+def test_first_tokens_follow_the_tempered_top_k_distribution_and_logprobs_are_untruncated(tok, model, one_thread):
+    ids = prompt(tok, "Hello there")
+    temperature, k, n = 0.7, 4, 3000
+    tempered, top, expected = tempered_top_k(model, ids, temperature, k)
     assert expected[top].max() < 0.6 and tempered[top].sum() < 0.5  # the truncation changes the distribution a lot
     hf = HFRollout(seed=5, batch_size=1000)
     hf.bind(model, tok)
@@ -99,13 +106,8 @@ def test_the_benchmarks_plain_generate_anchor_samples_with_transformers_own_warp
     """PlainGenerateRollout (tools/bench_rollout.py's anchor) samples with generate's own top-k warper and torch's
     global generator: the same tempered top-k distribution, different draws than the per-row streams."""
     ids = prompt(tok, "Hello there")
-    with torch.no_grad():
-        logits = model(torch.tensor([ids])).logits[0, -1].double()
     temperature, k, n = 0.7, 4, 3000
-    tempered = torch.softmax(logits / temperature, dim=-1)
-    top = torch.topk(tempered, k).indices
-    expected = torch.zeros_like(tempered)
-    expected[top] = tempered[top] / tempered[top].sum()
+    tempered, top, expected = tempered_top_k(model, ids, temperature, k)
     params = SamplingParams(temperature=temperature, top_k=k, max_tokens=1)
     anchor = PlainGenerateRollout(batch_size=1000)
     anchor.bind(model, tok)

@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 from conftest import ROOT
 from resume_helpers import TIMINGS, assert_same_final_state, assert_same_run, metrics_by_step, run_args, trajectories
+from test_pipeline import kill_mid_step
 from tiny_archs import IdTokenizer, tiny_causal_lm
 from transformers import DynamicCache
 
@@ -209,14 +206,7 @@ def test_kill_and_resume_of_a_partial_run_matches_the_straight_run(tiny_model, s
     extra = ("--model.optimizer_steps=2", "--data.max_staleness=2", "--data.partial_rollouts=true",
              "--data.partial_swap_step=5")
     cli_main(run_args(tiny_model, small_data, straight, *extra))
-    kill = ('--trainer.callbacks+={"class_path": "test_pipeline.KillMidStep", '
-            f'"init_args": {{"step": 3, "pid_file": "{tmp_path / "generator.pid"}"}}}}')
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "rlflow", *run_args(tiny_model, small_data, killed, *extra, kill)]
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    state = torch.load(killed / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
+    state = kill_mid_step(tiny_model, small_data, killed, tmp_path / "generator.pid", extra)
     in_flight = state["RolloutDataModule"]["pipeline"]["in_flight"]
     # step 3's samples: started from version 4, swapped to version 6 (the weights of the checkpoint) mid-way
     assert (in_flight["step"], in_flight["version"], in_flight["swapped_to"]) == (3, 4, 6)

@@ -173,19 +173,25 @@ class KillMidStep(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+def kill_mid_step(tiny_model, small_data, out: Path, pid_file: Path, extra: tuple[str, ...]) -> dict:
+    """Run ``rlflow fit`` in a subprocess killed with SIGKILL between the two optimizer steps of rollout step 3
+    (:class:`KillMidStep`); return its last checkpoint."""
+    kill = ('--trainer.callbacks+={"class_path": "test_pipeline.KillMidStep", '
+            f'"init_args": {{"step": 3, "pid_file": "{pid_file}"}}}}')
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "rlflow", *run_args(tiny_model, small_data, out, *extra, kill)]
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    return torch.load(out / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
+
+
 def test_kill_and_resume_of_a_pipelined_run_matches_the_straight_run(tiny_model, small_data, tmp_path, one_thread):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     extra = ("--model.optimizer_steps=2", "--data.max_staleness=2")
     cli_main(run_args(tiny_model, small_data, straight, *extra))
     pid_file = tmp_path / "generator.pid"
-    kill = ('--trainer.callbacks+={"class_path": "test_pipeline.KillMidStep", '
-            f'"init_args": {{"step": 3, "pid_file": "{pid_file}"}}}}')
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "rlflow", *run_args(tiny_model, small_data, killed, *extra, kill)]
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
-    state = torch.load(killed / "lightning_logs/version_0/checkpoints/last.ckpt", weights_only=True)
+    state = kill_mid_step(tiny_model, small_data, killed, pid_file, extra)
     in_flight = state["RolloutDataModule"]["pipeline"]["in_flight"]
     assert state["global_step"] == 3 and in_flight["step"] == 3 and in_flight["version"] == 4  # step 3's samples
     # the orphaned generator notices its parent is gone and exits

@@ -79,9 +79,9 @@ def call_key(seed: int | None, calls: int) -> int:
 
 
 class CallKeys:
-    """The call keys of a backend that samples with per-row draws (the ``hf`` backend; the engine has the same
-    methods): ``seed`` and ``calls``, the count of seeded calls, are its whole random state, which the data module
-    checkpoints (``rng_state``) and evaluation isolates (:func:`isolated_draws`)."""
+    """The call keys of a backend that samples with per-row draws (the ``engine`` and ``hf`` backends): ``seed``
+    and ``calls``, the count of seeded calls, are its whole random state, which the data module checkpoints
+    (``rng_state``) and evaluation isolates (:func:`isolated_draws`)."""
 
     seed: int | None = None
     calls: int = 0

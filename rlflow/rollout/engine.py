@@ -64,7 +64,7 @@ from transformers import AttentionInterface, DynamicCache
 
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams, UnsupportedModelError
 from rlflow.rollout.continuation import SessionCache, merge_prefills, prefill_on_caches, row_caches
-from rlflow.rollout.draws import RowDraws, call_key, stream_key
+from rlflow.rollout.draws import CallKeys, RowDraws, stream_key
 from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource
@@ -436,7 +436,7 @@ def sample_tokens(
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-class EngineRollout(RolloutBackend):
+class EngineRollout(CallKeys, RolloutBackend):
     """Rollout with a shared prompt cache per group and continuous batching on the live policy (faster than ``hf``)."""
 
     streams = True  # groups are yielded as they finish, so judging overlaps generation
@@ -515,32 +515,6 @@ class EngineRollout(RolloutBackend):
             if reason:
                 raise UnsupportedModelError("engine", reason)
             self._checked_model = model
-
-    # ------------------------------------------------------------------------------------ random state
-    def next_call_key(self) -> int:
-        """The key of a new sampling call (:func:`rlflow.rollout.draws.call_key`); counts the seeded calls."""
-        key = call_key(self.seed, self.calls)
-        if self.seed is not None:
-            self.calls += 1
-        return key
-
-    def reseed(self, seed: int) -> None:
-        """Restart a seeded engine's draws from ``seed`` (the pipelined generator's per-job seed); an engine without
-        a seed keeps drawing its call keys from torch's global generator."""
-        if self.seed is not None:
-            self.seed, self.calls = seed, 0
-
-    def rng_state(self) -> dict[str, Any]:
-        """What a checkpoint needs to continue the draws exactly: the seed and the count of seeded calls."""
-        return {"seed": self.seed, "calls": self.calls}
-
-    def load_rng_state(self, state: dict[str, Any], force: bool = False) -> None:
-        """Continue from :meth:`rng_state` ``state``: a seeded engine takes its call count when the seed is the
-        same (a changed seed starts its draws afresh); ``force`` takes the state as it is (its seed too)."""
-        if force:
-            self.seed, self.calls = state["seed"], int(state["calls"])
-        elif self.seed is not None and state.get("seed") == self.seed:
-            self.calls = int(state["calls"])
 
     def sync_weights(self) -> None:
         """The weights changed: drop the fused decoder's weight copies (the next rollout copies them again)."""
