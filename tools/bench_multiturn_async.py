@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
 import random
 import statistics
@@ -28,6 +27,7 @@ import threading
 import time
 
 import torch
+from bench_multiturn_cache import tool_prompts, trajectory_stats  # tools/ is on sys.path when run as a script
 
 
 class TurnBarrier:
@@ -105,7 +105,6 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlflow.data.dataset import PromptRecord
     from rlflow.rollout.base import SamplingParams
     from rlflow.rollout.engine import EngineRollout
     from rlflow.rollout.hf import HFRollout
@@ -118,13 +117,7 @@ def main(argv=None) -> None:
     calculator = load_tools(["calculator"])["calculator"]
     run = [0]
     tools = {"calculator": Tool("calculator", slow(calculator.fn, args.delay, run), calculator.schema)}
-    records = []
-    with open(args.data) as f:
-        for line in list(f)[: args.prompts]:
-            messages = json.loads(line)["prompt"]
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                           tools=[calculator.schema])
-            records.append(PromptRecord(messages, {}, "-", tok.encode(text, add_special_tokens=False), text))
+    records = tool_prompts(tok, args.data, args.prompts, [calculator.schema], {})
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, stop_token_ids=[tok.eos_token_id])
     mt = MultiTurn(tok, tools, parser=EveryTurn() if args.call_every_turn else "hermes", max_turns=args.max_turns,
                    tool_timeout=600)
@@ -139,10 +132,7 @@ def main(argv=None) -> None:
             t0 = time.perf_counter()
             groups = mt.generate(engine if name == "async" else TurnByTurn(engine), records, params, n=args.n)
             times[name].append(time.perf_counter() - t0)
-            done = [c for g in groups for c in g]
-            sampled[name] = [c.token_ids for c in done]
-            turns = sum(c.info["turns"] for c in done) / len(done)
-            calls = sum(sum(c.info["tool_calls"].values()) for c in done) / len(done)
+            sampled[name], turns, calls = trajectory_stats(groups)
     fast, anchor = statistics.median(times["async"]), statistics.median(times["turn by turn"])
     every = " on every turn" if args.call_every_turn else ""
     print(f"{args.backend}: calculator{every} with a mean delay of {args.delay} s: "

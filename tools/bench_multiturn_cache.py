@@ -42,6 +42,28 @@ class Replay:
         return self.engine.next_call_key()
 
 
+def tool_prompts(tok, path: str, count: int, schemas: list[dict], columns: dict) -> list:
+    """The first ``count`` rows of an XTuner-format jsonl as prompt records, rendered with the chat template and the
+    tools' ``schemas``."""
+    from rlflow.data.dataset import PromptRecord
+
+    records = []
+    with open(path) as f:
+        for line in list(f)[:count]:
+            messages = json.loads(line)["prompt"]
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=schemas)
+            records.append(PromptRecord(messages, columns, "-", tok.encode(text, add_special_tokens=False), text))
+    return records
+
+
+def trajectory_stats(groups) -> tuple[list[list[int]], float, float]:
+    """A multi-turn rollout's sampled ids per trajectory, mean turns and mean tool calls per trajectory."""
+    done = [c for g in groups for c in g]
+    turns = sum(c.info["turns"] for c in done) / len(done)
+    calls = sum(sum(c.info["tool_calls"].values()) for c in done) / len(done)
+    return [c.token_ids for c in done], turns, calls
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="checkpoints/tiny-tool-qwen3")
@@ -58,7 +80,6 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlflow.data.dataset import PromptRecord
     from rlflow.rollout.base import SamplingParams
     from rlflow.rollout.engine import EngineRollout
     from rlflow.rollout.multiturn import MultiTurn
@@ -68,14 +89,7 @@ def main(argv=None) -> None:
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
     tools = load_tools(["calculator"])
-    schemas = [t.schema for t in tools.values()]
-    records = []
-    with open(args.data) as f:
-        for line in list(f)[: args.prompts]:
-            messages = json.loads(line)["prompt"]
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, tools=schemas)
-            ids = tok.encode(text, add_special_tokens=False)
-            records.append(PromptRecord(messages, {"ground_truth": "7"}, "-", ids, text))
+    records = tool_prompts(tok, args.data, args.prompts, [t.schema for t in tools.values()], {"ground_truth": "7"})
     params = SamplingParams(temperature=1.0, max_tokens=args.max_tokens, stop_token_ids=[tok.eos_token_id])
     mt = MultiTurn(tok, tools if args.environment is None else {}, environment=args.environment,
                    max_turns=args.max_turns)
@@ -92,10 +106,7 @@ def main(argv=None) -> None:
             groups = mt.generate(engine if name == "continue" else Replay(engine), records, params, n=args.n)
             times[name].append(time.perf_counter() - t0)
             prefilled[name] = engine.prefilled_tokens - before
-            done = [c for g in groups for c in g]
-            sampled[name] = [c.token_ids for c in done]
-            turns = sum(c.info["turns"] for c in done) / len(done)
-            calls = sum(sum(c.info["tool_calls"].values()) for c in done) / len(done)
+            sampled[name], turns, calls = trajectory_stats(groups)
     cont, anchor = statistics.median(times["continue"]), statistics.median(times["re-prefill"])
     print(f"{args.environment or 'calculator'}: {args.prompts} prompts x {args.n}, max_tokens {args.max_tokens}, "
           f"max_turns {args.max_turns}, "
