@@ -49,6 +49,32 @@ def padded_reference(model, exps: list[Experience], temperature: float) -> list[
     return out
 
 
+def reference_grads(model, refs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The gradients of the summed reference log-probs, per parameter (the model's grads left zeroed)."""
+    model.zero_grad()
+    sum(r.sum() for r in refs).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    return grads
+
+
+def assert_grads_equal(model, ref_grads: dict[str, torch.Tensor]) -> None:
+    for name, p in model.named_parameters():
+        if name in ref_grads:
+            torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-4, rtol=1e-4)
+
+
+def random_groups(rng: random.Random, groups: int, prompt_len: tuple[int, int], completion_len: tuple[int, int]):
+    """``groups`` random prompts of 3 random completions each, as experiences."""
+    exps = []
+    for g in range(groups):
+        prompt = [rng.randrange(4, 100) for _ in range(rng.randint(*prompt_len))]
+        for _ in range(3):
+            completion = [rng.randrange(4, 100) for _ in range(rng.randint(*completion_len))]
+            exps.append(Experience(prompt, completion, [0.0] * len(completion), 0.0, 0.0, g, "stop", 0))
+    return exps
+
+
 def test_pack_indices_respects_the_budget_and_places_every_sequence_once():
     lengths = [5, 9, 3, 7, 2, 12, 4]
     packs = pack_indices(lengths, 12)
@@ -81,11 +107,7 @@ def test_packed_logprobs_and_gradients_equal_unpadded_ones(model, attn):
     try:
         exps = experiences(seed=1)
         refs = padded_reference(model, exps, temperature=0.7)
-        ref_loss = sum(r.sum() for r in refs)
-        model.zero_grad()
-        ref_loss.backward()
-        ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        model.zero_grad()
+        ref_grads = reference_grads(model, refs)
         total = 0.0
         for micro in pack_experiences(exps, 40):  # several packs, several sequences per pack
             batch = collate_packed(micro)
@@ -97,9 +119,7 @@ def test_packed_logprobs_and_gradients_equal_unpadded_ones(model, attn):
             assert torch.all(entropy[batch["completion_mask"]] > 0)
             total = total + logprobs[batch["completion_mask"]].sum()
         total.backward()
-        for name, p in model.named_parameters():
-            if name in ref_grads:
-                torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-4, rtol=1e-4)
+        assert_grads_equal(model, ref_grads)
     finally:
         model.config._attn_implementation = "sdpa"
         model.zero_grad()
@@ -108,18 +128,10 @@ def test_packed_logprobs_and_gradients_equal_unpadded_ones(model, attn):
 def test_shared_prompts_are_laid_once_and_stay_exact(model):
     """A group's prompt once, then each member's completion: log-probs and gradients as if each ran alone."""
     rng = random.Random(4)
-    exps = []
-    for g in range(3):
-        prompt = [rng.randrange(4, 100) for _ in range(rng.randint(4, 20))]
-        for _ in range(3):
-            completion = [rng.randrange(4, 100) for _ in range(rng.randint(1, 12))]
-            exps.append(Experience(prompt, completion, [0.0] * len(completion), 0.0, 0.0, g, "stop", 0))
+    exps = random_groups(rng, 3, (4, 20), (1, 12))
     rng.shuffle(exps)
     refs = padded_reference(model, exps, 1.0)
-    model.zero_grad()
-    sum(r.sum() for r in refs).backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
+    ref_grads = reference_grads(model, refs)
     packs = pack_experiences(exps, 60, share_prompts=True)
     assert sorted(id(e) for p in packs for e in p) == sorted(id(e) for e in exps)
     total = 0.0
@@ -134,9 +146,7 @@ def test_shared_prompts_are_laid_once_and_stay_exact(model):
             torch.testing.assert_close(row[: len(e.completion_ids)], want, atol=1e-5, rtol=0)
         total = total + logprobs[batch["completion_mask"]].sum()
     total.backward()
-    for name, p in model.named_parameters():
-        if name in ref_grads:
-            torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-4, rtol=1e-4)
+    assert_grads_equal(model, ref_grads)
     model.zero_grad()
     shared = collate_packed([exps[0], exps[0]], share_prompts=True)
     assert shared["input_ids"].shape[1] == len(exps[0].prompt_ids) + 2 * len(exps[0].completion_ids)
@@ -168,10 +178,7 @@ def test_a_prompt_head_common_to_every_group_is_laid_once_and_stays_exact(model)
             completion = [rng.randrange(4, 100) for _ in range(rng.randint(1, 9))]
             exps.append(Experience(head + tail, completion, [0.0] * len(completion), 0.0, 0.0, g, "stop", 0))
     refs = padded_reference(model, exps, 1.0)
-    model.zero_grad()
-    sum(r.sum() for r in refs).backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
+    ref_grads = reference_grads(model, refs)
     completions = sum(len(e.completion_ids) for e in exps)
     budget = 20 + sum(len(t) for t in tails) + completions  # all of it fits once the head is counted once
     packs = pack_experiences(exps, budget, share_prompts=True)
@@ -185,9 +192,7 @@ def test_a_prompt_head_common_to_every_group_is_laid_once_and_stays_exact(model)
     for row, e, want in zip(logprobs, packs[0], [refs[exps.index(e)] for e in packs[0]]):
         torch.testing.assert_close(row[: len(e.completion_ids)], want, atol=1e-5, rtol=0)
     logprobs[batch["completion_mask"]].sum().backward()
-    for name, p in model.named_parameters():
-        if name in ref_grads:
-            torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-4, rtol=1e-4)
+    assert_grads_equal(model, ref_grads)
     model.zero_grad()
     # one token less of budget: two packs, each within it (a pack of one group holds its whole prompt)
     packs = pack_experiences(exps, budget - 1, share_prompts=True)
@@ -197,18 +202,9 @@ def test_a_prompt_head_common_to_every_group_is_laid_once_and_stays_exact(model)
 
 def test_many_completion_rows_are_attended_in_two_sets_by_length_and_stay_exact(model):
     """16 completion rows or more: those longer than the median are a set of their own (less padding per set)."""
-    rng = random.Random(11)
-    exps = []
-    for g in range(6):
-        prompt = [rng.randrange(4, 100) for _ in range(rng.randint(4, 12))]
-        for _ in range(3):
-            completion = [rng.randrange(4, 100) for _ in range(rng.randint(1, 14))]
-            exps.append(Experience(prompt, completion, [0.0] * len(completion), 0.0, 0.0, g, "stop", 0))
+    exps = random_groups(random.Random(11), 6, (4, 12), (1, 14))
     refs = padded_reference(model, exps, 1.0)
-    model.zero_grad()
-    sum(r.sum() for r in refs).backward()
-    ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad()
+    ref_grads = reference_grads(model, refs)
     batch = collate_packed(exps, share_prompts=True)
     lengths = sorted(len(e.completion_ids) for e in exps)
     median = lengths[len(lengths) // 2]
@@ -218,9 +214,7 @@ def test_many_completion_rows_are_attended_in_two_sets_by_length_and_stay_exact(
     for row, e, want in zip(logprobs, exps, refs):
         torch.testing.assert_close(row[: len(e.completion_ids)], want, atol=1e-5, rtol=0)
     logprobs[batch["completion_mask"]].sum().backward()
-    for name, p in model.named_parameters():
-        if name in ref_grads:
-            torch.testing.assert_close(p.grad, ref_grads[name], atol=1e-4, rtol=1e-4)
+    assert_grads_equal(model, ref_grads)
     model.zero_grad()
     assert "attn3_q" not in collate_packed(exps[:15], share_prompts=True)  # 15 rows: one set
 
