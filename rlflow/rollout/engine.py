@@ -767,8 +767,7 @@ class EngineRollout(CallKeys, RolloutBackend):
                         lane.pos = new_pos if lane.pos is None else torch.cat([lane.pos, new_pos])
                         lane.pending = tokens if lane.pending is None else torch.cat([lane.pending, tokens])
                         for i, r, _ in chunk:
-                            limit = params.max_tokens if r.max_tokens is None else min(r.max_tokens, params.max_tokens)
-                            lane.rows.extend(_Row(i, s, limit) for s in range(n))
+                            lane.rows.extend(_Row(i, s, r.limit(params.max_tokens)) for s in range(n))
                             requests[i], done[i] = r, []
                         finished.append((lane, self._record(lane.rows, offset, tokens, lps, stop_t, self.version)))
                 if not take or (live and not waiting):  # one decode step of every live row of every lane (also
@@ -792,8 +791,7 @@ class EngineRollout(CallKeys, RolloutBackend):
                 for lane, rows_done in finished:
                     complete = []
                     for j in sorted(rows_done):
-                        row = lane.rows[j]
-                        row.alive = False
+                        row = lane.rows[j]  # _record marked it dead
                         reason = "stop" if row.tokens[-1] in stop_ids else "length"
                         versions = row.versions if self.version is not None else None
                         done[row.prompt].append((row.sample, Completion(row.tokens, row.logprobs, reason,

@@ -163,7 +163,7 @@ class HFRollout(CallKeys, RolloutBackend):
         """One ``generate`` call over ``(request, sample index)`` rows; each row cut at its request's limit."""
         model = self.model
         device = next(model.parameters()).device
-        limits = [min(params.max_tokens, r.max_tokens or params.max_tokens) for r, _ in rows]
+        limits = [r.limit(params.max_tokens) for r, _ in rows]
         chunk = [r.ids for r, _ in rows]
         config = self.generation_config(params, pad_id)
         config.max_new_tokens = max(limits)

@@ -511,7 +511,7 @@ class LMDeployRollout(RolloutBackend):
         on ``lmdeploy`` are not reproducible (neither are single-turn ones)."""
         self._begin(params)
         answers: queue.Queue = queue.Queue()  # (request number, row, the answer or the exception)
-        requests: dict[int, tuple[DecodeRequest, list[Completion | None]]] = {}  # in flight
+        requests: dict[int, tuple[DecodeRequest, SamplingParams, list[Completion | None]]] = {}  # in flight
         closed, number = False, 0
 
         def send(k: int, row: int, body: dict[str, Any]) -> None:
@@ -527,10 +527,9 @@ class LMDeployRollout(RolloutBackend):
                     if new is None:
                         closed = True
                     for r in new or []:
-                        turn = dataclasses.replace(params, max_tokens=min(params.max_tokens,
-                                                                          r.max_tokens or params.max_tokens))
+                        turn = dataclasses.replace(params, max_tokens=r.limit(params.max_tokens))
                         body = generate_payload(r.ids, turn, self.model_name)
-                        requests[number] = (r, [None] * r.n)
+                        requests[number] = (r, turn, [None] * r.n)
                         for row in range(r.n):
                             pool.submit(send, number, row, body)
                         number += 1
@@ -542,9 +541,8 @@ class LMDeployRollout(RolloutBackend):
                     continue
                 if isinstance(answer, BaseException):
                     raise answer
-                r, rows = requests[k]
-                rows[row] = parse_generate_response(answer, dataclasses.replace(
-                    params, max_tokens=min(params.max_tokens, r.max_tokens or params.max_tokens)))
+                r, turn, rows = requests[k]
+                rows[row] = parse_generate_response(answer, turn)
                 if all(c is not None for c in rows):
                     del requests[k]
                     if progress is not None:

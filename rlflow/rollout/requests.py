@@ -30,6 +30,10 @@ class DecodeRequest:
     def n(self) -> int:
         return len(self.keys)
 
+    def limit(self, cap: int) -> int:
+        """Most tokens a row of this request samples in a call capped at ``cap`` (``SamplingParams.max_tokens``)."""
+        return cap if self.max_tokens is None else min(self.max_tokens, cap)
+
 
 class RequestSource(Protocol):
     """Where :meth:`EngineRollout.serve <rlflow.rollout.engine.EngineRollout.serve>` takes its requests from."""
