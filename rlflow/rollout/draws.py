@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlflow.rollout.requests import DecodeRequest
+
 MASK = (1 << 64) - 1
 GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment: 2**64 / golden ratio, odd
 _C1, _C2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
@@ -92,6 +94,12 @@ class CallKeys:
         if self.seed is not None:
             self.calls += 1
         return key
+
+    def prompt_requests(self, prompts: list[list[int]], greedy: bool, n: int) -> list[DecodeRequest]:
+        """One request of ``n`` rows per prompt (tagged with its index), sample ``s`` of prompt ``i`` drawing from the
+        stream ``(call key, i, s)``; a greedy call uses no draws and leaves the random state where it is."""
+        key = 0 if greedy else self.next_call_key()
+        return [DecodeRequest(p, [stream_key(key, i, s) for s in range(n)], tag=i) for i, p in enumerate(prompts)]
 
     def reseed(self, seed: int) -> None:
         """Restart a seeded backend's draws from ``seed``; without a seed the call keys keep coming from torch's

@@ -64,7 +64,7 @@ from transformers import AttentionInterface, DynamicCache
 
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams, UnsupportedModelError
 from rlflow.rollout.continuation import SessionCache, merge_prefills, prefill_on_caches, row_caches
-from rlflow.rollout.draws import CallKeys, RowDraws, stream_key
+from rlflow.rollout.draws import CallKeys, RowDraws
 from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource
@@ -675,9 +675,7 @@ class EngineRollout(CallKeys, RolloutBackend):
         for i, p in enumerate(prompts):
             if not p:
                 raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        key = 0 if params.greedy else self.next_call_key()  # greedy: no draws, the random state stays
-        requests = [DecodeRequest(p, [stream_key(key, i, s) for s in range(n)], tag=i) for i, p in enumerate(prompts)]
-        for request, group in self.serve(ListSource(requests), params, progress):
+        for request, group in self.serve(ListSource(self.prompt_requests(prompts, params.greedy, n)), params, progress):
             yield request.tag, group
 
     @torch.no_grad()

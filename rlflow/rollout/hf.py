@@ -28,7 +28,7 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams
-from rlflow.rollout.draws import CallKeys, RowDraws, stream_key
+from rlflow.rollout.draws import CallKeys, RowDraws
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource
 from rlflow.vision import generation_inputs, is_vision_model, placeholder_ids
 
@@ -119,8 +119,7 @@ class HFRollout(CallKeys, RolloutBackend):
     ) -> list[list[Completion]]:
         """``n`` completions per prompt; ``progress(completions, tokens)`` is called after each ``generate`` batch.
         Sample ``s`` of prompt ``i`` draws from the stream ``(call key, i, s)``."""
-        key = 0 if params.greedy else self.next_call_key()  # greedy: no draws, the random state stays
-        requests = [DecodeRequest(p, [stream_key(key, i, s) for s in range(n)], tag=i) for i, p in enumerate(prompts)]
+        requests = self.prompt_requests(prompts, params.greedy, n)
         groups: list[list[Completion]] = [[] for _ in prompts]
         for request, group in self.serve(ListSource(requests), params, progress):
             groups[request.tag] = group
