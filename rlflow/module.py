@@ -499,10 +499,9 @@ class GRPOModule(L.LightningModule):
             ref = batch["ref_logprobs"] if micro[0].ref_logprobs is not None else None
             is_weights = None
             if self.correction is not None:
-                old_is = batch["old_logprobs"] if micro[0].old_logprobs is not None else old
-                is_weights = self.correction.weights(old_is, batch["rollout_logprobs"], mask)
+                is_weights = self.correction.weights(old, batch["rollout_logprobs"], mask)
                 if self._is_tokens is not None:
-                    self._is_tokens.append((old_is[mask].float().cpu(), batch["rollout_logprobs"][mask].float().cpu()))
+                    self._is_tokens.append((old[mask].float().cpu(), batch["rollout_logprobs"][mask].float().cpu()))
             loss, loss_metrics = self.loss_fn(
                 logprobs, old, batch["advantages"], mask, ref_logprobs=ref,
                 rollout_logprobs=batch["rollout_logprobs"], entropy=entropy, truncated=batch["truncated"],

@@ -61,22 +61,19 @@ ROW_SETS = (0, 1, 2, 3)
 SPLIT_COMPLETION_ROWS = 16
 
 
-def attention_layout(rows: list[tuple[list[int], int]] | list[tuple[list[int], int, int]]) -> dict[str, torch.Tensor]:
-    """The tensors :func:`varlen_sdpa_attention` needs, for attention rows ``(key positions, first query)`` or
-    ``(key positions, first query, set)``.
+def attention_layout(rows: list[tuple[list[int], int, int]]) -> dict[str, torch.Tensor]:
+    """The tensors :func:`varlen_sdpa_attention` needs, for attention rows ``(key positions, first query, set)``.
 
     Each row attends causally over its keys (flat token positions of the pack); its queries are its keys from
     index ``first query`` on, so a shared prompt can be one row of its own (queries = keys = the prompt) while
     each member's completion is another (queries = the completion, keys = prompt + completion). Every pack
     position must be a query of exactly one row. Rows are attended in sets (0 to 3), each padded to its own
-    widths; without a set given, rows whose queries are all their keys form set 0, the others set 1. Per set:
-    ``attn{s}_q``/``attn{s}_k`` ``[rows, width]`` (positions, 0 past the end), ``attn{s}_mask``
+    widths. Per set: ``attn{s}_q``/``attn{s}_k`` ``[rows, width]`` (positions, 0 past the end), ``attn{s}_mask``
     ``[rows, 1, q_width, k_width]`` (causal and key padding); over the sets: ``attn_q_all``/``attn_k_all`` (the
     sets' flattened ``attn{s}_q``/``attn{s}_k`` end to end) and ``attn_out``, each pack position's place in the
     sets' flattened ``[rows * q_width]`` outputs end to end. Equal-length rows laid end to end with nothing shared
     only get ``attn_full`` ``[rows, width]``: attention is then a reshape.
     """
-    rows = [(r[0], r[1], r[2] if len(r) > 2 else int(r[1] > 0)) for r in rows]
     widths = {len(keys) for keys, _, _ in rows}
     if all(first == 0 for _, first, _ in rows) and len(widths) == 1:
         width = widths.pop()
