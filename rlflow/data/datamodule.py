@@ -51,7 +51,7 @@ from rlflow.evaluation import eval_seed, isolated_rng
 from rlflow.judgers.base import Judger
 from rlflow.judgers.overlap import generate_and_judge
 from rlflow.judgers.panel import JudgePanel
-from rlflow.rollout.base import RolloutBackend, SamplingParams, stop_token_ids
+from rlflow.rollout.base import RolloutBackend, SamplingParams, pad_with_eos, stop_token_ids
 from rlflow.rollout.draws import isolated_draws
 from rlflow.rollout.multiturn import MultiTurn, RecordsRollout, multiturn_metrics
 from rlflow.rollout.select import resolve_backend
@@ -249,10 +249,8 @@ class RolloutDataModule(L.LightningDataModule):
             self.processor = load_processor(self.tokenizer_path)  # None unless the model is a VLM
             if self.processor is not None:
                 self.image_inputs = ImageInputs(self.processor, cache_size=0)  # each prompt processed once a step
-            tokenizer = self.processor.tokenizer if self.processor is not None else \
-                AutoTokenizer.from_pretrained(self.tokenizer_path)
-            if tokenizer.pad_token_id is None:
-                tokenizer.pad_token = tokenizer.eos_token
+            tokenizer = pad_with_eos(self.processor.tokenizer if self.processor is not None else
+                                     AutoTokenizer.from_pretrained(self.tokenizer_path))
             stops = stop_token_ids(tokenizer, self.stop)
             self.sampling.stop_token_ids = self.eval_sampling.stop_token_ids = stops
             self.tokenizer = self.judges.tokenizer = tokenizer

@@ -50,6 +50,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def pad_with_eos(tokenizer: Any) -> Any:
+    """``tokenizer``, padding with its EOS token when it has no pad token (batches are padded for generation)."""
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def stop_token_ids(tokenizer: Any, stop: list[str]) -> list[int]:
     """The tokenizer's EOS plus the id of each ``stop`` string, which must be a single token."""
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []

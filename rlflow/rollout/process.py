@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from rlflow.rollout.base import Completion, SamplingParams
+from rlflow.rollout.base import Completion, SamplingParams, pad_with_eos
 
 
 @dataclass
@@ -199,10 +199,7 @@ def run_job(job: Job, backend: Any, jobs: Any = None, results: Any = None, paren
 def _load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return pad_with_eos(AutoTokenizer.from_pretrained(path))
 
 
 def _worker(threads: int, jobs: Any, results: Any, tokenizer_path: str | None = None) -> None:
