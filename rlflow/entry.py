@@ -1,7 +1,8 @@
 """The ``rlflow`` console script: dispatches ``plugins`` and ``data`` without importing Lightning.
 
 ``rlflow plugins`` and ``rlflow data check`` answer in about a second; every other command (``fit``,
-``validate``, ...) goes to Lightning's CLI in :mod:`rlflow.cli`.
+``validate``, ...) goes to Lightning's CLI in :mod:`rlflow.cli`; ``fit`` first starts a pipelined run's generator
+process (:mod:`rlflow.rollout.prestart`), so that its imports overlap Lightning's.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ def main(argv: list[str] | None = None) -> int:
         from rlflow.data.check import main as data_main
 
         return data_main(args[1:])
+    if args and args[0] == "fit":  # a pipelined run: its generator process imports beside the trainer
+        from rlflow.rollout.prestart import from_argv
+
+        from_argv(args[1:])
     from rlflow.cli import main as cli_main
 
     return cli_main(argv)

@@ -15,6 +15,7 @@ the reference is the policy with its adapters disabled, :mod:`rlflow.lora`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -516,7 +517,8 @@ class GRPOModule(L.LightningModule):
                     break
                 self.manual_backward(logprobs.sum() * 0.0)  # keep FSDP's gradient collectives in step with the ranks
                 continue
-            self.manual_backward(loss * weight)
+            with self.all_cores():
+                self.manual_backward(loss * weight)
             share = len(micro) / len(minibatch)  # metrics: a sequence-weighted mean over the micro-batches
             loss_metrics["entropy"] = masked_mean(entropy.detach(), batch["completion_mask"]).item()
             for key, value in loss_metrics.items():
@@ -549,6 +551,14 @@ class GRPOModule(L.LightningModule):
         """Completion tokens the loss trains on (without truncated completions where the loss masks them)."""
         skip = getattr(self.loss_fn, "mask_truncated_completions", False)
         return sum(e.num_sampled for e in experiences if not (skip and e.truncated))
+
+    def all_cores(self) -> contextlib.AbstractContextManager:
+        """The data module's setting for the backward pass (pipelined on a CPU: the generator process's cores lent
+        to it, :meth:`RolloutDataModule.all_cores`); as it is with any other data module."""
+        trainer = self._trainer
+        dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+        cores = getattr(dm, "all_cores", None)
+        return cores() if cores is not None else contextlib.nullcontext()
 
     def global_counts(self, values: list[int]) -> list[int]:
         """``values`` summed over ranks: the batch sizes the loss normalisers divide by."""

@@ -143,6 +143,76 @@ def test_the_bound_holds_and_nothing_changes_under_adversarial_timing(slow, pipe
         assert waits[0] == 0.0 and all(w > 0.25 for w in waits[1:]), waits
 
 
+class CoreLog(L.Callback):
+    """Records, at every backward pass and evaluation generation in the trainer, its torch threads and whether the
+    generator process may run (its ``running`` event)."""
+
+    def __init__(self) -> None:
+        self.backward: list[tuple[int, bool]] = []
+        self.generate: list[tuple[str, int, bool]] = []
+        self.metrics: list[dict[str, float]] = []
+
+    def state(self, trainer) -> bool:
+        generator = trainer.datamodule.pipeline.generator
+        return generator.running.is_set()
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        self.backward.append((torch.get_num_threads(), self.state(trainer)))
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.metrics.append(dict(pl_module.last_metrics))
+
+
+def lent_run(tiny_model, small_data, root, monkeypatch, log: CoreLog, *extra: str):
+    args = run_args(tiny_model, small_data, root, "--data.max_staleness=1", "--evaluate_every_n_steps=2",
+                    f"--data.eval_data_path={small_data / 'val.jsonl'}", *extra, steps=STEPS)
+    cli = cli_main(args[1:], run=False)
+    cli.trainer.callbacks.append(log)
+    generate = EngineRollout.generate
+
+    def recording(backend, *a, **k):  # the trainer's own generations once the pipeline runs: step 0 and evaluation
+        if cli.datamodule.pipeline.trainer_threads is not None:  # not the engine check at fit start
+            kind = "eval" if cli.trainer.validating else "train"
+            log.generate.append((kind, torch.get_num_threads(), log.state(cli.trainer)))
+        return generate(backend, *a, **k)
+
+    monkeypatch.setattr(EngineRollout, "generate", recording)
+    cli.trainer.fit(cli.model, cli.datamodule)
+    monkeypatch.setattr(EngineRollout, "generate", generate)
+    return cli
+
+
+def test_the_backward_and_evaluation_take_the_generators_cores_and_the_run_stays_reproducible(
+        tiny_model, small_data, tmp_path, monkeypatch):
+    """With 2 trainer threads on 2 cores the trainer keeps 1 thread and the generator process gets the other, except
+    during the backward pass and evaluation, which take both while the generator is held; the run is the same,
+    metric for metric, when the generator is slow (so the holds fall on other decode iterations)."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        base = lent_run(tiny_model, small_data, tmp_path / "base", monkeypatch, base_log := CoreLog())
+        assert torch.get_num_threads() == 2  # given back when the generator closed
+        monkeypatch.setattr(RolloutPipeline, "generator_delay", 0.3)
+        lent_run(tiny_model, small_data, tmp_path / "slow", monkeypatch, slow_log := CoreLog())
+        kept = lent_run(tiny_model, small_data, tmp_path / "kept", monkeypatch, kept_log := CoreLog(),
+                        "--data.lend_cores=false")
+    finally:
+        torch.set_num_threads(threads)
+    assert base.datamodule.pipeline.lends_cores
+    assert len(base_log.backward) == STEPS and set(base_log.backward) == {(2, False)}
+    kinds = [g[0] for g in base_log.generate]
+    assert kinds == ["train", "eval", "eval"], base_log.generate  # step 0; after steps 2 and 4
+    assert base_log.generate[0][1:] == (1, True)  # step 0, generated in the trainer beside the generator's start
+    assert {g[1:] for g in base_log.generate if g[0] == "eval"} == {(2, False)}
+    for step in range(STEPS):
+        for key in base_log.metrics[step].keys() - TIMINGS:
+            assert slow_log.metrics[step][key] == base_log.metrics[step][key], (step, key)
+    # data.lend_cores=false: the trainer keeps its one thread throughout and never holds the generator
+    assert not kept.datamodule.pipeline.lends_cores
+    assert set(kept_log.backward) == {(1, True)} and {g[1:] for g in kept_log.generate} == {(1, True)}
+
+
 def test_max_staleness_zero_is_todays_loop_bit_for_bit(tiny_model, small_data, tmp_path, one_thread):
     default = cli_main(run_args(tiny_model, small_data, tmp_path / "default", steps=3))
     zero = cli_main(run_args(tiny_model, small_data, tmp_path / "zero", "--data.max_staleness=0", steps=3))

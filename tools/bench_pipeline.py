@@ -21,6 +21,7 @@ import csv
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -60,7 +61,8 @@ SETTINGS = {
 
 
 def run(config: str, setting: list[str], seed: int, steps: int, out: Path, extra: list[str]) -> dict:
-    out.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(out, ignore_errors=True)  # a run's own metrics.csv, not one left by an earlier invocation
+    out.mkdir(parents=True)
     clock = out / "clock.json"
     args = [sys.executable, "-m", "rlflow", "fit", "--config", config, f"--trainer.max_steps={steps}",
             f"--seed_everything={seed}", f"--data.seed={seed}", *setting,

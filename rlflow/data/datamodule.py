@@ -25,6 +25,7 @@ with the policy version that sampled it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ from rlflow.evaluation import eval_seed, isolated_rng
 from rlflow.judgers.base import Judger
 from rlflow.judgers.overlap import generate_and_judge
 from rlflow.judgers.panel import JudgePanel
+from rlflow.rollout import prestart
 from rlflow.rollout.base import RolloutBackend, SamplingParams, pad_with_eos, stop_token_ids
 from rlflow.rollout.draws import isolated_draws
 from rlflow.rollout.multiturn import MultiTurn, RecordsRollout, multiturn_metrics
@@ -104,6 +106,7 @@ class RolloutDataModule(L.LightningDataModule):
         generator_threads: int = 1,
         partial_rollouts: bool = False,
         partial_swap_step: int = 0,
+        lend_cores: bool = True,
     ) -> None:
         """
         Args:
@@ -174,6 +177,11 @@ class RolloutDataModule(L.LightningDataModule):
                 completions under them from their KV caches, each token stamped with the version that sampled it
                 (trajectories' ``token_versions``); staleness is the oldest token's. See docs/pipelining.md.
             partial_swap_step: The decode iteration of that swap (0: half of ``max_tokens``).
+            lend_cores: With ``max_staleness > 0`` on a CPU, where the trainer's threads were cut to leave the
+                generator process its cores: the backward pass and evaluation take them back while the generator
+                waits between two decode iterations (engine backend). Faster where training is the larger part of a
+                step (the demo); ``false`` where generation is (longer completions, bigger models). Either way
+                the threads depend on the phase, not on timing, so runs stay reproducible.
         """
         check_data_args(locals())  # every invalid value is one ConfigError naming its option
         super().__init__()
@@ -234,7 +242,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.max_staleness = max_staleness
         self.pipeline = make_pipeline(max_staleness, stale_policy, generator_threads, seed, dynamic_sampling,
                                       multiturn=bool(tools) or environment is not None,
-                                      partial_rollouts=partial_rollouts, partial_swap_step=partial_swap_step)
+                                      partial_rollouts=partial_rollouts, partial_swap_step=partial_swap_step,
+                                      lend_cores=lend_cores)
 
     # ----------------------------------------------------------------------------------------------- set-up
     def load_tokenizer(self) -> Any:
@@ -278,7 +287,14 @@ class RolloutDataModule(L.LightningDataModule):
     def world_size(self) -> int:
         return self.trainer.world_size if self.trainer is not None else 1
 
+    def all_cores(self) -> contextlib.AbstractContextManager:
+        """Where the trainer runs its backward pass and evaluation: pipelined on a CPU, with the generator
+        process's cores lent to it (:meth:`RolloutPipeline.all_cores`); otherwise as it is."""
+        return self.pipeline.all_cores() if self.pipeline is not None else contextlib.nullcontext()
+
     def setup(self, stage: str) -> None:
+        if self.pipeline is None:  # `rlflow fit` predicted a pipelined run from the command line; it is not one
+            prestart.discard()
         if stage == "fit" and self.sampler is None and self.pipeline is not None:
             # data.max_staleness > 0: the generator process starts first, so that its imports and tokenizer
             # overlap everything the trainer loads before the first step
@@ -443,7 +459,7 @@ class RolloutDataModule(L.LightningDataModule):
         assert self.backend is not None, "bind() the policy first"
         k = self.eval_k
         seed = eval_seed(self.seed, step, batch_idx)
-        with isolated_rng(seed), isolated_draws(self.backend, seed):  # a seeded engine's draws too
+        with isolated_rng(seed), isolated_draws(self.backend, seed), self.all_cores():  # a seeded engine's draws too
             groups = self.rollout_backend(batch).generate(self.rollout_prompts(batch), self.eval_sampling, n=k)
         result, _ = self.judges.judge(batch, [c for group in groups for c in group], k)
         per_prompt = [result.rewards[i * k: (i + 1) * k] for i in range(len(batch))]

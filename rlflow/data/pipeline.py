@@ -27,6 +27,13 @@ when pipelining: :mod:`rlflow.correction`).
 A checkpoint holds the completions in flight (the datamodule's ``state_dict`` waits for them), so a resumed run
 trains on what the uninterrupted run trained on.
 
+**Cores** (a CPU): the trainer's torch threads are cut so that trainer and generator together fit the cores
+(:meth:`RolloutPipeline.share_cores`), and with ``data.lend_cores`` (the default) the backward pass and evaluation
+take the generator's cores back while an engine job waits between two decode iterations
+(:meth:`RolloutPipeline.all_cores`): generation overlaps the rest of the step on one core, and the phase that
+scales best runs on all of them. Which phase runs on how many threads is fixed, never timed, so a run is the same
+whatever the timing.
+
 **Partial rollouts** (``data.partial_rollouts: true``, engine backend, one process): the job for step ``t + 1``
 starts from version ``v`` as above, but before its decode iteration ``data.partial_swap_step`` it waits for the
 weights of the end of step ``t`` (version ``v'``, the version step ``t + 1`` trains from), which the trainer writes
@@ -46,9 +53,11 @@ share no prompt-head cache across the swap (``min_shared_prefix`` is off for the
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -106,13 +115,16 @@ class RolloutPipeline:
         stale_policy: ``data.stale_policy``: ``drop`` or ``regenerate``.
         threads: torch threads of the generator process (``data.generator_threads``).
         seed: ``data.seed``; the generator's seed of step ``t`` is :func:`job_seed` ``(seed, t)``.
+        partial_rollouts, swap_step: ``data.partial_rollouts`` and ``data.partial_swap_step``.
+        lend_cores: ``data.lend_cores``: the backward pass and evaluation take the generator's cores
+            (:meth:`all_cores`).
     """
 
     #: Seconds the generator sleeps before each job (tests: an adversarially slow generator).
     generator_delay: float = 0.0
 
     def __init__(self, max_staleness: int, stale_policy: str = "regenerate", threads: int = 1, seed: int = 0,
-                 partial_rollouts: bool = False, swap_step: int = 0) -> None:
+                 partial_rollouts: bool = False, swap_step: int = 0, lend_cores: bool = True) -> None:
         self.gate = StalenessGate(max_staleness, stale_policy)
         self.threads = threads
         self.seed = seed
@@ -121,6 +133,8 @@ class RolloutPipeline:
         self.policy: Any = None  # the live policy (partial rollouts: written into the generator at the swap)
         self.current_version: Any = None  # () -> the trainer's policy version now
         self.trainer_threads: int | None = None  # the trainer's torch threads before share_cores cut them
+        self.lend_cores = lend_cores  # data.lend_cores
+        self.lends_cores = False  # the backward and evaluation take the generator's cores (all_cores)
         self.generator: GeneratorProcess | ThreadGenerator | None = None
         self.in_flight: Job | None = None
         self.ready: JobResult | None = None  # collected early (a checkpoint) or loaded from one
@@ -195,6 +209,8 @@ class RolloutPipeline:
         self.prestart()
         self.generator.attach(dm.backend.model, dm.tokenizer_path, _worker_spec(dm))
         self.share_cores(dm.backend.model)
+        # the worker runs the trainer's backend class: the engine can be held between decode iterations
+        self.lends_cores = self.lend_cores and hasattr(dm.backend, "step_hook")
 
     def share_cores(self, policy: Any) -> None:
         """On a CPU, leave the generator process its ``data.generator_threads`` cores: the trainer's torch threads
@@ -210,6 +226,29 @@ class RolloutPipeline:
             torch.set_num_threads(max(1, cores - self.threads))
             info(f"data.max_staleness={self.gate.max_staleness}: the trainer uses {torch.get_num_threads()} torch "
                  f"threads (was {threads}), the generator process {self.threads}, on {cores} cores")
+
+    @contextlib.contextmanager
+    def all_cores(self) -> Iterator[None]:
+        """The trainer's work on all its cores (the threads it had before :meth:`share_cores`), the generator held
+        between two decode iterations meanwhile, then both back to their shares: around the backward pass and
+        evaluation.
+
+        On 2 cores the demo's generation scales to 2 threads by 1.1x and its backward by 1.5x, so lending the
+        generator's core to the backward and overlapping generation with the rest of the step beats either split
+        alone. The trainer's threads depend only on the phase, never on timing, so runs stay reproducible; a
+        backend that cannot be held between iterations (no ``step_hook``: ``hf``) lends nothing."""
+        gen = self.generator
+        if self.trainer_threads is None or not self.lends_cores or not isinstance(gen, GeneratorProcess):
+            yield
+            return
+        shared = torch.get_num_threads()
+        gen.pause()
+        torch.set_num_threads(self.trainer_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(shared)
+            gen.resume()
 
     def _submit(self, job: Job) -> None:
         self.generator.submit(job)
@@ -339,7 +378,7 @@ def _worker_spec(dm: Any) -> Any:
 
 def make_pipeline(max_staleness: int, stale_policy: str, threads: int, seed: int,
                   dynamic_sampling: bool = False, multiturn: bool = False, partial_rollouts: bool = False,
-                  partial_swap_step: int = 0) -> RolloutPipeline | None:
+                  partial_swap_step: int = 0, lend_cores: bool = True) -> RolloutPipeline | None:
     """The pipeline ``data.max_staleness`` asks for (None for 0: the strictly on-policy loop), its settings
     checked (:class:`~rlflow.config_error.ConfigError` naming the key)."""
     gate = StalenessGate(max_staleness, stale_policy)  # validates both keys
@@ -359,4 +398,5 @@ def make_pipeline(max_staleness: int, stale_policy: str, threads: int, seed: int
     if multiturn:  # the generator process runs the plain backend; the multi-turn loop lives in the trainer's
         raise ConfigError(f"multi-turn rollouts (data.tools, data.environment) are not pipelined: set "
                           f"data.max_staleness=0 (got {max_staleness})")
-    return RolloutPipeline(max_staleness, stale_policy, threads, seed, bool(partial_rollouts), partial_swap_step)
+    return RolloutPipeline(max_staleness, stale_policy, threads, seed, bool(partial_rollouts), partial_swap_step,
+                           bool(lend_cores))

@@ -30,7 +30,6 @@ POLICIES = ("drop", "regenerate")
 class GateResult:
     """What :meth:`StalenessGate.check` decided for one rollout step's groups."""
 
-    keep: list[int]  # indices of the groups within the bound
     stale: list[int]  # indices of the groups beyond it (to drop or regenerate, by policy)
     metrics: dict[str, float] = field(default_factory=dict)
 
@@ -52,7 +51,6 @@ class StalenessGate:
         self.policy = policy
         self.dropped_groups = 0  # over the run (checkpointed by the pipeline)
         self.regenerated_groups = 0
-        self.max_seen = 0  # the largest staleness ever admitted to training
 
     def check(self, group_versions: Sequence[int], trained_version: int) -> GateResult:
         """Split groups (each given by its sampling version) by the bound; measure the staleness of the groups
@@ -61,14 +59,11 @@ class StalenessGate:
         if any(s < 0 for s in staleness):
             raise RuntimeError(f"experience stamped with policy versions {sorted(set(group_versions))} is newer than "
                                f"the weights about to train on it (version {trained_version})")
-        keep = [i for i, s in enumerate(staleness) if s <= self.max_staleness]
         stale = [i for i, s in enumerate(staleness) if s > self.max_staleness]
-        return GateResult(keep, stale, self.measure([staleness[i] for i in keep]))
+        return GateResult(stale, self.measure([s for s in staleness if s <= self.max_staleness]))
 
     def measure(self, staleness: Sequence[int]) -> dict[str, float]:
         """``sampling/staleness/mean|max`` of what trains (and the run's counters)."""
-        if staleness:
-            self.max_seen = max(self.max_seen, max(staleness))
         return {
             "sampling/staleness/mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "sampling/staleness/max": float(max(staleness)) if staleness else 0.0,
@@ -77,10 +72,8 @@ class StalenessGate:
         }
 
     def state_dict(self) -> dict[str, int]:
-        return {"dropped_groups": self.dropped_groups, "regenerated_groups": self.regenerated_groups,
-                "max_seen": self.max_seen}
+        return {"dropped_groups": self.dropped_groups, "regenerated_groups": self.regenerated_groups}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.dropped_groups = int(state.get("dropped_groups", 0))
         self.regenerated_groups = int(state.get("regenerated_groups", 0))
-        self.max_seen = int(state.get("max_seen", 0))

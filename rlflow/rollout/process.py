@@ -1,5 +1,8 @@
 """Generation off the training thread: a rollout backend in its own process (or, for a server, a thread).
 
+This is the trainer's side; what runs in the worker process (its loop, :class:`Job`, :class:`JobResult`) is
+:mod:`rlflow.rollout.worker`.
+
 :class:`GeneratorProcess` starts one worker process (``torch.multiprocessing``, ``spawn``) that runs an ordinary
 rollout backend (``engine`` or ``hf``, chosen by ``data.rollout`` as in the trainer) with its own torch threads.
 Its model is a copy of the policy whose parameters live in shared memory (``Module.share_memory()``): the trainer
@@ -35,75 +38,17 @@ so a pipelined lmdeploy run is not bit-reproducible (the process generator's run
 from __future__ import annotations
 
 import copy
-import os
 import queue
 import time
-import traceback
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from rlflow.rollout.base import Completion, SamplingParams, pad_with_eos
+from rlflow.rollout import prestart
+from rlflow.rollout.worker import Job, JobResult, _worker, plain_groups
 
-
-@dataclass
-class Job:
-    """One generation request: ``n`` completions per prompt from the weights of ``version``, seeded."""
-
-    step: int
-    version: int
-    seed: int
-    prompts: list[list[int]]
-    params: SamplingParams
-    n: int
-    delay: float = 0.0  # seconds to sleep before generating (tests: an adversarially slow generator)
-    swap_at: int | None = None  # partial rollouts: the decode iteration before which new weights come in
-
-
-@dataclass
-class JobResult:
-    """The completions of a :class:`Job` as plain lists (``[prompt][sample] = (token_ids, logprobs, reason,
-    token_versions or None)``); ``version`` is the version the job started from (its oldest tokens').
-
-    ``swapped_to``: the version the worker switched to in the middle of the job (partial rollouts), else None."""
-
-    step: int
-    version: int
-    prompts: list[list[int]]
-    groups: list[list[tuple[list[int], list[float], str, list[int] | None]]]
-    seconds: float
-    swapped_to: int | None = None
-
-    def completions(self) -> list[list[Completion]]:
-        return [[Completion(list(ids), list(lps), reason, token_versions=None if vs is None else list(vs))
-                 for ids, lps, reason, vs in group] for group in self.groups]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c[0]) for group in self.groups for c in group)
-
-    def to_state(self) -> dict[str, Any]:
-        """Plain types only (a checkpoint is read with ``torch.load(weights_only=True)``)."""
-        return {"step": self.step, "version": self.version, "prompts": self.prompts, "seconds": self.seconds,
-                "swapped_to": self.swapped_to,
-                "groups": [[[list(ids), list(lps), reason, None if vs is None else list(vs)]
-                            for ids, lps, reason, vs in g] for g in self.groups]}
-
-    @classmethod
-    def from_state(cls, state: dict[str, Any]) -> JobResult:
-        groups = [[(list(c[0]), list(c[1]), str(c[2]), list(c[3]) if len(c) > 3 and c[3] is not None else None)
-                   for c in g] for g in state["groups"]]
-        swapped = state.get("swapped_to")
-        return cls(int(state["step"]), int(state["version"]), [list(p) for p in state["prompts"]], groups,
-                   float(state["seconds"]), None if swapped is None else int(swapped))
-
-
-def plain_groups(groups: list[list[Completion]]) -> list[list[tuple[list[int], list[float], str, list[int] | None]]]:
-    """Completions as the plain tuples of :class:`JobResult`."""
-    return [[(list(c.token_ids), [float(x) for x in c.logprobs], c.finish_reason,
-              None if c.token_versions is None else list(c.token_versions)) for c in g] for g in groups]
+__all__ = ["GeneratorProcess", "Job", "JobResult", "ThreadGenerator", "copy_weights", "generator_copy", "plain_groups"]
 
 
 def generator_copy(policy: torch.nn.Module) -> torch.nn.Module:
@@ -139,112 +84,16 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
         params[name].copy_(value.detach().to(params[name].dtype))
 
 
-def _next_message(jobs: Any, parent: Any) -> Any:
-    """The next message of the queue; None when told to stop or when the parent process has died."""
-    while True:
-        try:
-            return jobs.get(timeout=0.5)
-        except queue.Empty:
-            if parent is not None and not parent.is_alive():
-                return None  # the trainer was killed: do not linger
-
-
-class _Stopped(Exception):
-    """The worker was told to stop (or lost its parent) while waiting for new weights in the middle of a job."""
-
-
-def _swap_hook(job: Job, backend: Any, jobs: Any, results: Any, parent: Any, swapped: list[int]) -> Any:
-    """The engine's ``step_hook`` for a partial-rollout job: before decode iteration ``job.swap_at``, ask the
-    trainer for new weights and wait for them (the trainer writes them while this process waits)."""
-
-    def hook(iteration: int) -> bool:
-        if iteration != job.swap_at:
-            return False
-        results.put(("swap", job.step))
-        message = _next_message(jobs, parent)
-        if not (isinstance(message, tuple) and message[0] == "weights"):
-            raise _Stopped
-        backend.version = int(message[1])
-        swapped.append(backend.version)
-        return True
-
-    return hook
-
-
-def run_job(job: Job, backend: Any, jobs: Any = None, results: Any = None, parent: Any = None) -> JobResult:
-    """Generate ``job`` on ``backend`` (seeded; with a swap of weights at ``job.swap_at`` for partial rollouts)."""
-    if job.delay:
-        time.sleep(job.delay)
-    torch.manual_seed(job.seed)
-    if hasattr(backend, "reseed"):  # a seeded engine: its own counter-based draws (rlflow.rollout.draws)
-        backend.reseed(job.seed)
-    backend.sync_weights()  # the trainer may have copied new weights in (invisible to version counters here)
-    swapped: list[int] = []
-    partial = job.swap_at is not None
-    if partial:  # every cache a swap keeps is a row's own: no rollout-wide head shared across the swap
-        backend.step_hook = _swap_hook(job, backend, jobs, results, parent, swapped)
-        backend.version, shared = job.version, backend.min_shared_prefix
-        backend.min_shared_prefix = 0
-    start = time.perf_counter()
-    try:
-        groups = backend.generate(job.prompts, job.params, n=job.n)
-    finally:
-        if partial:
-            backend.step_hook, backend.version, backend.min_shared_prefix = None, None, shared
-    seconds = time.perf_counter() - start
-    return JobResult(job.step, job.version, job.prompts, plain_groups(groups), seconds,
-                     swapped[0] if swapped else None)
-
-
-def _load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    return pad_with_eos(AutoTokenizer.from_pretrained(path))
-
-
-def _worker(threads: int, jobs: Any, results: Any, tokenizer_path: str | None = None) -> None:
-    """The worker process: import what generation needs (and load the tokenizer, if given), wait for the shared
-    model, build the backend on it, then run jobs until told to stop."""
-    parent = mp.parent_process()
-    try:
-        torch.set_num_threads(max(int(threads), 1))
-        import rlflow.data.packing  # noqa: F401 - registers rlflow's attention function, as in the trainer
-        from rlflow import registry
-        from rlflow.rollout.select import resolve_backend
-
-        early = _load_tokenizer(tokenizer_path) if tokenizer_path else None
-        attach = _next_message(jobs, parent)  # ("attach", model, tokenizer_path, spec)
-        if attach is None:
-            return
-        _, model, path, spec = attach
-        tokenizer = early if early is not None and path == tokenizer_path else _load_tokenizer(path)
-        if isinstance(spec, type):
-            backend = spec()
-            backend.bind(model, tokenizer)
-        else:
-            backend = resolve_backend(spec, model, tokenizer) if spec is not None else registry.build(
-                "rlflow.rollout", "hf")
-        results.put(("ready", os.getpid()))
-    except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
-        results.put(("error", traceback.format_exc()))
-        return
-    while True:
-        job = _next_message(jobs, parent)
-        if job is None:
-            return
-        try:
-            results.put(("done", run_job(job, backend, jobs, results, parent)))
-        except _Stopped:
-            return
-        except BaseException:  # noqa: BLE001
-            results.put(("error", traceback.format_exc()))
-
-
 class GeneratorProcess:
     """A rollout backend running in a child process on a shared-memory copy of the policy (see the module doc).
 
     The process starts (and imports torch, transformers and rlflow) as soon as it is built, before the policy
-    exists; :meth:`attach` then hands it the shared copy of the policy and the backend to build.
+    exists; :meth:`attach` then hands it the shared copy of the policy and the backend to build. A worker that
+    ``rlflow fit`` started before importing Lightning (:mod:`rlflow.rollout.prestart`) is adopted instead of
+    starting another.
+
+    :meth:`pause` and :meth:`resume` lend the worker's cores to the trainer for a while (its backward pass): an
+    engine job waits between two decode iterations meanwhile; other backends are not held.
 
     Args:
         threads: torch threads of the worker.
@@ -253,14 +102,20 @@ class GeneratorProcess:
     """
 
     def __init__(self, threads: int = 1, start_timeout: float = 600.0, tokenizer_path: str | None = None) -> None:
-        ctx = mp.get_context("spawn")
         self.model: torch.nn.Module | None = None
-        self.jobs = ctx.Queue()
-        self.results = ctx.Queue()
-        self.process = ctx.Process(target=_worker, name="rlflow-generator", daemon=True,
-                                   args=(threads, self.jobs, self.results, tokenizer_path))
-        self.started_at = time.perf_counter()
-        self.process.start()
+        early = prestart.adopt(threads)
+        if early is not None:
+            self.process, self.jobs, self.results, self.running, self.started_at = early
+        else:
+            ctx = mp.get_context("spawn")
+            self.jobs = ctx.Queue()
+            self.results = ctx.Queue()
+            self.running = ctx.Event()
+            self.running.set()
+            self.process = ctx.Process(target=_worker, name="rlflow-generator", daemon=True,
+                                       args=(threads, self.jobs, self.results, tokenizer_path, self.running))
+            self.started_at = time.perf_counter()
+            self.process.start()
         self.busy = False
         self.ready = False  # the worker's start-up (imports, backend check) overlaps the trainer's own
         self.start_timeout = start_timeout
@@ -289,6 +144,13 @@ class GeneratorProcess:
         from rlflow.log import info
 
         info(f"generator process {payload} ready {time.perf_counter() - self.started_at:.1f} s after its start")
+
+    def pause(self) -> None:
+        """Hold the running job (an engine job: between two decode iterations) until :meth:`resume`."""
+        self.running.clear()
+
+    def resume(self) -> None:
+        self.running.set()
 
     def _receive(self, timeout: float | None) -> tuple[str, Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -340,6 +202,7 @@ class GeneratorProcess:
 
     def close(self) -> None:
         """Stop the worker (asking first, then terminating it)."""
+        self.running.set()
         if self.process.is_alive():
             try:
                 self.jobs.put(None)

@@ -1,0 +1,124 @@
+"""Start the pipelined generator process before the trainer imports Lightning (``rlflow fit`` only).
+
+A pipelined run (``data.max_staleness > 0``) generates in a second process (:mod:`rlflow.rollout.process`) that
+imports torch, transformers and rlflow before its first job: ~3 s on 2 idle cores, about as long as the trainer's
+own imports. Started from the data module's ``setup("fit")``, the earliest point that knows the config, that
+start-up shows up as the trainer's wait for step 1's completions. So the ``rlflow`` console script reads
+``data.max_staleness`` from the command line before it imports anything heavy and, when it is above 0, starts
+the worker at once (:func:`from_argv`): its imports run beside the trainer's, and
+:class:`~rlflow.rollout.process.GeneratorProcess` adopts it (:func:`adopt`) instead of starting another.
+
+This module and :mod:`rlflow.rollout.worker` import only the standard library and PyYAML (the worker imports
+torch when it starts), so that the start is not delayed.
+
+Simplifications: a prediction from plain YAML, not jsonargparse's parse: the ``--config``/``-c`` files (later ones
+win) and ``--data.max_staleness``, ``--data.generator_threads`` and ``--data.rollout`` given on the command line;
+anything else (a ``--data`` file, a value that is not a plain number) predicts nothing, and the run starts its
+worker at ``setup("fit")`` as before. A prediction that the parsed config overrules costs a process that stops
+at ``setup`` (:func:`discard`) or with the trainer (it is a daemon). ``data.rollout: lmdeploy`` needs no process
+(a thread sends its requests) and starts none.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Any
+
+from rlflow.rollout.worker import _worker
+
+#: The worker started early and not adopted yet: (process, jobs queue, results queue, running event, start time,
+#: torch threads).
+_EARLY: tuple[Any, ...] | None = None
+
+
+def start(threads: int) -> None:
+    """Start a generator worker with ``threads`` torch threads now, for :func:`adopt` to hand out later."""
+    global _EARLY
+    if _EARLY is not None:
+        return
+    ctx = mp.get_context("spawn")
+    jobs, results, running = ctx.Queue(), ctx.Queue(), ctx.Event()
+    running.set()
+    process = ctx.Process(target=_worker, name="rlflow-generator", daemon=True,
+                          args=(threads, jobs, results, None, running))
+    started = time.perf_counter()
+    process.start()
+    _EARLY = (process, jobs, results, running, started, threads)
+
+
+def adopt(threads: int) -> tuple[Any, Any, Any, Any, float] | None:
+    """The early worker, if one runs with ``threads`` threads: ``(process, jobs, results, running, start time)``;
+    it is handed out once. One with other threads is stopped (None: the caller starts its own)."""
+    global _EARLY
+    early, _EARLY = _EARLY, None
+    if early is None:
+        return None
+    process, jobs, results, running, started, early_threads = early
+    if early_threads != threads or not process.is_alive():
+        _stop(process, jobs)
+        return None
+    return process, jobs, results, running, started
+
+
+def discard() -> None:
+    """Stop the early worker, if no one adopted it (the parsed config does not pipeline)."""
+    global _EARLY
+    early, _EARLY = _EARLY, None
+    if early is not None:
+        _stop(early[0], early[1])
+
+
+def _stop(process: Any, jobs: Any) -> None:
+    try:
+        jobs.put(None)
+    except (OSError, ValueError):
+        pass
+    process.join(timeout=5)
+    if process.is_alive():
+        process.terminate()
+        process.join(timeout=5)
+
+
+def predict(argv: list[str]) -> tuple[int, int] | None:
+    """``(data.max_staleness, data.generator_threads)`` as ``argv`` (after ``fit``) sets them, or None when it
+    cannot tell or the run does not need a generator process (see the module doc)."""
+    import yaml
+
+    data: dict[str, Any] = {}
+    i = 0
+    while i < len(argv):
+        key, _, value = argv[i].partition("=")
+        if not _:  # "--key value" (a flag followed by another option takes no value)
+            value = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("-") else None
+            i += value is not None
+        i += 1
+        if value is None:
+            continue
+        if key in ("--config", "-c"):
+            try:
+                with open(value, encoding="utf-8") as f:
+                    loaded = yaml.safe_load(f) or {}
+            except (OSError, yaml.YAMLError):
+                return None
+            section = loaded.get("data") if isinstance(loaded, dict) else None
+            if isinstance(section, dict):
+                data.update(section)
+        elif key.startswith("--data."):
+            try:
+                data[key[len("--data."):]] = yaml.safe_load(value)
+            except yaml.YAMLError:
+                return None
+    staleness, threads = data.get("max_staleness", 0), data.get("generator_threads", 1)
+    if not (isinstance(staleness, int) and isinstance(threads, int)) or staleness <= 0 or threads < 1:
+        return None
+    if "lmdeploy" in str(data.get("rollout", "")).lower():
+        return None
+    return staleness, threads
+
+
+def from_argv(argv: list[str]) -> None:
+    """``rlflow fit ...``: start the generator worker now when the command line says the run is pipelined."""
+    predicted = predict(argv)
+    if predicted is not None:
+        start(predicted[1])

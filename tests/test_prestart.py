@@ -1,0 +1,79 @@
+"""``rlflow fit`` starting a pipelined run's generator process before it imports Lightning
+(``rlflow.rollout.prestart``): what it predicts from the command line, and the hand-over of the early worker.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rlflow.rollout import prestart
+
+
+@pytest.fixture
+def config(tmp_path):
+    def write(text: str):
+        path = tmp_path / f"c{len(list(tmp_path.iterdir()))}.yaml"
+        path.write_text(text)
+        return str(path)
+
+    return write
+
+
+def test_predicts_the_staleness_and_threads_a_fit_command_sets(config):
+    pipelined = config("model: {lr: 1.0e-4}\ndata:\n  max_staleness: 1\n  generator_threads: 1\n")
+    plain = config("data: {prompt_repeat_k: 8}\n")
+    assert prestart.predict(["--config", pipelined]) == (1, 1)
+    assert prestart.predict([f"--config={pipelined}", "--trainer.max_steps=3"]) == (1, 1)
+    assert prestart.predict(["-c", plain]) is None  # the default: on-policy
+    assert prestart.predict(["--config", plain, "--data.max_staleness", "2", "--data.generator_threads=2"]) == (2, 2)
+    # the last word wins, as in jsonargparse: a later file or override
+    assert prestart.predict(["--config", pipelined, "--data.max_staleness=0"]) is None
+    assert prestart.predict(["--config", pipelined, "--config", plain]) == (1, 1)  # plain leaves the key alone
+    assert prestart.predict(["--config", pipelined, "--config", config("data: {max_staleness: 0}\n")]) is None
+    # a flag without a value does not swallow the next option
+    assert prestart.predict(["--print_config", "--config", pipelined]) == (1, 1)
+
+
+def test_predicts_nothing_it_cannot_read_or_that_needs_no_process(config):
+    assert prestart.predict(["--config", "/no/such/file.yaml", "--data.max_staleness=1"]) is None
+    assert prestart.predict(["--config", config("data: [unclosed\n")]) is None
+    assert prestart.predict(["--data.max_staleness=one"]) is None
+    assert prestart.predict(["--data.max_staleness=1", "--data.generator_threads=0"]) is None
+    # lmdeploy sends its requests from a thread: no generator process
+    assert prestart.predict(["--data.max_staleness=1", "--data.rollout=lmdeploy"]) is None
+    lmdeploy = config("data:\n  max_staleness: 1\n  rollout: {class_path: rlflow.rollout.lmdeploy.LMDeployRollout}\n")
+    assert prestart.predict(["--config", lmdeploy]) is None
+
+
+def test_the_early_worker_is_handed_out_once_to_a_generator_with_its_threads():
+    prestart.start(1)
+    try:
+        early = prestart.adopt(1)
+        assert early is not None and early[0].is_alive()
+        assert prestart.adopt(1) is None  # once
+    finally:
+        prestart._stop(early[0], early[1])
+    assert not early[0].is_alive()
+    prestart.start(2)
+    process = prestart._EARLY[0]
+    assert prestart.adopt(1) is None  # other threads: stopped, the caller starts its own
+    assert not process.is_alive()
+    prestart.start(1)
+    process = prestart._EARLY[0]
+    prestart.discard()  # the parsed config does not pipeline
+    assert not process.is_alive() and prestart._EARLY is None
+
+
+def test_rlflow_fit_starts_the_worker_before_lightnings_cli(monkeypatch, config):
+    import rlflow.cli
+    from rlflow import entry
+
+    calls = []
+    monkeypatch.setattr(prestart, "start", lambda threads: calls.append(("start", threads)))
+    monkeypatch.setattr(rlflow.cli, "main", lambda argv=None: calls.append(("cli", argv)) or 0)
+    pipelined = config("data: {max_staleness: 1, generator_threads: 1}\n")
+    assert entry.main(["fit", "--config", pipelined]) == 0
+    assert calls == [("start", 1), ("cli", ["fit", "--config", pipelined])]
+    calls.clear()
+    assert entry.main(["validate", "--config", pipelined]) == 0  # only fit trains
+    assert calls == [("cli", ["validate", "--config", pipelined])]
