@@ -25,7 +25,7 @@ import multiprocessing as mp
 import time
 from typing import Any
 
-from rlflow.rollout.worker import _worker
+from rlflow.rollout.worker import worker_main
 
 #: The worker started early and not adopted yet: (process, jobs queue, results queue, running event, start time,
 #: torch threads).
@@ -40,7 +40,7 @@ def start(threads: int) -> None:
     ctx = mp.get_context("spawn")
     jobs, results, running = ctx.Queue(), ctx.Queue(), ctx.Event()
     running.set()
-    process = ctx.Process(target=_worker, name="rlflow-generator", daemon=True,
+    process = ctx.Process(target=worker_main, name="rlflow-generator", daemon=True,
                           args=(threads, jobs, results, None, running))
     started = time.perf_counter()
     process.start()

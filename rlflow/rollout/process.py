@@ -46,7 +46,7 @@ import torch
 import torch.multiprocessing as mp
 
 from rlflow.rollout import prestart
-from rlflow.rollout.worker import Job, JobResult, _worker, plain_groups
+from rlflow.rollout.worker import Job, JobResult, plain_groups, worker_main
 
 __all__ = ["GeneratorProcess", "Job", "JobResult", "ThreadGenerator", "copy_weights", "generator_copy", "plain_groups"]
 
@@ -112,7 +112,7 @@ class GeneratorProcess:
             self.results = ctx.Queue()
             self.running = ctx.Event()
             self.running.set()
-            self.process = ctx.Process(target=_worker, name="rlflow-generator", daemon=True,
+            self.process = ctx.Process(target=worker_main, name="rlflow-generator", daemon=True,
                                        args=(threads, self.jobs, self.results, tokenizer_path, self.running))
             self.started_at = time.perf_counter()
             self.process.start()

@@ -1,7 +1,7 @@
 """The generator process's side of pipelined generation: the jobs it runs and its main loop.
 
-:func:`_worker` is the process's entry point (started by :class:`~rlflow.rollout.process.GeneratorProcess`, or
-early by :mod:`rlflow.rollout.prestart`): it imports what generation needs, waits for the shared-memory copy of
+:func:`worker_main` is the process's entry point (started by
+:class:`~rlflow.rollout.process.GeneratorProcess`, or early by :mod:`rlflow.rollout.prestart`): it imports what generation needs, waits for the shared-memory copy of
 the policy, builds the rollout backend on it and runs :class:`Job` after :class:`Job` (:func:`run_job`), answering
 with a :class:`JobResult` of plain lists. A job is seeded, so its completions depend only on the weights, the
 prompts and the seed. Two hooks run between the engine's decode iterations: a hold while the trainer has the
@@ -171,7 +171,7 @@ def _load_tokenizer(path: str) -> Any:
     return pad_with_eos(AutoTokenizer.from_pretrained(path))
 
 
-def _worker(threads: int, jobs: Any, results: Any, tokenizer_path: str | None = None, running: Any = None) -> None:
+def worker_main(threads: int, jobs: Any, results: Any, tokenizer_path: str | None = None, running: Any = None) -> None:
     """The worker process: import what generation needs (and load the tokenizer, if given), wait for the shared
     model, build the backend on it, then run jobs until told to stop (held while ``running`` is cleared)."""
     parent = mp.parent_process()
