@@ -1,8 +1,8 @@
 """The generator process's side of pipelined generation: the jobs it runs and its main loop.
 
-:func:`worker_main` is the process's entry point (started by
-:class:`~rlflow.rollout.process.GeneratorProcess`, or early by :mod:`rlflow.rollout.prestart`): it imports what generation needs, waits for the shared-memory copy of
-the policy, builds the rollout backend on it and runs :class:`Job` after :class:`Job` (:func:`run_job`), answering
+:func:`worker_main` is the process's entry point (started by :class:`~rlflow.rollout.process.GeneratorProcess`,
+or early by :mod:`rlflow.rollout.prestart`): it imports what generation needs, waits for the shared-memory copy
+of the policy, builds the rollout backend on it and runs :class:`Job` after :class:`Job` (:func:`run_job`), answering
 with a :class:`JobResult` of plain lists. A job is seeded, so its completions depend only on the weights, the
 prompts and the seed. Two hooks run between the engine's decode iterations: a hold while the trainer has the
 cores (:func:`_pause_hook`) and, for partial rollouts, the swap to new weights (:func:`_swap_hook`).
