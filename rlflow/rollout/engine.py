@@ -646,6 +646,7 @@ class EngineRollout(CallKeys, RolloutBackend):
                      decoder: FusedDecoder | None = None) -> torch.Tensor:
         state.begin_step()
         if decoder is not None:
+            decoder.prepack(pending.shape[0])  # the large matrices in the CPU GEMM's layout, once (bit-identical)
             def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
                 state.write(layer, k[:, :, 0], v[:, :, 0])
                 return state.attend(layer, q, scaling).reshape(q.shape[0], -1)
