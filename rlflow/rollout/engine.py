@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, DynamicCache
 
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams, UnsupportedModelError
+from rlflow.rollout.buffers import VocabBuffers
 from rlflow.rollout.continuation import SessionCache, merge_prefills, prefill_on_caches, row_caches
 from rlflow.rollout.draws import CallKeys, RowDraws
 from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsupported_reason
@@ -396,7 +397,7 @@ def common_prefix_len(prompts: list[list[int]]) -> int:
 
 def sample_tokens(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-    uniform: torch.Tensor | None = None,
+    uniform: torch.Tensor | None = None, buffers: VocabBuffers | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` (``[rows, vocab]``); return ``(tokens, logprobs)``.
 
@@ -405,11 +406,19 @@ def sample_tokens(
     (top-k keeps ties with the k-th value; top-p keeps the smallest set of best tokens whose mass reaches
     ``top_p``, as transformers' warpers do). ``uniform`` (``[rows]`` float64 in ``[0, 1)``, e.g. the engine's
     counter-based draws of :mod:`rlflow.rollout.draws`) gives each row's uniform; without it they are drawn from
-    ``generator`` (torch's global one when None).
+    ``generator`` (torch's global one when None). ``buffers`` (the engine's, per serve call) holds the
+    ``[rows, vocab]`` intermediates (:mod:`rlflow.rollout.buffers`: the same values, without allocating them anew
+    every step).
     """
+    if buffers is not None and logits.dtype != torch.float32:
+        logits = buffers.get("logits", logits, torch.float32).copy_(logits)
     logits = logits.float()
     temperature = params.temperature if not params.greedy else 1.0
-    logp = torch.log_softmax(logits / temperature if temperature != 1.0 else logits, dim=-1)
+    scaled = logits / temperature if temperature != 1.0 else logits
+    if buffers is None:
+        logp = torch.log_softmax(scaled, dim=-1)
+    else:  # log_softmax's own kernel, into the buffer
+        logp = torch.ops.aten._log_softmax.out(scaled, -1, False, out=buffers.get("logp", scaled))
     if params.greedy:
         tokens = logits.argmax(dim=-1)
     else:
@@ -426,7 +435,11 @@ def sample_tokens(
         # inverse-CDF sampling: one uniform per row (multinomial draws one exponential per vocabulary entry);
         # the CDF in float64 so that the tail of a large vocabulary keeps its mass. u is in (0, total], and the
         # first index whose CDF reaches u always has positive mass (a token of zero mass repeats the CDF before it)
-        cdf = torch.cumsum(filtered.exp(), dim=-1, dtype=torch.float64)
+        if buffers is None:
+            cdf = torch.cumsum(filtered.exp(), dim=-1, dtype=torch.float64)
+        else:  # the same values: exp, widened exactly to float64, scanned in place
+            probs = torch.exp(filtered, out=buffers.get("probs", filtered))
+            cdf = buffers.get("cdf", probs, torch.float64).copy_(probs).cumsum_(-1)
         if uniform is None:
             uniform = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=torch.float64)
         else:
@@ -699,6 +712,7 @@ class EngineRollout(CallKeys, RolloutBackend):
         stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
         decoder = self._fused_decoder(model, device)
         self._decoder = decoder
+        buffers = VocabBuffers()  # the sampler's [rows, vocab] intermediates, reused step after step
         session = self.session
         waiting: deque = deque()  # (request id, request, kept cache hit or None)
         requests: dict[int, DecodeRequest] = {}  # admitted requests not finished yet
@@ -760,7 +774,7 @@ class EngineRollout(CallKeys, RolloutBackend):
                                                                                 for _ in range(n)])
                         uniform = None if params.greedy else lane.draws.draw(device, offset)
                         tokens, lps = sample_tokens(logits.repeat_interleave(n, dim=0) if n > 1 else logits, params,
-                                                    uniform=uniform)
+                                                    uniform=uniform, buffers=buffers)
                         lane.state.add_groups([i for i, _, _ in chunk], keys, values, mask)
                         new_pos = torch.tensor([len(r.ids) for _, r, _ in chunk], device=device).repeat_interleave(n)
                         lane.pos = new_pos if lane.pos is None else torch.cat([lane.pos, new_pos])
@@ -776,13 +790,13 @@ class EngineRollout(CallKeys, RolloutBackend):
                         lane = active[0]
                         logits = self._decode_step(lane.state, lane.pending, lane.pos, decoder)
                         uniform = None if params.greedy else lane.draws.draw(device)
-                        parts = [sample_tokens(logits, params, uniform=uniform)]
+                        parts = [sample_tokens(logits, params, uniform=uniform, buffers=buffers)]
                     else:
                         state = LaneStates([lane.state for lane in active])
                         logits = self._decode_step(state, torch.cat([lane.pending for lane in active]),
                                                    torch.cat([lane.pos for lane in active]), decoder)
                         uniform = None if params.greedy else torch.cat([lane.draws.draw(device) for lane in active])
-                        tokens, lps = sample_tokens(logits, params, uniform=uniform)
+                        tokens, lps = sample_tokens(logits, params, uniform=uniform, buffers=buffers)
                         parts = list(zip(tokens.split(state.sizes), lps.split(state.sizes)))
                     for lane, (tokens, lps) in zip(active, parts):
                         lane.pos, lane.pending = lane.pos + 1, tokens
