@@ -1,6 +1,6 @@
 """Reused ``[rows, vocabulary]`` buffers for the engine's sampler (:func:`rlflow.rollout.engine.sample_tokens`).
 
-Why: every decode step turns the logits into log-probs, probabilities and a float64 CDF, each a fresh
+Why: every decode step turns the logits into log-probs and probabilities, each a fresh
 ``[rows, vocabulary]`` tensor (~6-13 MB at 32 rows of a 49k vocabulary). Blocks that large come from the C
 allocator's ``mmap``, so every step page-faults them in and unmaps them again; on SmolLM2-135M that is several
 milliseconds of a ~70 ms bfloat16 decode step. Writing the same kernels' results into buffers kept for the

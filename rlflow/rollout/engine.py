@@ -432,21 +432,55 @@ def sample_tokens(
             before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
             drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= params.top_p)
             filtered = filtered.masked_fill(drop, float("-inf"))
-        # inverse-CDF sampling: one uniform per row (multinomial draws one exponential per vocabulary entry);
-        # the CDF in float64 so that the tail of a large vocabulary keeps its mass. u is in (0, total], and the
-        # first index whose CDF reaches u always has positive mass (a token of zero mass repeats the CDF before it)
-        if buffers is None:
-            cdf = torch.cumsum(filtered.exp(), dim=-1, dtype=torch.float64)
-        else:  # the same values: exp, widened exactly to float64, scanned in place
-            probs = torch.exp(filtered, out=buffers.get("probs", filtered))
-            cdf = buffers.get("cdf", probs, torch.float64).copy_(probs).cumsum_(-1)
+        # inverse-CDF sampling: one uniform per row (multinomial draws one exponential per vocabulary entry)
+        probs = filtered.exp() if buffers is None else torch.exp(filtered, out=buffers.get("probs", filtered))
         if uniform is None:
-            uniform = torch.rand((cdf.shape[0], 1), generator=generator, device=cdf.device, dtype=torch.float64)
+            uniform = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=torch.float64)
         else:
-            uniform = uniform.to(device=cdf.device, dtype=torch.float64).view(-1, 1)
-        u = (1.0 - uniform) * cdf[:, -1:]
-        tokens = torch.searchsorted(cdf, u).squeeze(-1)
+            uniform = uniform.to(device=probs.device, dtype=torch.float64).view(-1, 1)
+        tokens = inverse_cdf(probs, uniform, buffers)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+CDF_BLOCK = 256  # vocabulary entries per block of the two-level CDF
+
+
+def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor, buffers: VocabBuffers | None = None) -> torch.Tensor:
+    """Per row of ``probs`` (``[rows, vocab]``, unnormalised, >= 0, some positive), the first index whose CDF (in
+    float64, so that the tail of a large vocabulary keeps its mass) reaches ``u = (1 - uniform) * total``;
+    ``uniform`` is ``[rows, 1]`` float64 in ``[0, 1)``, so ``u`` is in ``(0, total]`` and the index found has
+    positive mass (a token of zero mass repeats the CDF before it).
+
+    A vocabulary over ``4 * CDF_BLOCK`` entries takes two levels: float64 sums of blocks of :data:`CDF_BLOCK`
+    entries, their cumulative sum (which block ``u`` falls in), then the cumulative sum of that one block, instead
+    of a sequential float64 scan of the whole vocabulary (~3x less time and memory traffic on a 49k vocabulary).
+    The block sums add in another order than the scan, so a boundary of the CDF moves by float64 rounding
+    (~1e-16 relative): the token differs from the whole scan's only when ``u`` lands within that distance of a
+    boundary, or for ``uniform`` exactly 0 (``u`` the total, where tokens whose mass is below the total's last
+    bit leave either CDF flat at different places): probabilities of ~1e-13 and 2**-53 per draw. Where rounding
+    leaves ``u`` just past the chosen block's own scan, the block's last token of positive mass is taken.
+    ``buffers`` holds the float64 copy of ``probs`` the block sums read (allocated per call without it).
+    """
+    rows, vocab = probs.shape
+    if vocab <= 4 * CDF_BLOCK:
+        cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
+        return torch.searchsorted(cdf, (1.0 - uniform) * cdf[:, -1:]).squeeze(-1)
+    block, full = CDF_BLOCK, vocab // CDF_BLOCK
+    wide = probs.double() if buffers is None else buffers.get("probs64", probs, torch.float64).copy_(probs)
+    sums = wide[:, : full * block].reshape(rows, full, block).sum(-1)
+    if full * block < vocab:
+        sums = torch.cat([sums, wide[:, full * block:].sum(-1, keepdim=True)], dim=1)
+    cum = sums.cumsum_(-1)  # [rows, blocks]
+    u = (1.0 - uniform) * cum[:, -1:]
+    b = torch.searchsorted(cum, u).clamp_(max=cum.shape[1] - 1)  # the block u falls in (it has positive mass)
+    start = cum.gather(1, (b - 1).clamp(min=0)).masked_fill_(b == 0, 0.0)  # the CDF before that block
+    offsets = torch.arange(block, device=probs.device)
+    cols = b * block + offsets  # [rows, block]
+    mass = probs.gather(1, cols.clamp(max=vocab - 1)).masked_fill_(cols >= vocab, 0.0)
+    inner = mass.to(torch.float64).cumsum_(-1).add_(start)
+    j = torch.searchsorted(inner, u).clamp_(max=block - 1)
+    last_positive = torch.where(mass > 0, offsets, -1).cummax(-1).values  # guard: j of zero mass -> the one before
+    return (b * block + last_positive.gather(1, j)).squeeze(-1)
 
 
 class EngineRollout(CallKeys, RolloutBackend):
