@@ -10,7 +10,9 @@ before q/k/v, gate/up and the head are folded into those matrices and the attent
 RMSNorm weight); the rotary cos/sin come from a table built once per decoder (positions looked up, not
 recomputed), and ``rotate_half(x) * sin`` is ``roll(x, dim / 2) * (sign * sin)``, exactly. Each fold moves one
 float rounding, so logits agree with the model's forward to float32 precision; other dtypes keep the model's
-own order of operations.
+own order of operations. On a CPU the engine has the large matrices packed once per decoder in the GEMM library's
+own layout at its first decode step (:meth:`FusedDecoder.prepack`, :mod:`rlflow.rollout.prepack`; the products
+are bit-identical, the per-call repacking of the weight operand is gone).
 
 With ``dtype`` (:class:`FusedDecoder`'s argument; the engine's ``dtype`` option) the decoder computes in another
 dtype than the live weights': its weight copies are made in that dtype (bfloat16 copies of float32 master
