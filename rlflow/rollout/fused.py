@@ -10,7 +10,9 @@ before q/k/v, gate/up and the head are folded into those matrices and the attent
 RMSNorm weight); the rotary cos/sin come from a table built once per decoder (positions looked up, not
 recomputed), and ``rotate_half(x) * sin`` is ``roll(x, dim / 2) * (sign * sin)``, exactly. Each fold moves one
 float rounding, so logits agree with the model's forward to float32 precision; other dtypes keep the model's
-own order of operations.
+own order of operations. On a CPU the engine has the large matrices packed once per decoder in the GEMM library's
+own layout at its first decode step (:meth:`FusedDecoder.prepack`, :mod:`rlflow.rollout.prepack`; the products
+are bit-identical, the per-call repacking of the weight operand is gone).
 
 With ``dtype`` (:class:`FusedDecoder`'s argument; the engine's ``dtype`` option) the decoder computes in another
 dtype than the live weights': its weight copies are made in that dtype (bfloat16 copies of float32 master
@@ -38,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from rlflow.lora import fold_problem, linear_weights
+from rlflow.rollout.prepack import PackedWeight, packable
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -61,14 +64,30 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
     return weight * normed.to(x.dtype)
 
 
-def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` with the weight stored transposed (``[in, out]``, contiguous: the faster layout for ``mm``)."""
+def _linear(x: torch.Tensor, weight_t: torch.Tensor | PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` with the weight stored transposed (``[in, out]``, contiguous: the faster layout for ``mm``), or
+    prepacked (:mod:`rlflow.rollout.prepack`; only matrices without a bias are)."""
+    if isinstance(weight_t, PackedWeight):
+        return weight_t.mm(x)
     return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
-def _residual(h: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _residual(h: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor | PackedWeight,
+              bias: torch.Tensor | None) -> torch.Tensor:
     """``h + F.linear(x, weight, bias)``; without a bias the residual add rides in the matrix product (addmm)."""
+    if isinstance(weight_t, PackedWeight):
+        return weight_t.addmm(h, x)
     return torch.addmm(h, x, weight_t) if bias is None else h + torch.addmm(bias, x, weight_t)
+
+
+def _packed(weight_t: torch.Tensor | PackedWeight, bias: torch.Tensor | None, rows: int,
+            residual: bool = False) -> torch.Tensor | PackedWeight:
+    """``weight_t`` packed for products of ``rows`` rows where :mod:`rlflow.rollout.prepack` packs it exactly (no
+    bias; a float32 residual product stays ``addmm``), else as it is."""
+    plain = weight_t.weight_t if isinstance(weight_t, PackedWeight) else weight_t
+    if bias is not None or not packable(plain) or (residual and plain.dtype == torch.float32):
+        return plain
+    return PackedWeight(plain, rows)
 
 
 def _cat(*linears: tuple[torch.Tensor, torch.Tensor | None],
@@ -144,6 +163,13 @@ class _Layer:
         if self.qk_norm is not None:
             self.qk_norm = (_cast(self.qk_norm[0], dtype), self.qk_norm[1])
 
+    def pack(self, rows: int) -> None:
+        """Prepack the layer's matrices for products of ``rows`` rows (:func:`_packed`)."""
+        self.qkv_w = _packed(self.qkv_w, self.qkv_b, rows)
+        self.gate_up_w = _packed(self.gate_up_w, self.gate_up_b, rows)
+        self.o_w = _packed(self.o_w, self.o_b, rows, residual=True)
+        self.down_w = _packed(self.down_w, self.down_b, rows, residual=True)
+
 
 class FusedDecoder:
     """The decode-step forward of a supported decoder over its live weights (see the module docstring)."""
@@ -177,6 +203,21 @@ class FusedDecoder:
         self.lm_head_w = _transposed(self.lm_head_w, cast, physical=True)
         self.rope_table = getattr(self.rotary, "rope_type", "default") in STATIC_ROPE_TYPES
         self._table = None  # [positions, 2, dim]: cos, and sin with rotate_half's sign folded in
+        self.packed_rows = 0  # the row count the matrices are packed for (prepack); 0: not packed
+
+    def prepack(self, rows: int) -> None:
+        """Pack the large weight matrices once in the CPU GEMM library's layout (:mod:`rlflow.rollout.prepack`),
+        for decode steps of up to ``rows`` rows (float32: packed again for more rows; bfloat16 packs fit every
+        row count). Results are bit-identical to the unpacked products; a no-op where nothing packs."""
+        if self.packed_rows and (rows <= self.packed_rows or self.dtype != torch.float32):
+            return
+        if self.embed.device.type != "cpu":
+            return
+        for layer in self.layers:
+            layer.pack(rows)
+        if self.dtype == torch.float32:  # a 16-bit head is a physical transpose, whose mm rounds unlike oneDNN's
+            self.lm_head_w = _packed(self.lm_head_w, self.lm_head_b, rows)  # packed product: kept as it is
+        self.packed_rows = rows
 
     def _rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sign * sin`` ``[rows, 1, dim]`` at ``positions``, from the table (grown by doubling as needed)."""

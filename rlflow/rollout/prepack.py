@@ -1,0 +1,92 @@
+"""Prepacked weight matrices for the fused decoder's matrix products on a CPU (:mod:`rlflow.rollout.fused`).
+
+Why: a decode step multiplies a few dozen rows by every weight matrix of the model, and a CPU GEMM library
+(MKL for float32, oneDNN for bfloat16 ``mm``) first repacks the weight operand into its blocked layout on every
+call. At these sizes that repacking is a good part of a step: on SmolLM2-135M with 32 rows, one thread, the
+matrix products of a step take ~114 ms in float32 and ~44 ms in bfloat16 with plain ``torch.mm``, ~84 ms and
+~31 ms with weights packed once (``tools/bench_rollout.py`` shows the effect on a whole rollout). This module
+packs a matrix once per :class:`~rlflow.rollout.fused.FusedDecoder` (whose weight copies are made once per set
+of weights anyway) with the kernels torch's own CPU inference paths use:
+
+* float32: MKL's packed GEMM (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``_mkl_linear``), packed for one
+  row count; a product with fewer rows is padded with zero rows to it (row ``i`` of the result does not depend
+  on the other rows), one with more rows runs unpacked ``torch.mm``. Its results are bit-identical to
+  ``torch.mm`` with the transposed weight (``tests/test_prepack.py`` checks it), so the engine samples the same
+  tokens. Only products without a bias or residual are packed: MKL's ``addmm`` accumulates its addend inside
+  the blocked sum, which a packed product followed by an add would round differently.
+* bfloat16: oneDNN's prepacked linear (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``),
+  usable for any row count, with the residual add as its ``add`` post-op; bit-identical to ``torch.mm`` /
+  ``torch.addmm`` with the same weight as a transposed view of a ``[out, in]`` matrix (checked by the same test),
+  which is how the decoder holds its 16-bit layer weights. Its 16-bit LM head is a physically transposed copy,
+  whose ``mm`` takes another kernel path and rounds differently at some row counts, so it stays unpacked (it
+  would save ~1.4 of ~9 ms per step on SmolLM2-135M).
+
+Simplifications: CPU only, and only where torch was built with MKL (float32) or oneDNN (bfloat16); other
+dtypes and devices keep ``torch.mm``. Matrices under :data:`MIN_NUMEL` entries stay unpacked (a small matrix
+stays in cache, where packing saves nothing; the tiny demo model is all small matrices). A packed copy is extra
+memory beside the decoder's own copy (MKL's float32 buffer is about twice the matrix's bytes), held as long as
+the decoder.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MIN_NUMEL = 1 << 18  # entries of the smallest matrix worth packing (576 x 576 is 331,776)
+
+
+def _available(dtype: torch.dtype) -> bool:
+    """Whether this torch has the CPU packed-GEMM kernels for ``dtype``."""
+    if dtype == torch.float32:
+        return bool(getattr(torch._C, "has_mkl", False)) and hasattr(torch.ops.mkl, "_mkl_linear")
+    if dtype == torch.bfloat16:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return False
+
+
+def packable(weight_t: torch.Tensor) -> bool:
+    """Whether ``weight_t`` (``[in, out]``) is a CPU matrix this module packs (dtype, size, kernels present)."""
+    return (weight_t.device.type == "cpu" and weight_t.dim() == 2 and weight_t.numel() >= MIN_NUMEL
+            and _available(weight_t.dtype))
+
+
+class PackedWeight:
+    """A weight matrix (``[in, out]``, as the fused decoder stores it) with a copy in the CPU GEMM library's
+    packed layout: ``x @ weight_t`` without repacking the weight on every call (see the module docstring)."""
+
+    def __init__(self, weight_t: torch.Tensor, rows: int) -> None:
+        """
+        Args:
+            weight_t: The matrix, ``[in, out]``; kept (the products it cannot pack use it).
+            rows: Row count of the products to pack for (float32 only: its packing is for one row count).
+        """
+        if not packable(weight_t):
+            raise ValueError(f"PackedWeight: cannot pack a {weight_t.dtype} {tuple(weight_t.shape)} matrix on "
+                             f"{weight_t.device} (float32 with MKL or bfloat16 with oneDNN, on a CPU)")
+        self.weight_t = weight_t
+        self.mkl = weight_t.dtype == torch.float32
+        self.rows = rows
+        if self.mkl:
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight_t.t().contiguous(), rows)
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t(), rows)
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ weight_t`` (``x`` ``[rows', in]``), bit-identical to ``torch.mm(x, weight_t)``."""
+        if not self.mkl:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        rows = x.shape[0]
+        if rows > self.rows or x.dtype != torch.float32:
+            return torch.mm(x, self.weight_t)
+        if rows < self.rows:  # zero rows to the packed count (each row's result depends on that row alone)
+            padded = x.new_zeros((self.rows, x.shape[1]))
+            padded[:rows] = x
+            return torch.ops.mkl._mkl_linear(padded, self.packed, self.weight_t.t(), None, self.rows)[:rows]
+        return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.weight_t.t(), None, self.rows)
+
+    def addmm(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``h + x @ weight_t``, bit-identical to ``torch.addmm(h, x, weight_t)`` (float32: unpacked, see the
+        module docstring)."""
+        if self.mkl:
+            return torch.addmm(h, x, self.weight_t)
+        return torch.ops.mkldnn._linear_pointwise.binary(x, h, self.packed, None, "add")
