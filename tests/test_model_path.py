@@ -69,9 +69,12 @@ def test_hub_id_still_goes_to_from_pretrained_when_the_hub_answers(monkeypatch, 
 
     monkeypatch.setattr(model_path, "hub_reachable", lambda *a, **k: True)
     calls = []
+    # the config the hub would answer with (a real request would spend ~20 s in retries on a machine without it)
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained",
+                        lambda path, **kw: calls.append(("config", path)) or transformers.Qwen3Config())
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", lambda path, **kw: calls.append(path))
     load_causal_lm("Qwen/Qwen3-8B")
-    assert calls == ["Qwen/Qwen3-8B"]
+    assert calls == [("config", "Qwen/Qwen3-8B"), "Qwen/Qwen3-8B"]
 
 
 def test_cached_hub_id_needs_no_network(monkeypatch, no_hub):
