@@ -54,7 +54,7 @@ from rlflow.distributed import (
     world_size,
 )
 from rlflow.evaluation import EvalMetrics
-from rlflow.log import info
+from rlflow.log import info, warn
 from rlflow.logprobs import completion_logprobs
 from rlflow.lora import LoraSettings
 from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
@@ -89,6 +89,18 @@ def load_causal_lm(
         kwargs["attn_implementation"] = attn_implementation
     path = str(local) if local.exists() else path
     return model_auto_class(path).from_pretrained(path, **kwargs)
+
+
+def emulated_bf16(precision: str, device: torch.device) -> str | None:
+    """Why ``trainer.precision`` costs time on ``device``, or None: bf16 compute on a CPU that multiplies bf16 in
+    software (neither AMX nor AVX512-BF16; a 1024^3 bf16 product ran 4.2x slower than float32 on such a Xeon),
+    where a recipe written for one that has them (``configs/smollm2_gsm8k_cpu.yaml``) is better run in 32-true."""
+    from rlflow.rollout.engine import native_bf16
+
+    if not precision.startswith("bf16") or device.type != "cpu" or native_bf16(device):
+        return None
+    return (f"trainer.precision={precision} on a CPU without bf16 hardware (no AMX or AVX512-BF16): its bf16 matrix "
+            f"products are emulated, several times slower than float32; set --trainer.precision 32-true")
 
 
 def build_loss(loss: Any, settings: dict[str, Any], max_tokens: int) -> Any:
@@ -313,6 +325,9 @@ class GRPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if self.ref_model is not None and not self.sharded:  # a sharded reference already sits on its devices
             self.ref_model.to(self.device)
+        slow = emulated_bf16(str(self.trainer.precision), self.device)
+        if slow:
+            warn(slow)
         self.experience.bind(self.policy)
         self.check_pipelining(getattr(self.experience, "max_staleness", 0))
         self.packing_checked = resolve_packing(bool(self.hparams.get("packing")), [self.policy, self.ref_model],

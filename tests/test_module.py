@@ -43,3 +43,21 @@ def test_the_reference_model_follows_the_losss_kl_coef(tiny_model):
     assert with_kl.uses_reference and with_kl.hparams.kl_coef is None
     assert not GRPOModule(str(tiny_model), loss="grpo").uses_reference
     assert GRPOModule(str(tiny_model), kl_coef=0.02).loss_fn.kl_coef == 0.02
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bf16_precision_on_a_cpu_without_bf16_hardware_is_named(monkeypatch, native):
+    import torch
+
+    import rlflow.rollout.engine as engine
+    from rlflow.module import emulated_bf16
+
+    monkeypatch.setattr(engine, "native_bf16", lambda device: native)
+    cpu = torch.device("cpu")
+    for precision in ("bf16-mixed", "bf16-true"):
+        message = emulated_bf16(precision, cpu)
+        assert (message is None) == native, message
+        if message:
+            assert f"trainer.precision={precision}" in message and "--trainer.precision 32-true" in message
+    assert emulated_bf16("32-true", cpu) is None and emulated_bf16("16-mixed", cpu) is None
+    assert emulated_bf16("bf16-mixed", torch.device("meta")) is None  # not a CPU: not this check's business

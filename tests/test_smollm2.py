@@ -17,6 +17,8 @@ import torch
 from conftest import ROOT
 from test_engine import assert_logprobs_match_a_full_forward
 
+from rlflow.rollout.engine import native_bf16
+
 pytestmark = pytest.mark.slow
 DATA = ROOT / "tests" / "data" / "train_example.jsonl"
 
@@ -106,7 +108,7 @@ def test_bf16_engine_logprobs_are_within_bf16_rounding_on_the_real_model(model_a
     assert to_half.mean() <= 2 * float_to_half.mean() and to_half.max() <= 2 * float_to_half.max()
 
 
-def test_the_shipped_cpu_config_trains_a_step_on_the_real_model_and_the_export_reloads(smollm2, tmp_path):
+def test_the_shipped_cpu_config_trains_a_step_on_the_real_model_and_the_export_reloads(smollm2, tmp_path, caplog):
     """configs/smollm2_gsm8k_cpu.yaml as shipped (4 prompts x 4, up to 64 tokens), one rollout step; the reward is
     the share of digits instead of GSM8K correctness, which this 135M model rarely reaches (all-zero groups give
     no gradient, and the check that the bf16-computed update lands in the float32 weights needs one)."""
@@ -123,6 +125,9 @@ def test_the_shipped_cpu_config_trains_a_step_on_the_real_model_and_the_export_r
     # bf16 compute (autocast training, bf16 decoding copies where the CPU has bf16 units) over float32 master
     # weights: the lr-1e-6 update still reaches most weights (in bf16 parameters it would round away)
     assert cli.trainer.precision == "bf16-mixed" and cli.datamodule.backend.dtype == "auto"
+    # on a CPU that multiplies bf16 in software the run says so, and how to avoid it
+    emulated = [r.message for r in caplog.records if "bf16 matrix products are emulated" in r.message]
+    assert len(emulated) == (0 if native_bf16(torch.device("cpu")) else 1), emulated
     assert all(p.dtype == torch.float32 for p in cli.model.policy.parameters())
     with open(Path(cli.trainer.log_dir) / "metrics.csv") as f:
         fractions = [float(r["optim/update_fraction"]) for r in csv.DictReader(f) if r.get("optim/update_fraction")]
