@@ -7,8 +7,9 @@ load from other processes hits both alike, each as its own ``rlflow fit`` proces
 loading excluded, the generator process's start-up included); "after step 0" leaves the first step out. Prints
 each run (with its first step's time, when the generator process was ready and the load average), every reward
 curve, the staleness figures, the reward gain (mean of the last 5 steps minus the first 5) per seed with the
-mean and spread of the difference to the on-policy run, and on its last line the ratio of the medians
-(max_staleness 1 over 0) with the load before and after. Runs are deterministic for a seed, so repeats only
+mean and spread of the difference to the on-policy run, the ratio of each repeat's runs (back to back, so robust
+to the machine's speed drifting between repeats) and on its last line the ratio of the medians (max_staleness 1
+over 0) with the load before and after. Runs are deterministic for a seed, so repeats only
 re-measure time; ``--seeds`` measures the reward-gain noise.
 
     python tools/bench_pipeline.py --config configs/demo_cpu.yaml --steps 50 --repeats 2 --seeds 0 1 2
@@ -177,6 +178,11 @@ def main() -> None:
         for key, label in (("steady_tokens_per_s", "after step 0"), ("tokens_per_s", "whole run")):
             print(f"{name} / {base} completion tokens/s, {label}: {median(name, key) / median(base, key):.2f}x "
                   f"({median(name, key):.0f} vs {median(base, key):.0f})")
+    for name in names[1:]:  # each repeat's runs ran back to back: robust to the machine's speed drifting between
+        pairs = [a["tokens_per_s"] / b["tokens_per_s"]  # repeats (on a shared host it moves by 10-40% in minutes)
+                 for s in args.seeds for a, b in zip(results[name][s], results[base][s])]
+        print(f"{name} / {base} completion tokens/s, whole run, paired by repeat: median "
+              f"{statistics.median(pairs):.2f}x (each: {', '.join(f'{p:.2f}x' for p in pairs)})")
     print(f"max_staleness=1 / max_staleness=0 completion tokens/s: "
           f"{median(names[1], 'tokens_per_s') / median(base, 'tokens_per_s'):.2f}x "
           f"({median(names[1], 'tokens_per_s'):.0f} vs {median(base, 'tokens_per_s'):.0f}; {before} before, "
