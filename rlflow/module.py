@@ -100,7 +100,7 @@ def emulated_bf16(precision: str, device: torch.device) -> str | None:
     if not precision.startswith("bf16") or device.type != "cpu" or native_bf16(device):
         return None
     return (f"trainer.precision={precision} on a CPU without bf16 hardware (no AMX or AVX512-BF16): its bf16 matrix "
-            f"products are emulated, several times slower than float32; set --trainer.precision 32-true")
+            "products are emulated, several times slower than float32; set --trainer.precision 32-true")
 
 
 def build_loss(loss: Any, settings: dict[str, Any], max_tokens: int) -> Any:

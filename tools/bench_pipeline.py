@@ -178,8 +178,9 @@ def main() -> None:
         for key, label in (("steady_tokens_per_s", "after step 0"), ("tokens_per_s", "whole run")):
             print(f"{name} / {base} completion tokens/s, {label}: {median(name, key) / median(base, key):.2f}x "
                   f"({median(name, key):.0f} vs {median(base, key):.0f})")
-    for name in names[1:]:  # each repeat's runs ran back to back: robust to the machine's speed drifting between
-        pairs = [a["tokens_per_s"] / b["tokens_per_s"]  # repeats (on a shared host it moves by 10-40% in minutes)
+        # each repeat's runs ran back to back: robust to the machine's speed drifting between repeats (on a shared
+        # host it moves by 10-40% in minutes)
+        pairs = [a["tokens_per_s"] / b["tokens_per_s"]
                  for s in args.seeds for a, b in zip(results[name][s], results[base][s])]
         print(f"{name} / {base} completion tokens/s, whole run, paired by repeat: median "
               f"{statistics.median(pairs):.2f}x (each: {', '.join(f'{p:.2f}x' for p in pairs)})")
