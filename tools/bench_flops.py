@@ -31,7 +31,9 @@ the engine decoding through bf16 copies of the weights (``data.rollout.init_args
 
 ``--profile`` prints torch.profiler's top operators of one training pass and one engine rollout: where the time
 that is not matrix products goes. Simplifications: CPU or one device, float32, no packing in the training phase
-(packing changes which tokens are padded, not the FLOPs per real token).
+(packing changes which tokens are padded, not the FLOPs per real token). ``--device cuda`` runs every phase on the
+GPU (timings synchronised), against the GPU's own matmul peaks; ``--profile`` then still lists CPU-side operator
+time only.
 """
 
 from __future__ import annotations
@@ -74,18 +76,26 @@ def causal_pairs(length: int) -> int:
     return length * (length + 1) // 2
 
 
+def synchronize() -> None:
+    """Wait for the GPU's queued kernels (a no-op without CUDA), so a timing covers the work, not its launch."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def median_time(fn, repeats: int) -> float:
     fn()  # warm-up
     times = []
     for _ in range(repeats):
+        synchronize()
         start = time.perf_counter()
         fn()
+        synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
-def matmul_peak(size: int, repeats: int, dtype: torch.dtype = torch.float32) -> float:
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+def matmul_peak(size: int, repeats: int, dtype: torch.dtype = torch.float32, device: str = "cpu") -> float:
+    a, b = (torch.randn(size, size, dtype=dtype, device=device) for _ in range(2))
     seconds = min(median_time(lambda: a @ b, 1) for _ in range(repeats))
     return 2.0 * size**3 / seconds
 
@@ -114,6 +124,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peak-size", type=int, default=2048)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: model, batches and the peak's matmul on the GPU")
     ap.add_argument("--profile", action="store_true", help="print the top operators of training and decoding")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
@@ -132,21 +143,24 @@ def main(argv=None) -> dict:
     if not Path(args.model).exists():
         raise FileNotFoundError(f"--model {args.model} does not exist (tools/get_smollm2.py, tools/make_tiny_model.py)")
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device)
     tok = AutoTokenizer.from_pretrained(args.model)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     prompts = load_prompts(args.data, tok, max(args.seqs, args.prompts))
     threads = torch.get_num_threads()
 
-    peaks = {name: matmul_peak(args.peak_size, args.repeats, getattr(torch, name)) for name in ("float32", "bfloat16")}
+    where = f"{threads} threads" if args.device == "cpu" else args.device
+    peaks = {name: matmul_peak(args.peak_size, args.repeats, getattr(torch, name), args.device)
+             for name in ("float32", "bfloat16")}
     for name, value in peaks.items():
-        print(f"peak: {value / 1e9:.1f} GFLOP/s ({args.peak_size}^3 {name} matmul, {threads} threads)", flush=True)
+        print(f"peak: {value / 1e9:.1f} GFLOP/s ({args.peak_size}^3 {name} matmul, {where})", flush=True)
     peak = peaks[args.dtype]
     bf16 = args.dtype == "bfloat16"
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=bf16)
 
     # training: forward + backward of the completion log-probs, as a GRPO update runs them
     batch = training_batch(prompts[: args.seqs], args.completion, model.config.vocab_size, pad_id, args.seed)
+    batch = {k: v.to(args.device) for k, v in batch.items()}
     model.train()
 
     def train_pass():
@@ -202,8 +216,8 @@ def main(argv=None) -> dict:
             print(f"--- profile of one {name}")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
-    print(f"flops ({args.dtype}): peak {peak / 1e9:.1f} GFLOP/s ({args.peak_size}^3 {args.dtype} matmul, {threads} "
-          f"threads; float32 {peaks['float32'] / 1e9:.1f}, bfloat16 {peaks['bfloat16'] / 1e9:.1f}); training "
+    print(f"flops ({args.dtype}): peak {peak / 1e9:.1f} GFLOP/s ({args.peak_size}^3 {args.dtype} matmul, {where}; "
+          f"float32 {peaks['float32'] / 1e9:.1f}, bfloat16 {peaks['bfloat16'] / 1e9:.1f}); training "
           f"{train_rate / 1e9:.1f} GFLOP/s ({train_rate / peak:.2f} of peak); engine decode "
           f"{decode['engine'] / 1e9:.1f} GFLOP/s ({decode['engine'] / peak:.2f}); hf decode "
           f"{decode['hf'] / 1e9:.1f} GFLOP/s ({decode['hf'] / peak:.2f})")

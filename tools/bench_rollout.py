@@ -16,7 +16,8 @@ float32 weights (``EngineRollout(dtype="bfloat16")``, as in training) against ``
 bf16; ``--dtype both`` runs the float32 pair and the bf16 pair in one run (four backends, alternating) and prints
 a ratio line for each, plus bf16 engine over float32 ``generate``.
 
-Simplifications: CPU or a single device; prompts are the first ``--prompts`` rows of an XTuner/TRL jsonl file
+``--device cuda`` runs both on the GPU (their outputs are Python lists, so each timed rollout has finished its
+kernels). Simplifications: CPU or a single device; prompts are the first ``--prompts`` rows of an XTuner/TRL jsonl file
 rendered with the tokenizer's chat template (or given as plain strings); no warm-up beyond one discarded run; each
 timed run is ``--rollouts`` rollouts back to back (one rollout of the engine is only ~60 ms on 2 cores, short
 enough for scheduler noise to move a single timing by several per cent).
@@ -78,6 +79,7 @@ def main(argv=None) -> dict:
                     help="rollouts per timed run (a rollout of the engine is ~60 ms)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: both backends on the GPU")
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="float32",
                     help="precision of both sides: float32 weights, bf16 (engine: bf16 copies of float32 weights; "
                     "generate: the model cast to bf16), or both pairs in one run")
@@ -96,7 +98,7 @@ def main(argv=None) -> dict:
             f"--model {args.model} does not exist; build it with 'python tools/make_tiny_model.py --out {args.model}'"
         )
     torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_pretrained(args.model).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model).eval().to(args.device)
     tok = AutoTokenizer.from_pretrained(args.model)
     prompts = load_prompts(args.data, tok, args.prompts)
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
@@ -121,8 +123,9 @@ def main(argv=None) -> dict:
                   f"(mean length {statistics.mean(lengths):.1f}, max {max(lengths)})", flush=True)
     med = {name: statistics.median(v) for name, v in rates.items()}
     out: dict[str, float] = {f"{k}_tok_s": v for k, v in med.items()}
+    where = f"{torch.get_num_threads()} threads" if args.device == "cpu" else args.device
     print(f"settings: {args.prompts} prompts x {args.n}, {args.max_tokens} max tokens, T={args.temperature}, "
-          f"top_p {args.top_p}, top_k {args.top_k}; {torch.get_num_threads()} threads")
+          f"top_p {args.top_p}, top_k {args.top_k}; {where}")
     pairs = [("engine", "hf", "")] if "engine" in med else []
     if "engine-bf16" in med:
         pairs.append(("engine-bf16", "hf-bf16", "-bf16"))
@@ -134,7 +137,7 @@ def main(argv=None) -> dict:
         paired = statistics.median(e / h for e, h in zip(rates[fast], rates[anchor]))
         print(f"rollout {fast}/{anchor} speedup: {ratio:.2f}x ({fast} {med[fast]:.1f} tok/s, {anchor} "
               f"{med[anchor]:.1f} tok/s, median of {args.repeats} runs x {args.rollouts} rollouts; median of paired "
-              f"run ratios {paired:.2f}x; {torch.get_num_threads()} threads)")
+              f"run ratios {paired:.2f}x; {where})")
         out[f"ratio{label}"], out[f"paired_ratio{label}"] = ratio, paired
     return out
 

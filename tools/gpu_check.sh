@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# The GPU checks, in one run on a lent GPU machine (issue "A real pretrained model end to end, and speed at real
+# scale", point 6): the gpu-marked tests, the engine against model.generate on CUDA in float32 and bf16 (the tiny
+# model and a random-init model of Qwen3-0.6B's shape), achieved FLOP/s against the GPU's matmul peak, and rlflow
+# fit steps under FSDP2 on the GPU. Everything it prints also goes to $OUT/gpu_check.log, and each run's
+# metrics.csv to $OUT.
+#
+# The machine has no package index. Prepare it here, then start it through the device tool:
+#   bash tools/gpu_wheels.sh          # jsonargparse, transformers, ... as wheels in .whl/
+#   bash tools/demo.sh                # (or make_tiny_model.py) so checkpoints/tiny-qwen3 and checkpoints/arith exist
+#   device run: command "bash tools/gpu_check.sh", carry [".whl", "checkpoints/tiny-qwen3", "checkpoints/arith",
+#               "rlflow.egg-info"], timeout_s 560
+# It takes ~6-8 minutes on an H100. RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2 runs the same steps on a CPU, smaller
+# (a dry run of the script itself); a step that fails is reported and the rest still run; the exit status is 1 if
+# any failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu_check}
+mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+PY=${PYTHON:-python3}
+DEVICE=${RLFLOW_CHECK_DEVICE:-cuda}
+export PYTHONUNBUFFERED=1
+failed=()
+step() { echo; echo "=== $* ($(date +%T))"; }
+run() { "$@" || { echo "FAILED (exit $?): $*"; failed+=("$*"); }; }
+
+if [ "$DEVICE" = cuda ]; then
+  ACCELERATOR=gpu; TOKENS=128; STEPS=10; SHAPE_STEPS=3; PROMPTS=16
+else
+  ACCELERATOR=cpu; TOKENS=16; STEPS=2; SHAPE_STEPS=1; PROMPTS=4
+fi
+
+step "environment"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
+SITE=/tmp/rlflow-site
+if compgen -G ".whl/*.whl" >/dev/null && "$PY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))'; then
+  # the packages the image lacks (tools/gpu_wheels.sh; built for the image's Python 3.12)
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+fi
+export PYTHONPATH="$SITE:$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+if ! "$PY" -c "import transformers" 2>/dev/null; then
+  echo "the carried transformers does not import here; using the image's own"
+  rm -rf "$SITE"/transformers "$SITE"/transformers-*
+fi
+# rlflow's plugins are entry points: they need its metadata (rlflow.egg-info, carried, or an editable install)
+[ -d rlflow.egg-info ] || "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . \
+  || echo "no rlflow metadata: plugin names will not resolve"
+"$PY" - <<'EOF' || { echo "rlflow does not import; stopping"; exit 1; }
+import torch, transformers, lightning, jsonargparse, rlflow
+from rlflow import registry
+print(f"python torch {torch.__version__} transformers {transformers.__version__} lightning {lightning.__version__} "
+      f"jsonargparse {jsonargparse.__version__}; cuda {torch.cuda.is_available()}"
+      + (f" ({torch.cuda.get_device_name()}, bf16 {torch.cuda.is_bf16_supported()})" if torch.cuda.is_available() else ""))
+print("rollout backends:", ", ".join(sorted(registry.available("rlflow.rollout"))))
+EOF
+
+step "gpu-marked tests"
+run "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_gpu.py tests/test_reward_model.py \
+  tests/test_lmdeploy_rollout.py
+
+step "models: the tiny demo model, and a random-init model of Qwen3-0.6B's shape"
+if [ ! -f checkpoints/tiny-qwen3/config.json ]; then
+  run "$PY" tools/make_tiny_model.py --out checkpoints/tiny-qwen3 --data-out checkpoints/arith
+fi
+SHAPE=/tmp/qwen3-0.6b-shape
+run "$PY" tools/make_shape_model.py --shape qwen3-0.6b --out "$SHAPE" ${SHAPE_LAYERS:+--layers "$SHAPE_LAYERS"}
+
+step "rollout: engine vs model.generate, tiny model, float32 and bf16"
+run "$PY" tools/bench_rollout.py --device "$DEVICE" --dtype both --model checkpoints/tiny-qwen3 \
+  --prompts "$PROMPTS" --n 8 --max-tokens 32 --repeats 3 --rollouts 3
+
+step "rollout: engine vs model.generate, Qwen3-0.6B shape, float32 and bf16"
+run "$PY" tools/bench_rollout.py --device "$DEVICE" --dtype both --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
+  --max-tokens "$TOKENS" --repeats 3 --rollouts 1
+
+step "achieved FLOP/s against the matmul peak, Qwen3-0.6B shape, bf16"
+run "$PY" tools/bench_flops.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --seqs "$PROMPTS" \
+  --prompts "$PROMPTS" --n 8 --completion "$TOKENS" --repeats 3
+
+fit() {  # fit NAME STEPS ARGS...: an rlflow fit run on the demo config, its metrics.csv copied to $OUT/NAME.csv
+  local name=$1 steps=$2; shift 2
+  run "$PY" -m rlflow fit --config configs/demo_cpu.yaml --trainer.accelerator="$ACCELERATOR" \
+    --trainer.max_steps="$steps" --trainer.logger.init_args.save_dir="runs/gpu_check_$name" \
+    --model.export_hf=false --checkpoint.every_n_train_steps=0 --trainer.enable_progress_bar=false "$@"
+  local csv
+  csv=$(ls -t runs/gpu_check_"$name"/*/version_*/metrics.csv 2>/dev/null | head -1)
+  [ -n "$csv" ] && cp "$csv" "$OUT/$name.csv" && "$PY" tools/summarize_run.py "$(dirname "$csv")" | tail -3
+}
+
+step "rlflow fit: the demo config under FSDP2 (fsdp2_bf16, one rank)"
+fit demo_fsdp2 "$STEPS" --trainer.strategy=fsdp2_bf16 --trainer.precision=32-true
+
+step "rlflow fit: the demo config, bf16-mixed without FSDP (the engine decodes in bf16: dtype auto)"
+fit demo_bf16 "$STEPS" --trainer.precision=bf16-mixed --data.rollout=engine \
+  --data.rollout.init_args.dtype=auto
+
+step "rlflow fit: Qwen3-0.6B shape under FSDP2, $TOKENS new tokens, a dense reward"
+fit shape_fsdp2 "$SHAPE_STEPS" --model.model_path="$SHAPE" --trainer.strategy=fsdp2_bf16 \
+  --trainer.precision=32-true --data.max_tokens="$TOKENS" --data.eval_data_path=null --model.lr=1e-6 \
+  '--data.judgers={"*": "test_gpu:even_id_share"}'
+
+step "done"
+if [ ${#failed[@]} -gt 0 ]; then
+  printf 'failed: %s\n' "${failed[@]}"
+  exit 1
+fi
+echo "all steps passed"
