@@ -106,3 +106,25 @@ def test_usage_and_unreadable_sources(tmp_path, capsys):
     assert "usage: rlflow data check" in capsys.readouterr().out
     assert main(["data", "check", str(tmp_path / "missing.jsonl")]) == 1
     assert "missing.jsonl: data file not found" in capsys.readouterr().out
+
+
+def stuck(prompts, completions, **_):
+    """A judger that never answers in time (a dead grading service)."""
+    import time
+
+    time.sleep(30)
+    return [0.0] * len(completions)
+
+
+def test_a_judger_that_hangs_times_out_under_data_judger_timeout(tiny_model, tiny_data, tmp_path, capsys):
+    import time
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model:\n  model_path: {tiny_model}\ndata:\n  train_data_path: {tiny_data / 'val.jsonl'}\n")
+    start = time.perf_counter()
+    rc = main(["data", "check", "--config", str(config), "--data.judger_timeout=0.5",
+               '--data.judgers={"*": "test_data_check.stuck"}'])
+    assert time.perf_counter() - start < 20  # the probe was abandoned after 0.5 s, not waited for (30 s)
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "judger 'stuck' fails on rows of val: JudgerTimeout" in out and "judger_timeout=0.5" in out

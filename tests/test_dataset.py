@@ -18,6 +18,12 @@ def write(tmp_path: Path, lines: list[str], name: str = "d.jsonl") -> Path:
     return path
 
 
+def test_a_list_ground_truth_of_answers_is_kept(tmp_path):
+    path = write(tmp_path, ['{"prompt": "q", "reward_model": {"ground_truth": ["72", 72.0]}}'])
+    (record,) = read_jsonl(path)
+    assert record.columns["ground_truth"] == ["72", 72.0]
+
+
 def test_reads_xtuner_rows_and_lifts_ground_truth():
     records = read_jsonl(DATA / "train_example.jsonl")
     assert len(records) == 200
@@ -51,6 +57,10 @@ def test_reads_trl_rows_with_string_prompts_and_extra_columns(tmp_path):
         ('{"prompt": "a", "data_source": 7}', "field 'data_source' must be a string"),
         ('{"prompt": "a", "reward_model": "72"}', "field 'reward_model' must be a JSON object"),
         ('{"prompt": "a", "reward_model": {"ground_truth": {"x": 1}}}', "field 'reward_model.ground_truth'"),
+        ('{"prompt": "a", "reward_model": {"ground_truth": [{"a": null}]}}',
+         "field 'reward_model.ground_truth' must be a string, a number or a list of them (acceptable answers), "
+         "got a list holding"),
+        ('{"prompt": "a", "reward_model": {"ground_truth": []}}', "got an empty list"),
         ('{"prompt": "a", "extra_info": [1]}', "field 'extra_info' must be a JSON object"),
     ],
 )

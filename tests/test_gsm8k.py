@@ -51,6 +51,13 @@ def test_scores(completion, truth, reward):
     assert out == [reward]
 
 
+def test_a_list_ground_truth_holds_acceptable_answers():
+    judger = GSM8KJudger(format_score=0.1)
+    out = judger(prompts=["q"] * 3, completions=["#### 72", "#### 8", "#### 9"], completion_ids=[[1]] * 3,
+                 ground_truth=[["72", "8"], [8, 72], ["72"]])
+    assert out == [1.0, 1.0, 0.1]
+
+
 def test_scores_are_configurable_and_chat_completions_work():
     judger = GSM8KJudger(score=2.0, format_score=0.1, missing_score=-1.0)
     completions = [[{"role": "assistant", "content": c}] for c in ("#### 7", "#### 8", "nothing")]

@@ -204,6 +204,48 @@ def test_a_hung_judger_times_out_and_the_others_still_count(hung, caplog):
         assert CANCELLED.wait(2)  # the coroutine was cancelled, not left running
 
 
+BLOCKED = threading.Event()
+
+
+async def blocking_async(completions, **kwargs):
+    """An ``async def`` judger that blocks its event loop (a synchronous wait inside a coroutine)."""
+    BLOCKED.wait(20)
+    return [9.0] * len(completions)
+
+
+def test_an_async_judger_that_blocks_its_loop_times_out_batch_after_batch(caplog):
+    BLOCKED.clear()
+    runner = JudgerRunner({"a": [blocking_async, slow_async_a, ok_judger]}, timeout=1.0)
+    try:
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            t0 = time.perf_counter()
+            first = runner.judge(*batch(2, sources=("a", "a")))
+            second = runner.judge(*batch(2, sources=("a", "a")))
+            wall = time.perf_counter() - t0
+    finally:
+        BLOCKED.set()
+    assert wall < 6.0  # two batches, each abandoning the blocked call after 1 s (not 20 s)
+    for result in (first, second):
+        assert result.per_judger["blocking_async"] == [None, None]
+        assert result.per_judger["slow_async_a"] == [1.0, 1.0]  # an async judger on its own loop still answers
+        assert result.rewards == [2.0, 2.0] and result.metrics["judger/failures"] == 2.0
+    assert [r for r in caplog.records if "'blocking_async'" in r.getMessage() and "new loop" in r.getMessage()]
+
+
+def test_an_async_judger_keeps_its_event_loop_across_batches():
+    seen = []
+
+    async def loop_recorder(completions, **kwargs):
+        seen.append(asyncio.get_running_loop())
+        return [0.0] * len(completions)
+
+    runner = JudgerRunner({"*": [loop_recorder]})
+    runner.judge(*batch(1))
+    runner.judge(*batch(1))
+    assert len(seen) == 2 and seen[0] is seen[1]  # loop-bound clients (e.g. an HTTP session) survive
+    assert seen[0] is not runner.loop()
+
+
 def test_a_raising_judger_gives_none_is_counted_and_logged_once(caplog):
     runner = JudgerRunner({"*": [raising_judger, ok_judger, raises_timeout_itself]})
     with caplog.at_level(logging.WARNING, logger=LOGGER):
@@ -217,6 +259,20 @@ def test_a_raising_judger_gives_none_is_counted_and_logged_once(caplog):
     assert crashed[0].exc_info and isinstance(crashed[0].exc_info[1], RuntimeError)  # the traceback is logged
     own = [r for r in warnings if "'raises_timeout_itself'" in r.getMessage()]
     assert len(own) == 1 and "too slow" in own[0].getMessage() and "judger_timeout" not in own[0].getMessage()
+
+
+def infinite_for_odd_ids(completions, completion_ids, **kwargs):
+    return [float("inf") if len(ids) % 2 else 0.5 for ids in completion_ids]
+
+
+def test_infinite_rewards_count_as_failed_samples_and_the_others_keep_theirs(caplog):
+    runner = JudgerRunner({"*": [infinite_for_odd_ids, ok_judger]})
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        result = runner.judge(*batch(4))  # completion ids of lengths 1, 2, 3, 4
+    assert result.per_judger["infinite_for_odd_ids"] == [None, 0.5, None, 0.5]
+    assert result.rewards == [1.0, 1.5, 1.0, 1.5] and all(math.isfinite(r) for r in result.rewards)
+    assert result.metrics["judger/failures"] == 2.0
+    assert [r for r in caplog.records if "'infinite_for_odd_ids'" in r.getMessage() and "inf" in r.getMessage()]
 
 
 def wrong_count(completions, **kwargs):

@@ -36,6 +36,9 @@ def test_math_matches_trls_accuracy_reward_examples():
     assert judger(prompts=["p"] * 6, completions=completions, ground_truth=truths) == [1.0, 0.0, 1.0, 1.0, 0.0, None]
     # TRL's column name works too, and numbers as references
     assert judger(prompts=["p"], completions=[chat(r"\boxed{1,000}")], solution=[1000]) == [1.0]
+    # a list reference holds acceptable answers: any of them scores
+    lists = [[r"\frac{1}{2}", "7"], ["7", "8"], ["hello", "world"]]
+    assert judger(prompts=["p"] * 3, completions=[chat(r"\boxed{0.5}")] * 3, ground_truth=lists) == [1.0, 0.0, None]
 
 
 def test_math_without_the_extra_names_it(monkeypatch):

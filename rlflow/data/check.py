@@ -16,8 +16,6 @@ source, not run on every row.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import inspect
 import json
 import math
 import sys
@@ -92,16 +90,6 @@ class CheckReport:
         return all(s.ok for s in self.sources)
 
 
-def _call_judger(judger: Any, kwargs: dict[str, Any], timeout: float | None) -> Any:
-    out = judger(**kwargs)
-    if inspect.isawaitable(out):
-        async def wait() -> Any:
-            return await asyncio.wait_for(out, timeout)
-
-        out = asyncio.run(wait())
-    return out
-
-
 def probe_judgers(report: SourceReport, runner: Any, probes: dict[str, list[PromptRecord]]) -> None:
     """Call each judger once on a few of this source's rows with an empty completion; record any failure."""
     for name, records in probes.items():
@@ -111,8 +99,10 @@ def probe_judgers(report: SourceReport, runner: Any, probes: dict[str, list[Prom
             "prompts": [r.prompt for r in records], "completions": completions, "completion_ids": [[] for _ in records],
             **{key: [r.columns.get(key) for r in records] for key in keys},
         }
-        try:
-            out = _call_judger(runner.judgers[name], kwargs, getattr(runner, "timeout", 60.0))
+        try:  # through the runner, as in training: its threads, event loops and data.judger_timeout
+            out, exc = runner.call_all({name: kwargs})[name]
+            if exc is not None:
+                raise exc
             if out is not None and len(list(out)) != len(records):
                 raise ValueError(f"returned {len(list(out))} rewards for {len(records)} completions")
         except Exception as exc:

@@ -96,9 +96,14 @@ def check_row(row: Any, where: str) -> PromptRecord:
     reward_model = row.get("reward_model") or {}
     if "ground_truth" in reward_model and "ground_truth" not in columns:
         truth = reward_model["ground_truth"]
-        if not isinstance(truth, (str, int, float, list)) or isinstance(truth, bool):
+        items = truth if isinstance(truth, list) else [truth]
+        bad = [t for t in items if not isinstance(t, (str, int, float)) or isinstance(t, bool)]
+        if not items or bad:
+            got = _type_name(truth) if not isinstance(truth, list) else (
+                f"a list holding {_type_name(bad[0])}" if bad else "an empty list")
             raise DataError(
-                f"{where}: field 'reward_model.ground_truth' must be a string or number, got {_type_name(truth)}"
+                f"{where}: field 'reward_model.ground_truth' must be a string, a number or a list of them "
+                f"(acceptable answers), got {got}"
             )
         columns["ground_truth"] = truth
     return PromptRecord(prompt=prompt, columns=columns, source=where)

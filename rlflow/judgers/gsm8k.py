@@ -2,7 +2,8 @@
 
 Only the last 300 characters of the completion are searched (a long completion's answer is at its end, and
 the regex stays cheap); the strict pattern ``#### <number>`` must appear with one space; the last match wins;
-``,`` and ``$`` are removed; the result is compared with ``ground_truth`` as an exact string.
+``,`` and ``$`` are removed; the result is compared with ``ground_truth`` as an exact string. A list
+``ground_truth`` holds acceptable answers: any of them scores (verl would compare with the list's ``str``).
 """
 
 from __future__ import annotations
@@ -45,4 +46,5 @@ class GSM8KJudger(Judger):
         answer = extract_answer(completion)
         if answer is None:
             return self.missing_score
-        return self.correct_score if answer == str(ground_truth).strip() else self.format_score
+        truths = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
+        return self.correct_score if answer in {str(t).strip() for t in truths} else self.format_score

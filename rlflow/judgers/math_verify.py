@@ -4,10 +4,11 @@ The semantics are TRL's ``accuracy_reward``: the reference is parsed with math-v
 (LaTeX or a plain expression); the completion must give its answer in LaTeX, ``\\boxed{...}`` tried first, with
 no anchor-less guessing; the two are compared symbolically (``\\frac{1}{2}`` equals ``0.5``). A reference that
 cannot be parsed gives ``None`` (the sample is skipped, not punished). The reference comes from the
-``solution`` column (TRL's name) or ``ground_truth`` (XTuner's ``reward_model.ground_truth``).
-Needs the optional extra: ``pip install 'rlflow[math]'``. Simplification: math-verify's own timeouts use
-``signal.alarm``, which only works on the main thread; off it (rlflow runs plain judgers in a thread) they are
-off, as in TRL, and the runner's ``data.judger_timeout`` bounds the call instead.
+``solution`` column (TRL's name) or ``ground_truth`` (XTuner's ``reward_model.ground_truth``); a list holds
+acceptable answers, any of which scores. Needs the optional extra: ``pip install 'rlflow[math]'``.
+Simplification: math-verify's own timeouts use ``signal.alarm``, which only works on the main thread; off it
+(rlflow runs plain judgers in a thread) they are off, as in TRL, and the runner's ``data.judger_timeout`` bounds
+the call instead.
 """
 
 from __future__ import annotations
@@ -67,8 +68,9 @@ class MathJudger(Judger):
         if not main:  # math-verify warns on every call that its timeout is off; that is intended here
             logging.getLogger("math_verify.parser").setLevel(logging.ERROR)
             logging.getLogger("math_verify.grader").setLevel(logging.ERROR)
-        gold = self._parse(str(reference), parsing_timeout=parsing_timeout)
-        if not gold:
+        references = reference if isinstance(reference, (list, tuple)) else [reference]  # acceptable answers
+        golds = [g for g in (self._parse(str(r), parsing_timeout=parsing_timeout) for r in references) if g]
+        if not golds:
             return None
         answer = self._parse(
             completion,
@@ -76,5 +78,5 @@ class MathJudger(Judger):
             extraction_mode="first_match",
             parsing_timeout=parsing_timeout,
         )
-        correct = self._verify(gold, answer, timeout_seconds=verify_timeout)
+        correct = any(self._verify(gold, answer, timeout_seconds=verify_timeout) for gold in golds)
         return self.correct_score if correct else self.wrong_score

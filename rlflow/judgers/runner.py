@@ -5,11 +5,14 @@ or a list of them; the key ``"*"`` catches every source without its own entry. S
 are summed with ``reward_weights`` (default 1.0), skipping ``None`` ("not applicable") as TRL's NaN-aware sum
 does; a sample no judger scored gets 0.0 and is counted in ``judger/unscored``.
 
-All judgers of a batch run at once on one event loop: ``async def`` judgers as tasks, plain ones each in its
-own daemon thread (so a hung one can be abandoned and cannot block the process from exiting). Every call has
-a timeout; a judger that raises or times out gives ``None`` for its samples, is counted in
-``judger/failures`` and logged with its exception once, and training goes on. A judger that breaks the
-contract (wrong number of rewards, a non-number) is a bug, not bad luck: that is an error naming it.
+All judgers of a batch run at once, awaited on the runner's event loop: plain ones each in its own daemon
+thread (so a hung one can be abandoned and cannot block the process from exiting), ``async def`` ones on an
+event loop of their own, one per judger in its own daemon thread, kept across batches (so loop-bound clients
+survive, and an async judger that blocks its loop, e.g. with ``time.sleep``, stalls only that loop; the next
+batch gets it a fresh one). Every call has a timeout; a judger that raises or times out gives ``None`` for its
+samples, is counted in ``judger/failures`` and logged with its exception once, and training goes on; so does an
+infinite reward (NaN means "not applicable", as in TRL). A judger that breaks the contract (wrong number of
+rewards, a non-number) is a bug, not bad luck: that is an error naming it.
 Simplifications: one call per judger per batch (a judger batches or parallelises inside itself, as
 ``remote`` does); a timed-out thread is abandoned, not killed (Python cannot kill threads).
 """
@@ -120,6 +123,13 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
     loop.close()
 
 
+def _loop_in_thread(name: str) -> asyncio.AbstractEventLoop:
+    """A new event loop running in a daemon thread called ``name``."""
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=_serve, args=(loop,), name=name, daemon=True).start()
+    return loop
+
+
 class JudgerRunner:
     """Builds the judgers named in the config once and applies them to batches.
 
@@ -178,12 +188,15 @@ class JudgerRunner:
                 )
             self.weights[name] = float(weight)
         self.failed_once: set[str] = set()
+        self.blocked_once: set[str] = set()  # async judgers found blocking their loop (warned about once)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
+        self._judger_loops: dict[str, asyncio.AbstractEventLoop] = {}  # each async judger's own loop
+        self._last_call: dict[str, threading.Event] = {}  # set when each async judger's last call has ended
 
-    def __getstate__(self) -> dict[str, Any]:  # the event loop and its thread do not pickle; they restart lazily
+    def __getstate__(self) -> dict[str, Any]:  # event loops and threads do not pickle; they restart lazily
         state = dict(self.__dict__)
-        state["_loop"], state["_loop_lock"] = None, None
+        state["_loop"], state["_loop_lock"], state["_judger_loops"], state["_last_call"] = None, None, {}, {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -205,17 +218,43 @@ class JudgerRunner:
         and async judgers may keep loop-bound clients between batches)."""
         with self._loop_lock:
             if self._loop is None or self._loop.is_closed():
-                loop = asyncio.new_event_loop()
-                threading.Thread(target=_serve, args=(loop,), name="rlflow-judger-loop", daemon=True).start()
+                loop = _loop_in_thread("rlflow-judger-loop")
                 weakref.finalize(self, loop.call_soon_threadsafe, loop.stop)  # the runner is gone: end the thread
                 self._loop = loop
             return self._loop
+
+    def judger_loop(self, name: str) -> asyncio.AbstractEventLoop:
+        """The event loop async judger ``name`` runs on: the one of its earlier batches, unless its last call is
+        still running (it timed out and could not even be cancelled: it blocks that loop), then a fresh one (the
+        blocked loop's thread is abandoned, like a hung plain judger's)."""
+        loop, last = self._judger_loops.get(name), self._last_call.get(name)
+        if loop is None or loop.is_closed() or (last is not None and not last.is_set()):
+            if loop is not None and not loop.is_closed():
+                (log.debug if name in self.blocked_once else log.warning)(
+                    "async judger %r still blocks its event loop after its timeout (a blocking call inside "
+                    "'async def'?); it gets a new loop (logged once per judger)", name)
+                self.blocked_once.add(name)
+                loop.call_soon_threadsafe(loop.stop)  # runs once (if ever) the blocking call returns
+            loop = _loop_in_thread(f"rlflow-judger-{name}")
+            weakref.finalize(self, loop.call_soon_threadsafe, loop.stop)
+            self._judger_loops[name] = loop
+        return loop
 
     async def _invoke(self, name: str, kwargs: dict[str, Any]) -> tuple[Any, BaseException | None]:
         judger = self.judgers[name]
         try:
             if is_async(judger):
-                return await judger(**kwargs), None
+                ended = threading.Event()  # set on the judger's loop, whatever happens to this call's waiting
+
+                async def run() -> Any:
+                    try:
+                        return await judger(**kwargs)
+                    finally:
+                        ended.set()
+
+                loop = self.judger_loop(name)
+                self._last_call[name] = ended
+                return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), loop)), None
             out = await _in_daemon_thread(judger, kwargs, name)
             if inspect.isawaitable(out):  # a plain callable that hands back a coroutine
                 out = await out
@@ -302,7 +341,14 @@ class JudgerRunner:
                 self.report_failure(name, exc, len(idx))
                 failures += len(idx)
                 continue
-            for i, value in zip(idx, self.check(name, out, len(idx))):
+            values = self.check(name, out, len(idx))
+            infinite = [v for v in values if v is not None and math.isinf(v)]
+            if infinite:  # a failure of those samples (e.g. a division by zero), not a reward to train on
+                self.report_failure(name, ValueError(f"it returned {infinite[0]} for {len(infinite)} sample(s); "
+                                                     "infinite rewards count as failed"), len(infinite))
+                failures += len(infinite)
+                values = [None if v is not None and math.isinf(v) else v for v in values]
+            for i, value in zip(idx, values):
                 per_judger[name][i] = value
             consume = getattr(self.judgers[name], "consume_failures", None)
             if callable(consume):  # judgers that fail per sample (e.g. remote) report how many they gave None
