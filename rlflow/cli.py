@@ -23,6 +23,7 @@ naming both keys), ``data.max_tokens`` into the loss and the judgers that take `
 from __future__ import annotations
 
 import os
+import re
 import sys
 from typing import Any
 
@@ -120,6 +121,12 @@ def check_config(config: Namespace) -> None:
         check_model_path(model["model_path"], "model.model_path")
     if data is not None:
         check_data_args(data)
+        rollout = data.get("rollout")
+        if isinstance(rollout, str) and rollout != "auto":  # built after the policy loads: check its name now
+            try:
+                registry.check_spec(ROLLOUT_GROUP, rollout)
+            except registry.PluginError as exc:
+                raise registry.PluginError(f"data.rollout: {exc}") from exc
     if model is not None:
         check_model_args(model)
 
@@ -202,14 +209,41 @@ def cli_main(args: list[str] | None = None, run: bool = True, cli_class: type[RL
     )
 
 
+#: The option each plugin base class is the type of (``str | PolicyLoss`` ...), to name it in errors.
+PLUGIN_OPTIONS = {
+    "rlflow.losses.base.PolicyLoss": "model.loss",
+    "rlflow.advantages.base.AdvantageEstimator": "data.advantage",
+    "rlflow.rollout.base.RolloutBackend": "data.rollout",
+}
+ROLLOUT_GROUP = "rlflow.rollout"
+
+
+def plugin_argument_error(exc: BaseException) -> str | None:
+    """jsonargparse's error for a plugin whose ``init_args`` its constructor refused ("Does not validate against
+    any of the Union subtypes", the plugin's own message buried in it, with a dump of every argument), as one line
+    naming the option, the plugin class and the plugin's message; None for any other error."""
+    text = str(exc)
+    if not isinstance(exc, ValueError) or not text.startswith("Does not validate against any of the Union subtypes"):
+        return None
+    reasons = [line[4:] for line in text.splitlines()
+               if line.startswith("  - ") and not line.startswith("  - Expected a <class 'str'>")]
+    if not reasons:
+        return None
+    bases = re.findall(r"<class '([\w.]+)'>", text.splitlines()[1] if len(text.splitlines()) > 1 else "")
+    option = next((PLUGIN_OPTIONS[b] for b in bases if b in PLUGIN_OPTIONS), "a plugin option")
+    plugin = re.search(r"class_path='([\w.]+)'", text)
+    return f"{option}" + (f" ({plugin.group(1)})" if plugin else "") + f": {'; '.join(reasons)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Lightning's subcommands (``fit``, ``validate``, ...); ``rlflow.entry`` dispatches the others first."""
     try:
         cli_main(argv)
-    except USER_ERRORS as exc:
-        if os.environ.get("RLFLOW_TRACEBACK"):
+    except (*USER_ERRORS, ValueError) as exc:
+        message = str(exc) if isinstance(exc, USER_ERRORS) else plugin_argument_error(exc)
+        if message is None or os.environ.get("RLFLOW_TRACEBACK"):
             raise
-        print(f"rlflow: error: {exc}\n(set RLFLOW_TRACEBACK=1 for the full traceback)", file=sys.stderr)
+        print(f"rlflow: error: {message}\n(set RLFLOW_TRACEBACK=1 for the full traceback)", file=sys.stderr)
         return 1
     return 0
 

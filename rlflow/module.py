@@ -660,6 +660,10 @@ class GRPOModule(L.LightningModule):
         self.consecutive_skips = state.get("consecutive_skips", 0)
         self._resume_rng = state.get("rng")  # applied in on_train_start, after Lightning's own set-up
         self._resume_lr_steps = state.get("lr_schedule_steps")  # likewise, once Lightning restored the scheduler
+        trainer, step = self._trainer, checkpoint.get("global_step", 0)
+        if trainer is not None and trainer.state.fn == "fit" and 0 <= (trainer.max_steps or -1) <= step:
+            info(f"the checkpoint is at rollout step {step} and trainer.max_steps={trainer.max_steps}: the run is "
+                 "already finished, nothing is trained (raise --trainer.max_steps to continue it)")
 
     def on_train_start(self) -> None:
         states, self._resume_rng = getattr(self, "_resume_rng", None), None

@@ -168,6 +168,27 @@ def _mapping_from_text(group: str, text: str) -> Any:
         raise PluginError(f"the {group} plugin {text!r} is neither a name nor a valid mapping: {exc}") from exc
 
 
+def check_spec(group: str, spec: str) -> None:
+    """Resolve ``spec`` (a name, an import path or mapping text) and check its ``init_args`` names against the
+    plugin's signature, without building it: PluginError on an unknown plugin or argument (for plugins built late,
+    e.g. a rollout backend built once the policy has loaded)."""
+    parsed = _mapping_from_text(group, spec) if spec.lstrip().startswith("{") else spec
+    if not isinstance(parsed, dict):
+        load(group, parsed) if parsed in discover(group) or not looks_like_path(parsed) else import_path(parsed)
+        return
+    cp, init_args = parsed.get("class_path"), parsed.get("init_args") or {}
+    if not isinstance(cp, str) or set(parsed) - {"class_path", "init_args"} or not isinstance(init_args, dict):
+        raise PluginError(f"a {group} plugin mapping needs 'class_path' (and optionally 'init_args'); got {spec!r}")
+    target = load(group, cp) if cp in discover(group) or not looks_like_path(cp) else import_path(cp)
+    if isinstance(target, type):
+        params = inspect.signature(target).parameters
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+            unknown = sorted(set(init_args) - set(params))
+            if unknown:
+                raise PluginError(f"{group} plugin {cp!r} has no argument {', '.join(map(repr, unknown))}; its "
+                                  f"arguments: {', '.join(n for n in params if n != 'self')}")
+
+
 def build(group: str, spec: Any, **defaults: Any) -> Any:
     """Turn a config value into a plugin object.
 

@@ -191,3 +191,31 @@ def test_disk_full_during_checkpointing_keeps_the_previous_one(tiny_model, tiny_
     assert sorted(p.name for p in last.parent.glob("*.ckpt")) == ["epoch=0-step=2.ckpt", "last.ckpt"]
     assert torch.load(last.parent / "epoch=0-step=2.ckpt", weights_only=True)["global_step"] == 2  # not deleted
     assert not list(last.parent.glob(".partial-*"))
+
+
+@pytest.mark.parametrize("option,line", [
+    ("--model.loss={class_path: bnpo, init_args: {kl_type: bogus}}",
+     "rlflow: error: model.loss (rlflow.losses.clipped.BNPOLoss): unknown kl_type 'bogus'; choose one of k1, k2, k3"),
+    ("--model.kl_type=bogus", "rlflow: error: unknown kl_type 'bogus'; choose one of k1, k2, k3"),
+    ("--data.advantage.scale_rewards=grp",
+     "rlflow: error: data.advantage (rlflow.advantages.grpo.GRPOAdvantage): scale_rewards must be 'group', 'batch'"),
+    ("--data.rollout={class_path: engine, init_args: {max_batch_size: 0}}",
+     "rlflow: error: data.rollout (rlflow.rollout.engine.EngineRollout): engine max_batch_size and prefill_batch_size"),
+    ("--data.rollout=engin",
+     "rlflow: error: data.rollout: unknown rlflow.rollout plugin 'engin'; available: engine, hf"),
+    ("--data.rollout={class_path: engine, init_args: {bogus: 1}}",
+     "rlflow: error: data.rollout: rlflow.rollout plugin 'engine' has no argument 'bogus'; its arguments: max_batch"),
+])
+def test_a_bad_plugin_option_is_one_line_naming_the_option_before_the_model_loads(
+        tiny_model, tiny_data, tmp_path, capsys, monkeypatch, option, line):
+    import transformers
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the policy was loaded before the bad option was reported")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    code, err = run_main(args_with_data(tiny_model, tiny_data, tmp_path, tiny_data / "train.jsonl") + [option], capsys)
+    assert code == 1
+    errors = [e for e in err.splitlines() if e.startswith("rlflow: error:")]
+    assert len(errors) == 1 and errors[0].startswith(line), err[-2000:]
+    assert "Traceback" not in err and "Given value" not in err

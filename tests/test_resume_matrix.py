@@ -9,6 +9,8 @@ real ``rlflow fit`` is ``test_resume.py``'s.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from resume_helpers import assert_same_final_state, assert_same_run, last_checkpoint, metrics_by_step, run_args
@@ -79,3 +81,14 @@ def test_a_finished_run_extended_follows_the_longer_lr_schedule(tiny_model, smal
     assert [b[s]["lr"] for s in (2, 3)] == [a[s]["lr"] for s in (2, 3)] == [pytest.approx(2.5e-4), 0.0]  # 2 of 8 left
     final_a = torch.load(last_checkpoint(straight), weights_only=True)["lr_schedulers"]
     assert torch.load(last_checkpoint(chained), weights_only=True)["lr_schedulers"] == final_a
+
+
+def test_continuing_a_finished_run_says_it_is_finished_and_trains_nothing(tiny_model, small_data, tmp_path, one_thread,
+                                                                         caplog):
+    cli_main(run_args(tiny_model, small_data, tmp_path, steps=2))
+    before = torch.load(last_checkpoint(tmp_path), weights_only=False)["global_step"]
+    with caplog.at_level(logging.INFO, logger="rlflow"):
+        cli = cli_main(run_args(tiny_model, small_data, tmp_path, "--ckpt_path=last", steps=2))
+    assert before == 2 and cli.trainer.global_step == 2
+    assert ("the checkpoint is at rollout step 2 and trainer.max_steps=2: the run is already finished, nothing is "
+            "trained (raise --trainer.max_steps to continue it)") in caplog.text

@@ -129,7 +129,7 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[str, PromptRecord | DataError
             try:
                 yield where, check_row(json.loads(raw.decode("utf-8")), where)
             except json.JSONDecodeError as exc:
-                yield where, DataError(f"{where}: invalid JSON at column {exc.colno}: {exc.msg}")
+                yield where, DataError(f"{where}: invalid JSON at column {exc.colno}: {exc.msg.removesuffix(' at')}")
             except DataError as exc:
                 yield where, exc
             except UnicodeDecodeError as exc:

@@ -157,7 +157,8 @@ def _iter_json_array(path: Path) -> Iterator[tuple[str, PromptRecord | DataError
     try:
         rows = json.loads(text.decode("utf-8"))
     except json.JSONDecodeError as exc:
-        raise DataError(f"{path}:{exc.lineno}: invalid JSON at column {exc.colno}: {exc.msg}") from exc
+        reason = exc.msg.removesuffix(" at")  # json's "Invalid control character at" ends where the position goes
+        raise DataError(f"{path}:{exc.lineno}: invalid JSON at column {exc.colno}: {reason}") from exc
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not UTF-8 text: {exc}") from exc
     yield from _iter_rows(rows, str(path))

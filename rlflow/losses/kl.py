@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from rlflow.config_error import ConfigError
+
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl", "abs")
 
 
 def check_kl_type(kl_type: str) -> str:
     if kl_type not in KL_TYPES:
-        raise ValueError(f"unknown kl_type {kl_type!r}; choose one of {', '.join(KL_TYPES)}")
+        raise ConfigError(f"unknown kl_type {kl_type!r}; choose one of {', '.join(KL_TYPES)}")
     return kl_type
 
 
