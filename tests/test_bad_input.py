@@ -219,3 +219,18 @@ def test_a_bad_plugin_option_is_one_line_naming_the_option_before_the_model_load
     errors = [e for e in err.splitlines() if e.startswith("rlflow: error:")]
     assert len(errors) == 1 and errors[0].startswith(line), err[-2000:]
     assert "Traceback" not in err and "Given value" not in err
+
+
+def one_reward_only(completions, **kwargs):
+    """A judger with a bug: one reward whatever the batch size."""
+    return [1.0]
+
+
+def test_a_judger_breaking_its_contract_stops_the_run_with_one_line_naming_it(tiny_model, tiny_data, tmp_path, capsys):
+    args = args_with_data(tiny_model, tiny_data, tmp_path, tiny_data / "train.jsonl",
+                          '--data.judgers={"*": "test_bad_input:one_reward_only"}')
+    code, err = run_main(args, capsys)
+    assert code == 1
+    errors = [e for e in err.splitlines() if e.startswith("rlflow: error:")]
+    assert len(errors) == 1 and "judger 'one_reward_only' returned 1 rewards for" in errors[0]
+    assert "Traceback" not in err

@@ -62,6 +62,11 @@ def is_async(judger: Any) -> bool:
     )
 
 
+class JudgerContractError(registry.PluginError, ValueError, TypeError):
+    """A judger broke its contract (one number or None per completion): a bug in it, so the run stops, with one
+    ``rlflow: error:`` line (a PluginError) naming it; still a ValueError/TypeError for callers catching those."""
+
+
 class JudgerTimeout(TimeoutError):
     """A judger did not return within ``data.judger_timeout`` seconds."""
 
@@ -283,17 +288,18 @@ class JudgerRunner:
         if out is None:
             return [None] * n
         if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__iter__"):
-            raise TypeError(f"judger {name!r} returned a {type(out).__name__}; it must return a list of {n} rewards")
+            raise JudgerContractError(
+                f"judger {name!r} returned a {type(out).__name__}; it must return a list of {n} rewards")
         out = list(out)
         if len(out) != n:
-            raise ValueError(f"judger {name!r} returned {len(out)} rewards for {n} completions")
+            raise JudgerContractError(f"judger {name!r} returned {len(out)} rewards for {n} completions")
         checked: list[float | None] = []
         for value in out:
             if value is None:
                 checked.append(None)
                 continue
             if isinstance(value, bool) or not isinstance(value, numbers.Real):
-                raise TypeError(
+                raise JudgerContractError(
                     f"judger {name!r} returned {value!r} ({type(value).__name__}); rewards must be numbers or None"
                 )
             value = float(value)
