@@ -197,11 +197,11 @@ class JudgerRunner:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
         self._judger_loops: dict[str, asyncio.AbstractEventLoop] = {}  # each async judger's own loop
-        self._last_call: dict[str, threading.Event] = {}  # set when each async judger's last call has ended
+        self._abandoned: dict[str, list[threading.Event]] = {}  # async calls that timed out: set once they end
 
     def __getstate__(self) -> dict[str, Any]:  # event loops and threads do not pickle; they restart lazily
         state = dict(self.__dict__)
-        state["_loop"], state["_loop_lock"], state["_judger_loops"], state["_last_call"] = None, None, {}, {}
+        state["_loop"], state["_loop_lock"], state["_judger_loops"], state["_abandoned"] = None, None, {}, {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -229,11 +229,12 @@ class JudgerRunner:
             return self._loop
 
     def judger_loop(self, name: str) -> asyncio.AbstractEventLoop:
-        """The event loop async judger ``name`` runs on: the one of its earlier batches, unless its last call is
-        still running (it timed out and could not even be cancelled: it blocks that loop), then a fresh one (the
+        """The event loop async judger ``name`` runs on: the one of its earlier batches, unless a call of it that
+        timed out is still running (it could not even be cancelled: it blocks that loop), then a fresh one (the
         blocked loop's thread is abandoned, like a hung plain judger's)."""
-        loop, last = self._judger_loops.get(name), self._last_call.get(name)
-        if loop is None or loop.is_closed() or (last is not None and not last.is_set()):
+        loop = self._judger_loops.get(name)
+        blocked = any(not ended.is_set() for ended in self._abandoned.pop(name, []))
+        if loop is None or loop.is_closed() or blocked:
             if loop is not None and not loop.is_closed():
                 (log.debug if name in self.blocked_once else log.warning)(
                     "async judger %r still blocks its event loop after its timeout (a blocking call inside "
@@ -245,20 +246,18 @@ class JudgerRunner:
             self._judger_loops[name] = loop
         return loop
 
-    async def _invoke(self, name: str, kwargs: dict[str, Any]) -> tuple[Any, BaseException | None]:
+    async def _invoke(self, name: str, kwargs: dict[str, Any],
+                      ended: threading.Event) -> tuple[Any, BaseException | None]:
         judger = self.judgers[name]
         try:
             if is_async(judger):
-                ended = threading.Event()  # set on the judger's loop, whatever happens to this call's waiting
-
                 async def run() -> Any:
                     try:
                         return await judger(**kwargs)
                     finally:
-                        ended.set()
+                        ended.set()  # on the judger's loop, however this call's waiting ended
 
                 loop = self.judger_loop(name)
-                self._last_call[name] = ended
                 return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), loop)), None
             out = await _in_daemon_thread(judger, kwargs, name)
             if inspect.isawaitable(out):  # a plain callable that hands back a coroutine
@@ -268,9 +267,12 @@ class JudgerRunner:
             return None, exc
 
     async def _call(self, name: str, kwargs: dict[str, Any]) -> tuple[Any, BaseException | None]:
+        ended = threading.Event()
         try:  # only wait_for's own timeout lands here: the judger's exceptions are caught in _invoke
-            return await asyncio.wait_for(self._invoke(name, kwargs), self.timeout)
+            return await asyncio.wait_for(self._invoke(name, kwargs, ended), self.timeout)
         except asyncio.TimeoutError:
+            if is_async(self.judgers[name]):
+                self._abandoned.setdefault(name, []).append(ended)
             return None, JudgerTimeout(f"judger {name!r} did not answer within data.judger_timeout={self.timeout} s")
 
     async def _call_all(self, jobs: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, BaseException | None]]:
