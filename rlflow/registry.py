@@ -264,6 +264,8 @@ def resolve_short_name(cls: Any, name: str, fallback: Any) -> str:
     ``fallback`` is jsonargparse's own resolver (subclass class names). A dotless name that neither resolves
     raises the registry's "unknown plugin" error for the group of ``cls``.
     """
+    if ":" in name:  # the registry's import-path spelling, pkg.module:Class
+        name = name.replace(":", ".")
     if "." in name:
         return fallback(cls, name)
     groups = [g for g in (group_of_base(c) for c in (cls if isinstance(cls, tuple) else (cls,))) if g]

@@ -124,3 +124,13 @@ def test_plugin_help_documents_the_options(capsys):
     out = capsys.readouterr().out
     assert exit_info.value.code == 0
     assert "--model.loss.kl_coef" in out and "--model.loss.clip_ratio_c" in out
+
+
+@pytest.mark.parametrize("spelling", ["rlflow.losses.clipped:DAPOLoss", "rlflow.losses.clipped.DAPOLoss", "dapo"])
+def test_plugin_help_takes_every_spelling_of_a_class(capsys, spelling):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--model.loss.help", spelling])  # pkg.module:Class is the registry's import-path spelling
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    assert "Help for --model.loss.help=rlflow.losses." in out and "DAPOLoss" in out
+    assert "--model.loss.epsilon_high" in out
