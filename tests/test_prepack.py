@@ -21,7 +21,8 @@ from rlflow.rollout.fused import FusedDecoder
 from rlflow.rollout.prepack import PackedWeight, packable
 
 needs_mkl = pytest.mark.skipif(not prepack._available(torch.float32), reason="torch built without MKL")
-needs_onednn = pytest.mark.skipif(not prepack._available(torch.bfloat16), reason="torch built without oneDNN")
+needs_onednn = pytest.mark.skipif(not prepack._available(torch.bfloat16),
+                                  reason="bf16 packing needs torch with oneDNN and a CPU with AMX or AVX512-BF16")
 
 
 def matrix(k: int, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -52,6 +53,15 @@ def test_bfloat16_packed_products_are_bit_identical_to_mm_and_addmm(rows, shape)
     h = torch.randn(rows, shape[1]).to(torch.bfloat16)
     assert torch.equal(packed.mm(x), torch.mm(x, weight_t))
     assert torch.equal(packed.addmm(h, x), torch.addmm(h, x, weight_t))
+
+
+def test_bfloat16_does_not_pack_where_the_cpu_emulates_it(monkeypatch):
+    """Emulated bf16 ``mm`` takes other kernels at some row counts and rounds unlike the packed product."""
+    from rlflow.rollout import engine
+
+    monkeypatch.setattr(engine, "native_bf16", lambda device: False)
+    assert not packable(matrix(576, 960, torch.bfloat16))
+    assert packable(matrix(576, 960, torch.float32)) == prepack._available(torch.float32)  # float32 still does
 
 
 def test_small_matrices_and_other_dtypes_do_not_pack():

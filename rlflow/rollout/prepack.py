@@ -19,7 +19,10 @@ of weights anyway) with the kernels torch's own CPU inference paths use:
   ``torch.addmm`` with the same weight as a transposed view of a ``[out, in]`` matrix (checked by the same test),
   which is how the decoder holds its 16-bit layer weights. Its 16-bit LM head is a physically transposed copy,
   whose ``mm`` takes another kernel path and rounds differently at some row counts, so it stays unpacked (it
-  would save ~1.4 of ~9 ms per step on SmolLM2-135M).
+  would save ~1.4 of ~9 ms per step on SmolLM2-135M). Only on CPUs with native bf16 (AMX or AVX512-BF16): where
+  bf16 is emulated, ``torch.mm`` takes other kernels at some row counts (1 row; 333 rows on two threads, on a
+  Xeon with AVX-512 but neither) and rounds unlike the packed product in about a quarter of random draws; bf16
+  decoding is 4x slower than float32 there anyway, and ``dtype: auto`` does not choose it.
 
 Simplifications: CPU only, and only where torch was built with MKL (float32) or oneDNN (bfloat16); other
 dtypes and devices keep ``torch.mm``. Matrices under :data:`MIN_NUMEL` entries stay unpacked (a small matrix
@@ -40,7 +43,10 @@ def _available(dtype: torch.dtype) -> bool:
     if dtype == torch.float32:
         return bool(getattr(torch._C, "has_mkl", False)) and hasattr(torch.ops.mkl, "_mkl_linear")
     if dtype == torch.bfloat16:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        from rlflow.rollout.engine import native_bf16  # here: the engine imports this module
+
+        return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+                and native_bf16(torch.device("cpu")))
     return False
 
 
