@@ -57,9 +57,7 @@ def test_bfloat16_packed_products_are_bit_identical_to_mm_and_addmm(rows, shape)
 
 def test_bfloat16_does_not_pack_where_the_cpu_emulates_it(monkeypatch):
     """Emulated bf16 ``mm`` takes other kernels at some row counts and rounds unlike the packed product."""
-    from rlflow.rollout import engine
-
-    monkeypatch.setattr(engine, "native_bf16", lambda device: False)
+    monkeypatch.setattr(prepack, "native_bf16", lambda device: False)
     assert not packable(matrix(576, 960, torch.bfloat16))
     assert packable(matrix(576, 960, torch.float32)) == prepack._available(torch.float32)  # float32 still does
 

@@ -68,6 +68,7 @@ from rlflow.rollout.continuation import SessionCache, merge_prefills, prefill_on
 from rlflow.rollout.draws import CallKeys, RowDraws
 from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder
+from rlflow.rollout.hardware import native_bf16
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource
 
 ATTENTION_NAME = "rlflow_shared_prefix"
@@ -366,18 +367,6 @@ class _Lane:
 
 
 DECODE_DTYPES = ("model", "float32", "bfloat16", "float16", "auto")
-
-
-def native_bf16(device: torch.device) -> bool:
-    """Whether ``device`` multiplies bfloat16 matrices in hardware (a CUDA GPU with bf16; a CPU with AMX tiles or
-    AVX512-BF16, which oneDNN uses for bf16 ``mm``), i.e. whether bf16 decoding is faster there, not only smaller."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        cpu = getattr(torch, "cpu", None)
-        checks = [getattr(cpu, name, None) for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-        return any(check() for check in checks if check is not None)
-    return False
 
 
 def decode_dtype(choice: str, device: torch.device) -> torch.dtype | None:

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import torch
 
+from rlflow.rollout.hardware import native_bf16
+
 MIN_NUMEL = 1 << 18  # entries of the smallest matrix worth packing (576 x 576 is 331,776)
 
 
@@ -43,8 +45,6 @@ def _available(dtype: torch.dtype) -> bool:
     if dtype == torch.float32:
         return bool(getattr(torch._C, "has_mkl", False)) and hasattr(torch.ops.mkl, "_mkl_linear")
     if dtype == torch.bfloat16:
-        from rlflow.rollout.engine import native_bf16  # here: the engine imports this module
-
         return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
                 and native_bf16(torch.device("cpu")))
     return False
