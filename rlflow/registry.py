@@ -168,24 +168,38 @@ def _mapping_from_text(group: str, text: str) -> Any:
         raise PluginError(f"the {group} plugin {text!r} is neither a name nor a valid mapping: {exc}") from exc
 
 
+def _resolve(group: str, spec: str | dict) -> tuple[Any, dict[str, Any]]:
+    """The plugin object (class or function) a name, import path or ``{"class_path", "init_args"}`` mapping names
+    (mapping text already read), and its ``init_args``; PluginError when it cannot be found or is malformed."""
+    if isinstance(spec, str):
+        return (load(group, spec) if spec in discover(group) or not looks_like_path(spec) else import_path(spec)), {}
+    unknown = set(spec) - {"class_path", "init_args"}
+    if "class_path" not in spec or unknown:
+        raise PluginError(
+            f"a {group} plugin mapping needs 'class_path' (and optionally 'init_args'); got keys {sorted(spec)}"
+        )
+    cp = spec["class_path"]
+    if not isinstance(cp, str):
+        raise PluginError(f"the {group} plugin's class_path must be a string, got {cp!r}")
+    target = load(group, cp) if cp in discover(group) or not looks_like_path(cp) else import_path(cp)
+    if not isinstance(spec.get("init_args") or {}, dict):
+        raise PluginError(f"the {group} plugin {cp!r} has init_args {spec['init_args']!r}; it must be a mapping")
+    return target, dict(spec.get("init_args") or {})
+
+
 def check_spec(group: str, spec: str) -> None:
     """Resolve ``spec`` (a name, an import path or mapping text) and check its ``init_args`` names against the
     plugin's signature, without building it: PluginError on an unknown plugin or argument (for plugins built late,
     e.g. a rollout backend built once the policy has loaded)."""
     parsed = _mapping_from_text(group, spec) if spec.lstrip().startswith("{") else spec
-    if not isinstance(parsed, dict):
-        load(group, parsed) if parsed in discover(group) or not looks_like_path(parsed) else import_path(parsed)
-        return
-    cp, init_args = parsed.get("class_path"), parsed.get("init_args") or {}
-    if not isinstance(cp, str) or set(parsed) - {"class_path", "init_args"} or not isinstance(init_args, dict):
-        raise PluginError(f"a {group} plugin mapping needs 'class_path' (and optionally 'init_args'); got {spec!r}")
-    target = load(group, cp) if cp in discover(group) or not looks_like_path(cp) else import_path(cp)
+    target, init_args = _resolve(group, parsed)
     if isinstance(target, type):
         params = inspect.signature(target).parameters
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
             unknown = sorted(set(init_args) - set(params))
             if unknown:
-                raise PluginError(f"{group} plugin {cp!r} has no argument {', '.join(map(repr, unknown))}; its "
+                name = parsed["class_path"] if isinstance(parsed, dict) else parsed
+                raise PluginError(f"{group} plugin {name!r} has no argument {', '.join(map(repr, unknown))}; its "
                                   f"arguments: {', '.join(n for n in params if n != 'self')}")
 
 
@@ -201,26 +215,11 @@ def build(group: str, spec: Any, **defaults: Any) -> Any:
     """
     if spec is None:
         raise PluginError(f"no {group} plugin given; available: {', '.join(available(group)) or '(none)'}")
-    init_args: dict[str, Any] = {}
     if isinstance(spec, str) and spec.lstrip().startswith("{"):
         spec = _mapping_from_text(group, spec)
-    if isinstance(spec, str):
-        target = load(group, spec) if spec in discover(group) or not looks_like_path(spec) else import_path(spec)
-    elif isinstance(spec, dict):
-        unknown = set(spec) - {"class_path", "init_args"}
-        if "class_path" not in spec or unknown:
-            raise PluginError(
-                f"a {group} plugin mapping needs 'class_path' (and optionally 'init_args'); got keys {sorted(spec)}"
-            )
-        cp = spec["class_path"]
-        if not isinstance(cp, str):
-            raise PluginError(f"the {group} plugin's class_path must be a string, got {cp!r}")
-        target = load(group, cp) if cp in discover(group) or not looks_like_path(cp) else import_path(cp)
-        if not isinstance(spec.get("init_args") or {}, dict):
-            raise PluginError(f"the {group} plugin {cp!r} has init_args {spec['init_args']!r}; it must be a mapping")
-        init_args = dict(spec.get("init_args") or {})
-    else:
+    if not isinstance(spec, (str, dict)):
         return spec
+    target, init_args = _resolve(group, spec)
     if isinstance(target, type):
         params = inspect.signature(target).parameters
         takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())

@@ -109,6 +109,11 @@ def check_row(row: Any, where: str) -> PromptRecord:
     return PromptRecord(prompt=prompt, columns=columns, source=where)
 
 
+def json_error(exc: json.JSONDecodeError) -> str:
+    """``invalid JSON at column N: <reason>`` (json's "Invalid control character at" ends where its position goes)."""
+    return f"invalid JSON at column {exc.colno}: {exc.msg.removesuffix(' at')}"
+
+
 def iter_jsonl(path: str | Path) -> Iterator[tuple[str, PromptRecord | DataError]]:
     """Stream a jsonl file line by line: ``(file:line, record)`` for good rows, ``(file:line, DataError)`` for bad ones.
 
@@ -129,7 +134,7 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[str, PromptRecord | DataError
             try:
                 yield where, check_row(json.loads(raw.decode("utf-8")), where)
             except json.JSONDecodeError as exc:
-                yield where, DataError(f"{where}: invalid JSON at column {exc.colno}: {exc.msg.removesuffix(' at')}")
+                yield where, DataError(f"{where}: {json_error(exc)}")
             except DataError as exc:
                 yield where, exc
             except UnicodeDecodeError as exc:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from rlflow.data.dataset import DataError, PromptFormat, PromptRecord, check_row, collect, iter_jsonl
+from rlflow.data.dataset import DataError, PromptFormat, PromptRecord, check_row, collect, iter_jsonl, json_error
 
 COLUMNAR = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 TEXT = (".jsonl", ".json")
@@ -157,8 +157,7 @@ def _iter_json_array(path: Path) -> Iterator[tuple[str, PromptRecord | DataError
     try:
         rows = json.loads(text.decode("utf-8"))
     except json.JSONDecodeError as exc:
-        reason = exc.msg.removesuffix(" at")  # json's "Invalid control character at" ends where the position goes
-        raise DataError(f"{path}:{exc.lineno}: invalid JSON at column {exc.colno}: {reason}") from exc
+        raise DataError(f"{path}:{exc.lineno}: {json_error(exc)}") from exc
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not UTF-8 text: {exc}") from exc
     yield from _iter_rows(rows, str(path))
