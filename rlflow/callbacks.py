@@ -23,6 +23,8 @@ samples table shows the first ``num_samples`` samples of rank 0's rollout step.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -216,9 +218,22 @@ class TrajectoryWriter(L.Callback):
 
 
 class LoggerSaveConfigCallback(SaveConfigCallback):
-    """Writes ``config.yaml`` to the log dir as LightningCLI does, and logs the full resolved config to every logger."""
+    """Writes ``config.yaml`` to the log dir as LightningCLI does, and logs the full resolved config to every logger.
+
+    A run that fails before writing anything (bad data found at setup, say) leaves no empty ``version_N`` behind:
+    Lightning creates the loggers' directories before the data module's ``setup``, so they are removed again
+    here when still empty.
+    """
 
     def save_config(self, trainer: Any, pl_module: Any, stage: str) -> None:
         config = yaml.safe_load(self.parser.dump(self.config, skip_none=False))
         for logger in trainer.loggers:
             logger.log_hyperparams(config)
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        if trainer.global_rank != 0:
+            return
+        for logger in trainer.loggers:
+            log_dir = getattr(logger, "log_dir", None)
+            if log_dir and os.path.isdir(log_dir) and not any(files for _, _, files in os.walk(log_dir)):
+                shutil.rmtree(log_dir, ignore_errors=True)  # only empty folders: nothing the run wrote is lost

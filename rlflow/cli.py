@@ -22,6 +22,7 @@ naming both keys), ``data.max_tokens`` into the loss and the judgers that take `
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import sys
@@ -158,6 +159,9 @@ class RLFlowCLI(LightningCLI):
         return super()._instantiate_trainer(config, callbacks)
 
     def parse_arguments(self, parser, args) -> None:
+        argv = sys.argv[1:] if args is None else args
+        if isinstance(argv, list):
+            function_judger_help(argv)
         if args is None:  # the console script: read sys.argv ourselves to expand the logger short names
             self.config = parser.parse_args(expand_logger_aliases(sys.argv[1:]))
             return
@@ -192,6 +196,36 @@ class RLFlowCLI(LightningCLI):
         if resolve_strategy_alias(strategy) is not strategy:
             kwargs["strategy"] = resolve_strategy_alias(strategy)
         return super().instantiate_trainer(**kwargs)
+
+
+JUDGER_HELP = "--data.judgers.help"
+
+
+def function_judger_help(argv: list[str]) -> None:
+    """``--data.judgers.help NAME`` for a judger that is a function (``env_reward``, a TRL reward function by
+    import path): print its documentation and exit, as jsonargparse's help does for a judger class (which it
+    cannot do for a function: it documents subclasses of ``Judger`` only). Anything else is left to jsonargparse."""
+    name = None
+    for i, arg in enumerate(argv):
+        if arg == JUDGER_HELP and i + 1 < len(argv):
+            name = argv[i + 1]
+        elif arg.startswith(JUDGER_HELP + "="):
+            name = arg.split("=", 1)[1]
+    if not name:
+        return
+    try:
+        obj = registry.import_path(name) if registry.looks_like_path(name) else registry.load("rlflow.judgers", name)
+    except registry.PluginError:
+        return  # jsonargparse reports it (an unknown name lists the available ones)
+    if isinstance(obj, type) or not callable(obj):
+        return
+    doc = inspect.cleandoc(obj.__doc__ or "(no docstring)")
+    print(f"{name}: a function judger ({obj.__module__}.{getattr(obj, '__qualname__', obj)}{inspect.signature(obj)})"
+          f"\n\n{doc}\n\nIt takes no options: list it in data.judgers by name (or as {{class_path: function, "
+          f"init_args: {{path: ...}}}} to rename columns, see docs/plugins.md). It is called with TRL's reward "
+          f"function arguments (prompts, completions, completion_ids and the data's columns) and returns one "
+          f"float or None per completion.")
+    raise SystemExit(0)
 
 
 def cli_main(args: list[str] | None = None, run: bool = True, cli_class: type[RLFlowCLI] | None = None) -> RLFlowCLI:

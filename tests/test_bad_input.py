@@ -110,6 +110,7 @@ def test_missing_ground_truth_is_caught_before_training(tiny_model, tiny_data, t
     message = str(info.value)
     assert f"{bad}:3: judger 'gsm8k' needs column 'ground_truth'" in message and message.startswith("1 train row(s)")
     assert not list(tmp_path.rglob("trajectories.jsonl"))  # nothing was generated
+    assert not list(tmp_path.rglob("version_*"))  # and no empty run folder is left behind
 
 
 def test_tokenizer_without_chat_template(tiny_model, tiny_data, tmp_path):
@@ -234,3 +235,25 @@ def test_a_judger_breaking_its_contract_stops_the_run_with_one_line_naming_it(ti
     errors = [e for e in err.splitlines() if e.startswith("rlflow: error:")]
     assert len(errors) == 1 and "judger 'one_reward_only' returned 1 rewards for" in errors[0]
     assert "Traceback" not in err
+
+
+def inf_for_odd_lengths(completions, completion_ids, **kwargs):
+    """A judger that fails on some samples: an infinite reward for odd-length completions, 1.0 for the others."""
+    return [float("inf") if len(ids) % 2 else 1.0 for ids in completion_ids]
+
+
+def test_samples_a_judger_failed_on_are_marked_in_trajectories(tiny_model, tiny_data, tmp_path):
+    judgers = {"*": ["test_bad_input:inf_for_odd_lengths", "gsm8k"]}
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, f"--data.judgers={json.dumps(judgers)}", steps=2))
+    log_dir = Path(cli.trainer.log_dir)
+    rows = [json.loads(line) for line in (log_dir / "trajectories.jsonl").read_text().splitlines()]
+    odd = [r for r in rows if r["num_tokens"] % 2]
+    assert odd and len(odd) < len(rows)  # both kinds are there: the check below is not vacuous
+    for r in rows:  # marked where (and only where) the judger failed; the gsm8k reward alone stays
+        assert r.get("judgers_failed", []) == (["inf_for_odd_lengths"] if r["num_tokens"] % 2 else []), r
+        assert r["reward"] in ((0.0, 1.0) if r["num_tokens"] % 2 else (1.0, 2.0)), r
+    import csv
+
+    with open(log_dir / "metrics.csv") as f:
+        failures = [float(m["judger/failures"]) for m in csv.DictReader(f) if m.get("judger/failures")]
+    assert failures == [sum(1 for r in rows if r["step"] == s and r["num_tokens"] % 2) for s in (0, 1)]

@@ -126,6 +126,27 @@ def test_plugin_help_documents_the_options(capsys):
     assert "--model.loss.kl_coef" in out and "--model.loss.clip_ratio_c" in out
 
 
+@pytest.mark.parametrize("args", [["--data.judgers.help", "env_reward"],
+                                  ["--data.judgers.help=reward_helpers:reward_len"]])
+def test_judger_help_documents_a_function_judger(capsys, args):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", *args])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    name = args[-1].split("=")[-1]
+    doc = "summed reward of each trajectory" if name == "env_reward" else "prefer completions of about 5 characters"
+    assert out.startswith(f"{name}: a function judger") and doc in out and "takes no options" in out
+
+
+def test_judger_help_still_documents_classes_and_lists_names(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--data.judgers.help", "gsm8k"])
+    assert exit_info.value.code == 0 and "--data.judgers.format_score" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--data.judgers.help", "nope"])
+    assert exit_info.value.code != 0 and "available: " in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("spelling", ["rlflow.losses.clipped:DAPOLoss", "rlflow.losses.clipped.DAPOLoss", "dapo"])
 def test_plugin_help_takes_every_spelling_of_a_class(capsys, spelling):
     with pytest.raises(SystemExit) as exit_info:

@@ -55,6 +55,7 @@ def test_weighted_routed_none_skipping_against_hand_computed_rewards():
     }
     m = result.metrics
     assert m["judger/unscored"] == 1.0 and m["judger/failures"] == 0.0
+    assert result.failed == [()] * len(result.rewards)  # None from a judger that did not fail: not applicable
     # TRL's per-function metrics; std is the sample std: j2 scored 4, 2, 6 -> mean 4, sqrt((0+4+4)/2) = 2
     assert m["rewards/j2/mean"] == 4.0 and m["rewards/j2/std"] == 2.0
     assert m["rewards/j1/mean"] == 1.0 and m["rewards/j1/std"] == 0.0
@@ -199,6 +200,7 @@ def test_a_hung_judger_times_out_and_the_others_still_count(hung, caplog):
     assert result.rewards == [1.0, 1.0, 1.0]
     assert result.per_judger[hung.__name__] == [None, None, None]
     assert result.metrics["judger/failures"] == 3.0
+    assert result.failed == [(hung.__name__,)] * 3  # each sample marked (trajectories.jsonl's judgers_failed)
     assert [r for r in caplog.records if hung.__name__ in r.getMessage() and "judger_timeout=0.3" in r.getMessage()]
     if hung is hung_async:
         assert CANCELLED.wait(2)  # the coroutine was cancelled, not left running
@@ -253,6 +255,7 @@ def test_a_raising_judger_gives_none_is_counted_and_logged_once(caplog):
         second = runner.judge(*batch(4))
     assert first.rewards == [1.0, 1.0] and second.rewards == [1.0] * 4
     assert first.metrics["judger/failures"] == 4.0 and second.metrics["judger/failures"] == 8.0
+    assert second.failed == [("raising_judger", "raises_timeout_itself")] * 4  # ok_judger did not fail
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     crashed = [r for r in warnings if "'raising_judger'" in r.getMessage()]
     assert len(crashed) == 1 and "the grader crashed" in crashed[0].getMessage()
@@ -272,6 +275,7 @@ def test_infinite_rewards_count_as_failed_samples_and_the_others_keep_theirs(cap
     assert result.per_judger["infinite_for_odd_ids"] == [None, 0.5, None, 0.5]
     assert result.rewards == [1.0, 1.5, 1.0, 1.5] and all(math.isfinite(r) for r in result.rewards)
     assert result.metrics["judger/failures"] == 2.0
+    assert result.failed == [("infinite_for_odd_ids",), (), ("infinite_for_odd_ids",), ()]
     assert [r for r in caplog.records if "'infinite_for_odd_ids'" in r.getMessage() and "inf" in r.getMessage()]
 
 

@@ -102,8 +102,9 @@ def test_shuffled_stream_equals_whole_batch_judging(tiny_model, tiny_data, token
     groups = premade(dm, records, tokenizer)
     dm.backend, dm.rollout_progress = ShuffledStream(groups), progress_recorder
     overlap = OverlappedJudging(dm.judges.judge, K)
-    out_groups, rewards, metrics, texts = overlap.run(dm.backend.stream([r.prompt_ids for r in records], None, K),
-                                                      records, dm.rollout_progress)
+    out_groups, result, texts = overlap.run(dm.backend.stream([r.prompt_ids for r in records], None, K),
+                                            records, dm.rollout_progress)
+    rewards, metrics = result.rewards, result.metrics
     assert len(overlap.jobs) > 1  # judged in several chunks, not once at the end
     assert all(sorted(chunk) == chunk for chunk, _ in overlap.jobs)
     assert out_groups == groups  # prompt order, not finishing order
@@ -142,7 +143,8 @@ def test_backend_without_stream_takes_plain_path(tiny_model, tiny_data, tokenize
             return groups
 
     dm.backend = Plain()
-    out, rewards, metrics, texts, _ = run(dm, records)
+    out, result, texts, _ = run(dm, records)
+    rewards = result.rewards
     assert out == groups and rewards == judge_whole(dm, records, [c for g in groups for c in g])[0]
     assert rewards[:2] == [1.0, 0.0]  # right answer, wrong answer
 
@@ -156,11 +158,13 @@ def test_raising_judger_counted_as_failures_and_no_hang(tiny_model, tiny_data, t
     groups = premade(dm, records, tokenizer)
     dm.backend = ShuffledStream(groups)
     t0 = time.perf_counter()
-    _, rewards, metrics, _, _ = run(dm, records)
+    _, result, _, _ = run(dm, records)
+    rewards, metrics = result.rewards, result.metrics
     assert time.perf_counter() - t0 < 5
     ref_rewards, ref_metrics, _ = judge_whole(dm, records, [c for g in groups for c in g])
     assert metrics["judger/failures"] == 6 * K == ref_metrics["judger/failures"]  # every sample lost broken's reward
     assert rewards == ref_rewards and metrics == ref_metrics
+    assert result.failed == [("broken",)] * (6 * K)  # each sample marked, through the chunks' merge
 
 
 def test_contract_violation_in_worker_raises(tiny_model, tiny_data, tokenizer):
@@ -211,7 +215,8 @@ def test_judging_starts_before_generation_ends_on_engine(tiny_model, tiny_data):
     dm.backend = TimedEngine(EngineRollout(max_batch_size=K, prefill_batch_size=1, seed=0))  # one group at a time
     dm.bind(model)
     records = dm.train_records[:4]
-    groups, rewards, metrics, texts, gen_time = run(dm, records)
+    groups, result, texts, gen_time = run(dm, records)
+    rewards = result.rewards
     assert len(dm.backend.finished) == 4 and len(groups) == 4 and len(rewards) == 4 * K
     assert min(starts) < max(dm.backend.finished)  # measured: a judge call began while a group was still generating
     assert rewards == [float(len(t)) for t in texts]

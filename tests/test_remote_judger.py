@@ -120,7 +120,7 @@ def test_a_500_is_retried_a_bounded_number_of_times_then_none_and_counted(server
         result = runner.judge(PROMPTS, COMPLETIONS, IDS, COLUMNS)
     assert server.count("/500") == 4 * 3  # 1 try + 2 retries per sample, then it gives up
     assert result.per_judger["remote"] == [None] * 4
-    assert result.metrics["judger/failures"] == 4.0
+    assert result.metrics["judger/failures"] == 4.0 and result.failed == [("remote",)] * 4
     assert result.per_judger["reward_len"] == [-0.1] * 4 and result.rewards == [-0.1] * 4  # the run goes on
     logged = [r for r in caplog.records if "HTTP 500" in r.getMessage()]
     assert len(logged) == 1 and "after 3 attempt(s)" in logged[0].getMessage()

@@ -371,10 +371,11 @@ class RolloutDataModule(L.LightningDataModule):
         backend, pipelined = self.rollout_backend(records), {}
         if self.pipeline is not None:  # data.max_staleness > 0: generated ahead, in another process
             backend, policy_version, pipelined = self.pipeline.take(self, records, policy_version, step)
-        groups, rewards, metrics, texts, gen_time = generate_and_judge(
+        groups, judged, texts, gen_time = generate_and_judge(
             backend, self.judges.judge, records, self.sampling, k, self.overlap_judging, self.rollout_progress,
             prompts=self.rollout_prompts(records))
-        chosen = Groups(records, [c for group in groups for c in group], rewards, texts)
+        metrics = dict(judged.metrics)
+        chosen = Groups(records, [c for group in groups for c in group], judged.rewards, texts, judged.failed)
         if self.dynamic_sampling is not None:
             chosen, sampling_metrics, extra_time = self.dynamic_sampling.fill(
                 chosen, k, step, self.rank, len(self.train_records), self.regenerate, self.any_rank_short)
@@ -391,6 +392,7 @@ class RolloutDataModule(L.LightningDataModule):
                 policy_version=min(c.token_versions) if c.token_versions else policy_version,
                 data_source=chosen.records[i // k].data_source, images=chosen.records[i // k].images,
                 token_versions=c.token_versions,
+                info={"judgers_failed": list(chosen.failed[i])} if chosen.failed and chosen.failed[i] else {},
             ) for i, c in enumerate(chosen.completions)
         ]
         self.buffer.add(experiences)
@@ -421,7 +423,7 @@ class RolloutDataModule(L.LightningDataModule):
         groups = self.rollout_backend(records).generate(self.rollout_prompts(records), self.sampling, n=k)
         completions = [c for group in groups for c in group]
         result, texts = self.judges.judge(records, completions, k)
-        return Groups(records, completions, result.rewards, texts)
+        return Groups(records, completions, result.rewards, texts, result.failed)
 
     def any_rank_short(self, short: bool) -> bool:
         """Whether any rank's dynamic-sampling batch is still short (every rank must run the same rounds)."""
@@ -441,6 +443,7 @@ class RolloutDataModule(L.LightningDataModule):
             "reward": e.reward, "advantage": e.advantage, "finish_reason": e.finish_reason,
             "num_tokens": len(e.completion_ids), "policy_version": e.policy_version,
             **({"token_versions": e.token_versions} if e.token_versions is not None else {}),
+            **({"judgers_failed": e.info["judgers_failed"]} if e.info.get("judgers_failed") else {}),
         } for i, (text, e) in enumerate(zip(texts, experiences))]
 
     def prompt_text(self, record: PromptRecord, experience: Experience) -> str:

@@ -27,15 +27,17 @@ class Groups:
     completions: list[Any]
     rewards: list[float]
     texts: list[str]
+    failed: list[tuple[str, ...]] | None = None  # per sample, the judgers that failed on it (JudgeResult.failed)
 
-    def group(self, g: int, k: int) -> tuple[Any, list[Any], list[float], list[str]]:
+    def group(self, g: int, k: int) -> tuple[Any, list[Any], list[float], list[str], list[tuple[str, ...]]]:
         part = slice(g * k, (g + 1) * k)
-        return self.records[g], self.completions[part], self.rewards[part], self.texts[part]
+        failed = self.failed[part] if self.failed else [()] * k
+        return self.records[g], self.completions[part], self.rewards[part], self.texts[part], failed
 
     @classmethod
-    def join(cls, groups: list[tuple[Any, list[Any], list[float], list[str]]]) -> Groups:
+    def join(cls, groups: list[tuple[Any, list[Any], list[float], list[str], list[tuple[str, ...]]]]) -> Groups:
         return cls([g[0] for g in groups], [c for g in groups for c in g[1]], [r for g in groups for r in g[2]],
-                   [t for g in groups for t in g[3]])
+                   [t for g in groups for t in g[3]], [f for g in groups for f in g[4]])
 
 
 class DynamicSampling:

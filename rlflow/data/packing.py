@@ -126,16 +126,17 @@ def varlen_sdpa_attention(
                                                                dropout_p=dropout_p, enable_gqa=gqa)
         return out.transpose(1, 2).reshape(1, -1, out.shape[1], out.shape[3]), None  # [1, tokens, heads, dim]
     sets = [s for s in ROW_SETS if f"attn{s}_q" in layout]
-    # every set's queries (keys, values) in one index_select of the [heads, tokens, dim] view: its backward is
-    # one index_add_ (squeeze, not [0], whose backward would build a zero tensor per use)
-    q_all = query.squeeze(0).index_select(1, layout["attn_q_all"])
-    k_all, v_all = (t.squeeze(0).index_select(1, layout["attn_k_all"]) for t in (key, value))
-    q_parts = q_all.split([layout[f"attn{s}_q"].numel() for s in sets], dim=1)
+    # every set's queries (keys, values) in one index_select of the token-major [tokens, heads, dim] view (the
+    # projections' own memory order): its backward is one index_add_ over whole token rows, 3-4x faster on a CPU
+    # than over [heads, tokens, dim] (squeeze, not [0], whose backward would build a zero tensor per use)
+    q_all = query.squeeze(0).transpose(0, 1).index_select(0, layout["attn_q_all"])
+    k_all, v_all = (t.squeeze(0).transpose(0, 1).index_select(0, layout["attn_k_all"]) for t in (key, value))
+    q_parts = q_all.split([layout[f"attn{s}_q"].numel() for s in sets])
     k_sizes = [layout[f"attn{s}_k"].numel() for s in sets]
     outs = []
-    for s, q, k, v in zip(sets, q_parts, k_all.split(k_sizes, dim=1), v_all.split(k_sizes, dim=1)):
+    for s, q, k, v in zip(sets, q_parts, k_all.split(k_sizes), v_all.split(k_sizes)):
         q_shape, k_shape = layout[f"attn{s}_q"].shape, layout[f"attn{s}_k"].shape
-        q, k, v = q.unflatten(1, q_shape).transpose(0, 1), *(t.unflatten(1, k_shape).transpose(0, 1) for t in (k, v))
+        q, k, v = q.unflatten(0, q_shape).transpose(1, 2), *(t.unflatten(0, k_shape).transpose(1, 2) for t in (k, v))
         out = torch.nn.functional.scaled_dot_product_attention(
             q, k, v, attn_mask=layout[f"attn{s}_mask"], scale=scaling, dropout_p=dropout_p, enable_gqa=gqa)
         outs.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))  # [rows * q_width, heads, dim]
@@ -351,14 +352,17 @@ def packed_completion_logprobs(
     inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "attention_mask": None}
     lm_head = model.get_output_embeddings()
     base = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    def rows(states: torch.Tensor) -> torch.Tensor:  # index_select: its backward is ~3x faster than indexing's
+        return states.squeeze(0).index_select(0, batch["logit_index"])
+
     with _varlen_attention(model, batch) as extra:
         if lm_head is None or base is None or _has_logit_postprocessing(model):
             hidden = None
-            logits = model(**inputs, use_cache=False, **extra).logits[0, batch["logit_index"]]
+            logits = rows(model(**inputs, use_cache=False, **extra).logits)
         elif sharded:
-            hidden = root_hidden_states(model, {**inputs, **extra})[0, batch["logit_index"]]
+            hidden = rows(root_hidden_states(model, {**inputs, **extra}))
         else:
-            hidden = base(**inputs, use_cache=False, **extra).last_hidden_state[0, batch["logit_index"]]
+            hidden = rows(base(**inputs, use_cache=False, **extra).last_hidden_state)
     if hidden is None:
         flat_lp, flat_ent = naive_token_stats(logits, targets, temperature)
     else:

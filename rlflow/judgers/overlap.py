@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from rlflow.judgers.runner import judge_metrics
+from rlflow.judgers.runner import JudgeResult, judge_metrics
 
 # (records, completions, k) -> (JudgeResult, texts)
 Judge = Callable[[list[Any], list[Any], int], tuple[Any, list[str]]]
@@ -46,10 +46,10 @@ class OverlappedJudging:
         self.generation_end = 0.0  # perf_counter() when the stream ended
 
     def run(self, stream: Iterable[tuple[int, list[Any]]], records: list[Any], listener: Any = None,
-            ) -> tuple[list[list[Any]], list[float], dict[str, float], list[str]]:
-        """Generate and judge: ``(groups in prompt order, rewards, judge metrics, texts)``, rewards and texts
-        flattened in prompt order (``k`` per prompt). ``listener`` gets ``start(total)``, ``update(completions,
-        tokens)`` per finished group and ``close()`` when generation ends."""
+            ) -> tuple[list[list[Any]], JudgeResult, list[str]]:
+        """Generate and judge: ``(groups in prompt order, the whole batch's JudgeResult, texts)``, the result's
+        lists and the texts flattened in prompt order (``k`` per prompt). ``listener`` gets ``start(total)``,
+        ``update(completions, tokens)`` per finished group and ``close()`` when generation ends."""
         groups: list[list[Any] | None] = [None] * len(records)
         pending: list[int] = []
         pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlflow-overlap-judge")
@@ -78,9 +78,9 @@ class OverlappedJudging:
                 raise RuntimeError(f"the rollout stream ended without the groups of prompt(s) {missing[:10]}")
             if pending:
                 self.submit(pool, pending, records, groups)
-            out = self.collect(len(records))
+            result, texts = self.collect(len(records))
             ok = True
-            return (groups, *out)  # type: ignore[return-value]
+            return groups, result, texts  # type: ignore[return-value]
         finally:  # on an error, do not wait for judging nobody will read
             pool.shutdown(wait=ok, cancel_futures=not ok)
 
@@ -99,12 +99,13 @@ class OverlappedJudging:
         self.submitted_at.append(time.perf_counter())
         self.jobs.append((chunk, pool.submit(self.judge, [records[i] for i in chunk], completions, self.k)))
 
-    def collect(self, num_prompts: int) -> tuple[list[float], dict[str, float], list[str]]:
-        """Wait for every chunk; put rewards, texts and per-judger values back in prompt order; recompute the
-        metrics."""
+    def collect(self, num_prompts: int) -> tuple[JudgeResult, list[str]]:
+        """Wait for every chunk; put rewards, failures, texts and per-judger values back in prompt order; recompute
+        the metrics."""
         k, total = self.k, num_prompts * self.k
         rewards: list[float] = [0.0] * total
         texts: list[str] = [""] * total
+        failed: list[tuple[str, ...]] = [()] * total
         per_judger: dict[str, list[float | None]] = {}
         failures = 0.0
         for chunk, job in self.jobs:
@@ -112,18 +113,18 @@ class OverlappedJudging:
             failures += result.metrics.get("judger/failures", 0.0)
             slots = [i * k + j for i in chunk for j in range(k)]
             for pos, slot in enumerate(slots):
-                rewards[slot], texts[slot] = result.rewards[pos], chunk_texts[pos]
+                rewards[slot], texts[slot], failed[slot] = result.rewards[pos], chunk_texts[pos], result.failed_at(pos)
             for name, values in result.per_judger.items():
                 merged = per_judger.setdefault(name, [None] * total)
                 for slot, value in zip(slots, values):
                     merged[slot] = value
-        return rewards, judge_metrics(per_judger, failures), texts
+        return JudgeResult(rewards, per_judger, judge_metrics(per_judger, failures), failed), texts
 
 
 def generate_and_judge(backend: Any, judge: Judge, records: list[Any], params: Any, k: int, overlap: bool = True,
                        listener: Any = None, prompts: list[list[int]] | None = None,
-                       ) -> tuple[list[list[Any]], list[float], dict[str, float], list[str], float]:
-    """One rollout step's generation and judging: ``(groups, rewards, metrics, texts, generation seconds)``.
+                       ) -> tuple[list[list[Any]], JudgeResult, list[str], float]:
+    """One rollout step's generation and judging: ``(groups, JudgeResult, texts, generation seconds)``.
 
     Overlapped when ``overlap`` and the backend :attr:`~rlflow.rollout.base.RolloutBackend.streams`, else
     generate everything, then judge once. ``listener`` (``start``/``update``/``close``) follows the generation.
@@ -134,8 +135,8 @@ def generate_and_judge(backend: Any, judge: Judge, records: list[Any], params: A
     t0 = time.perf_counter()
     if overlap and backend.streams:
         overlapped = OverlappedJudging(judge, k)
-        groups, rewards, metrics, texts = overlapped.run(backend.stream(prompt_ids, params, n=k), records, listener)
-        return groups, rewards, metrics, texts, overlapped.generation_end - t0
+        groups, result, texts = overlapped.run(backend.stream(prompt_ids, params, n=k), records, listener)
+        return groups, result, texts, overlapped.generation_end - t0
     if listener is not None:
         listener.start(len(prompt_ids) * k)
     try:
@@ -145,4 +146,4 @@ def generate_and_judge(backend: Any, judge: Judge, records: list[Any], params: A
             listener.close()
     gen_time = time.perf_counter() - t0
     result, texts = judge(records, [c for g in groups for c in g], k)
-    return groups, result.rewards, result.metrics, texts, gen_time
+    return groups, result, texts, gen_time

@@ -70,6 +70,7 @@ class SourceJudgers:
         n = len(completions)
         rewards = [0.0] * n
         per_judger: dict[str, list[float | None]] = {}
+        failed: list[tuple[str, ...]] = [()] * n
         failures = 0.0
         for key, idx in groups.items():
             part = runners[key].judge(
@@ -77,13 +78,13 @@ class SourceJudgers:
                 {k: [v[i] for i in idx] for k, v in columns.items()},
             )
             failures += part.metrics.get("judger/failures", 0.0)  # not visible in the values: counts add up
-            for i, r in zip(idx, part.rewards):
-                rewards[i] = r
+            for pos, (i, r) in enumerate(zip(idx, part.rewards)):
+                rewards[i], failed[i] = r, part.failed_at(pos)
             for name, values in part.per_judger.items():
                 merged = per_judger.setdefault(name, [None] * n)
                 for i, v in zip(idx, values):
                     merged[i] = v
-        return JudgeResult(rewards, per_judger, judge_metrics(per_judger, failures))  # over the whole batch
+        return JudgeResult(rewards, per_judger, judge_metrics(per_judger, failures), failed)  # the whole batch
 
 
 class JudgePanel:

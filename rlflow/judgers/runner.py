@@ -78,6 +78,13 @@ class JudgeResult:
     rewards: list[float]
     per_judger: dict[str, list[float | None]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
+    #: Per sample, the judgers that failed on it (raised, timed out, gave an infinite reward or, for a judger that
+    #: counts its own per-sample failures, gave None): trajectories.jsonl's ``judgers_failed``. Empty: none did.
+    failed: list[tuple[str, ...]] = field(default_factory=list)
+
+    def failed_at(self, i: int) -> tuple[str, ...]:
+        """The judgers that failed on sample ``i`` (none where this result records no failures)."""
+        return self.failed[i] if self.failed else ()
 
 
 def judge_metrics(per_judger: dict[str, list[float | None]], failures: float = 0.0) -> dict[str, float]:
@@ -343,11 +350,14 @@ class JudgerRunner:
                 **{key: [values[i] for i in idx] for key, values in columns.items()},
             }
         failures = 0
+        failed: list[tuple[str, ...]] = [()] * n
         for name, (out, exc) in self.call_all(jobs).items():
             idx = indices[name]
             if exc is not None:
                 self.report_failure(name, exc, len(idx))
                 failures += len(idx)
+                for i in idx:
+                    failed[i] += (name,)
                 continue
             values = self.check(name, out, len(idx))
             infinite = [v for v in values if v is not None and math.isinf(v)]
@@ -355,16 +365,23 @@ class JudgerRunner:
                 self.report_failure(name, ValueError(f"it returned {infinite[0]} for {len(infinite)} sample(s); "
                                                      "infinite rewards count as failed"), len(infinite))
                 failures += len(infinite)
+                for i, v in zip(idx, values):
+                    if v is not None and math.isinf(v):
+                        failed[i] += (name,)
                 values = [None if v is not None and math.isinf(v) else v for v in values]
             for i, value in zip(idx, values):
                 per_judger[name][i] = value
             consume = getattr(self.judgers[name], "consume_failures", None)
-            if callable(consume):  # judgers that fail per sample (e.g. remote) report how many they gave None
-                failures += int(consume())
+            failed_here = int(consume()) if callable(consume) else 0  # judgers that fail per sample (e.g. remote)
+            if failed_here:  # report how many they gave None: those samples
+                failures += failed_here
+                for i, value in zip(idx, values):
+                    if value is None:
+                        failed[i] += (name,)
         rewards = []
         for i in range(n):
             parts = [
                 self.weights[name] * per_judger[name][i] for name in self.judgers if per_judger[name][i] is not None
             ]
             rewards.append(sum(parts) if parts else 0.0)
-        return JudgeResult(rewards, per_judger, judge_metrics(per_judger, failures))
+        return JudgeResult(rewards, per_judger, judge_metrics(per_judger, failures), failed)
