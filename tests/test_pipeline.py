@@ -323,7 +323,7 @@ def test_pipelining_refuses_an_lmdeploy_engine_that_sleeps_during_training():
 class SlowGeneratorOnRank(L.Callback):
     """Makes one rank's generator sleep ``delay`` seconds before every job."""
 
-    def __init__(self, rank: int = 1, delay: float = 1.0) -> None:
+    def __init__(self, rank: int = 1, delay: float = 2.0) -> None:
         self.rank, self.delay = rank, delay
 
     def on_train_start(self, trainer, pl_module) -> None:
@@ -332,8 +332,8 @@ class SlowGeneratorOnRank(L.Callback):
 
 
 def fsdp_run(tiny_model, tiny_data, root, steps, *extra):
-    """``rlflow fit`` on 2 gloo ranks under ``trainer.strategy=fsdp`` with pipelining, rank 1's generator 1 s slower
-    per job."""
+    """``rlflow fit`` on 2 gloo ranks under ``trainer.strategy=fsdp`` with pipelining, rank 1's generator 2 s slower
+    per job (longer than a step on a slow machine, so that rank 1 always waits)."""
     slow = '--trainer.callbacks+={"class_path": "test_pipeline.SlowGeneratorOnRank", "init_args": {"rank": 1}}'
     args = run_args(tiny_model, tiny_data, root, "--trainer.strategy=fsdp", "--data.max_staleness=1", slow, *extra,
                     steps=steps)
@@ -360,12 +360,14 @@ def fsdp_straight(tiny_model, tiny_data, tmp_path_factory):
 
 
 def test_two_fsdp_ranks_pipeline_in_step_when_one_generator_is_slow(fsdp_straight):
-    """2 gloo ranks under ``trainer.strategy=fsdp``, each with its own generator process, rank 1's 1 s slower per
+    """2 gloo ranks under ``trainer.strategy=fsdp``, each with its own generator process, rank 1's 2 s slower per
     job: the run finishes (no hang), every rank trains each step on its own completions of the previous version."""
     metrics = metrics_by_step(fsdp_straight)
     assert sorted(metrics) == [0, 1, 2]
     assert [metrics[s]["sampling/staleness/max"] for s in range(3)] == [0.0, 1.0, 1.0]
-    assert metrics[2]["rollout/wait_time"] > 0.3  # rank 1 waits ~1 s for its generator (logged: the ranks' mean)
+    # rank 1 waits ~2 s less the step's own time for its generator, rank 0 ~0 (logged: the ranks' mean); a 1 s delay
+    # gave a mean of 0.25 s on a slow machine (steps of ~0.5 s), this one leaves room
+    assert metrics[2]["rollout/wait_time"] > 0.3
     log_dir = fsdp_straight / "lightning_logs" / "version_0"
     for name in ("trajectories.jsonl", "trajectories.rank1.jsonl"):
         rows = [json.loads(line) for line in (log_dir / name).read_text().splitlines()]
