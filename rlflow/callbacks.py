@@ -35,7 +35,14 @@ from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import SaveConfigCallback
 
 SAMPLE_COLUMNS = ["step", "data_source", "prompt", "completion", "ground_truth", "reward", "advantage", "num_tokens",
-                  "finish_reason"]
+                  "finish_reason", "judgers_failed"]
+
+
+def _cell(sample: dict, column: str) -> Any:
+    """A samples-table cell: the sample's value; ``judgers_failed`` as one string ("" where no judger failed)."""
+    if column == "judgers_failed":
+        return ", ".join(sample.get(column) or [])
+    return sample.get(column)
 
 
 def _samples(pl_module: Any) -> list[dict]:
@@ -188,7 +195,7 @@ class SampleTable(L.Callback):
         if not samples or not loggers:
             return
         step = samples[0]["step"]  # the rollout step's index, as its metrics and trajectories.jsonl count it
-        rows = [[s.get(c) for c in SAMPLE_COLUMNS] for s in samples]
+        rows = [[_cell(s, c) for c in SAMPLE_COLUMNS] for s in samples]
         for logger in loggers:
             logger.log_table(key="samples", columns=SAMPLE_COLUMNS, data=rows, step=step)
 

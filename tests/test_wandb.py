@@ -113,6 +113,7 @@ def test_wandb_offline_records_metrics_config_and_sample_tables(tiny_model, tiny
     col = {c: i for i, c in enumerate(SAMPLE_COLUMNS)}
     assert [row[col["reward"]] for row in table["data"]] == [t["reward"] for t in step2]
     assert [row[col["completion"]] for row in table["data"]] == [t["completion"] for t in step2]
+    assert [row[col["judgers_failed"]] for row in table["data"]] == [""] * 6  # no judger failed in this run
 
 
 def test_tensorboard_logger_still_works(tiny_model, tiny_data, tmp_path):
