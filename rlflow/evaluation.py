@@ -5,7 +5,9 @@ As XTuner's evaluator does, every eval prompt is generated (greedily by default,
 reward reaches ``data.eval_pass_threshold``. Reported: ``eval/accuracy`` (the mean over all samples, i.e. the
 unbiased pass@1), ``eval/pass@k`` (the unbiased estimator of Chen et al. 2021, "Evaluating Large Language
 Models Trained on Code": ``1 - C(n - c, k) / C(n, k)`` per prompt with ``n`` samples of which ``c`` are
-correct), ``eval/reward``, ``eval/mean_length``, and ``eval/<data_source>/<metric>`` for every source.
+correct), ``eval/reward``, ``eval/mean_length``, and ``eval/<data_source>/<metric>`` for every source; and
+``eval/judger_failures``, the samples a judger failed on (raised, timed out: scored without it, so a failing judger
+cannot pass for a drop in accuracy unseen).
 
 Evaluation sampling runs under its own seed, on a forked RNG, so evaluating never changes the random stream of
 training: a run with evaluation resumes exactly, and the same weights always get the same score.
@@ -46,6 +48,11 @@ def isolated_rng(seed: int) -> Iterator[None]:
         yield
 
 
+#: Per-prompt states of :class:`EvalMetrics`: source index, samples, correct ones, reward sum, length sum, samples a
+#: judger failed on.
+STATES = ("source", "samples", "correct", "reward", "length", "failed")
+
+
 class EvalMetrics(Metric):
     """The ``eval/*`` metrics as a torchmetrics ``Metric``: per-prompt counts, concatenated across ranks on compute.
 
@@ -64,28 +71,31 @@ class EvalMetrics(Metric):
         super().__init__()
         self.k = k
         self.sources = sorted({s or "unknown" for s in (sources or [])} | {"unknown"})
-        for name in ("source", "samples", "correct", "reward", "length"):
+        for name in STATES:
             self.add_state(name, default=[], dist_reduce_fx="cat")
 
     def update(self, data_sources: list[str | None], correct: list[list[bool]], rewards: list[list[float]],
-               lengths: list[list[int]]) -> None:
-        """Add one batch: per prompt, its source and the correctness, reward and length of each of its samples."""
+               lengths: list[list[int]], failed: list[list[bool]] | None = None) -> None:
+        """Add one batch: per prompt, its source and the correctness, reward and length of each of its samples, and
+        whether a judger failed on it (``failed``; None: none did)."""
         index = {name: i for i, name in enumerate(self.sources)}
-        for source, c, r, n in zip(data_sources, correct, rewards, lengths, strict=True):
+        failed = failed if failed is not None else [[]] * len(correct)
+        for source, c, r, n, f in zip(data_sources, correct, rewards, lengths, failed, strict=True):
             self.source.append(torch.tensor([index.get(source or "unknown", index["unknown"])]))
             self.samples.append(torch.tensor([len(c)], dtype=torch.float64))
             self.correct.append(torch.tensor([sum(c)], dtype=torch.float64))
             self.reward.append(torch.tensor([sum(r)], dtype=torch.float64))
             self.length.append(torch.tensor([sum(n)], dtype=torch.float64))
+            self.failed.append(torch.tensor([sum(f)], dtype=torch.float64))
 
     def compute(self) -> dict[str, float]:
-        """``eval/accuracy``, ``eval/pass@k``, ``eval/reward``, ``eval/mean_length``, overall and per source."""
+        """``eval/accuracy``, ``eval/pass@k``, ``eval/reward``, ``eval/mean_length``, overall and per source, and
+        ``eval/judger_failures``: the samples a judger failed on (scored without it, so possibly counted wrong)."""
         if not self.samples:
             return {}
-        state = {
-            name: dim_zero_cat(getattr(self, name)) for name in ("source", "samples", "correct", "reward", "length")
-        }
+        state = {name: dim_zero_cat(getattr(self, name)) for name in STATES}
         metrics = self._metrics(state, torch.ones_like(state["samples"], dtype=torch.bool), "eval")
+        metrics["eval/judger_failures"] = state["failed"].sum().item()
         present = sorted(set(state["source"].tolist()))
         if len(present) > 1 or self.sources[present[0]] != "unknown":
             for i in present:

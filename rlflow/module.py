@@ -614,7 +614,7 @@ class GRPOModule(L.LightningModule):
     def validation_step(self, batch: list, batch_idx: int) -> None:
         with full_weights(self.policy if self.experience.reads_policy_weights else None):
             out = self.experience.evaluate(batch, step=self.global_step, batch_idx=batch_idx)
-        self.eval_metrics.update(out["data_sources"], out["correct"], out["rewards"], out["lengths"])
+        self.eval_metrics.update(out["data_sources"], out["correct"], out["rewards"], out["lengths"], out.get("failed"))
 
     def on_validation_epoch_end(self) -> None:
         """Log ``eval/accuracy``, ``eval/pass@k`` and the rest, overall and per ``data_source``, over every rank's

@@ -114,6 +114,7 @@ def test_validate_reports_accuracy_per_data_source(tiny_model, tiny_data, tmp_pa
     assert metrics["eval/other/set/accuracy"] == pytest.approx(expected["other/set"])
     assert 0 < expected["all"] < 1  # the data mixes both answers, so a wrong grouping would show
     assert "eval/pass@1" not in metrics  # greedy, one sample: accuracy only
+    assert metrics["eval/judger_failures"] == 0  # logged with the rest; this judger never fails
 
 
 def test_evaluate_every_n_steps_with_k_samples(tiny_model, tiny_data, tmp_path):
@@ -164,3 +165,38 @@ def test_evaluate_every_n_steps_maps_to_lightning(tiny_model, tiny_data, tmp_pat
     assert trainer.val_check_interval == 5 and trainer.check_val_every_n_epoch is None
     with pytest.raises(ValueError, match="needs an eval set"):
         cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--evaluate_every_n_steps=5")[1:], run=False)
+
+
+def test_eval_judger_failures_are_counted_by_hand():
+    metrics = EvalMetrics(k=2, sources=["a"])
+    metrics.update(["a", "a"], [[True, False], [True, True]], [[1.0, 0.0], [1.0, 1.0]], [[3, 4], [5, 6]],
+                   [[False, True], [True, True]])
+    metrics.update(["a"], [[False, False]], [[0.0, 0.0]], [[1, 1]])  # no failures given: none
+    m = metrics.compute()
+    assert m["eval/judger_failures"] == 3.0 and m["eval/accuracy"] == 3 / 6
+
+
+FAIL_ON: set[str] = set()
+
+
+def fails_on_some_answers(completions, ground_truth, **kwargs):
+    """A judger that fails (an infinite reward) on the prompts whose answer is in ``FAIL_ON``, 1.0 elsewhere."""
+    return [float("inf") if str(t) in FAIL_ON else 1.0 for t in ground_truth]
+
+
+def test_evaluate_flags_the_samples_a_judger_failed_on(tiny_model, tiny_data, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    write_eval_file(tiny_data, tmp_path / "eval.jsonl")
+    dm = RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), eval_data_path=str(tmp_path / "eval.jsonl"),
+                           tokenizer_path=str(tiny_model), eval_k=2, eval_temperature=1.0, max_tokens=8,
+                           judgers={"*": "test_evaluation:fails_on_some_answers"})
+    dm.setup("validate")
+    dm.bind(AutoModelForCausalLM.from_pretrained(tiny_model))
+    truths = [str(r.columns["ground_truth"]) for r in dm.eval_records]
+    FAIL_ON.clear()
+    FAIL_ON.update(truths[:2])
+    out = dm.evaluate(dm.eval_records, step=0, batch_idx=0)
+    expected = [[t in FAIL_ON] * 2 for t in truths]
+    assert out["failed"] == expected and 0 < sum(map(sum, expected)) < 2 * len(truths)
+    assert out["rewards"] == [[0.0 if f else 1.0 for f in fs] for fs in expected]  # scored without the failed judger

@@ -457,7 +457,8 @@ class RolloutDataModule(L.LightningDataModule):
 
         Sampling runs on a forked RNG seeded from (``seed``, ``step``, ``batch_idx``) (see
         :func:`rlflow.evaluation.isolated_rng`), so it never moves the training random stream. Returns per prompt
-        lists of ``eval_k`` rewards, correctness flags and lengths, and the prompts' data sources.
+        lists of ``eval_k`` rewards, correctness flags, lengths and judger-failure flags, and the prompts' data
+        sources.
         """
         assert self.backend is not None, "bind() the policy first"
         k = self.eval_k
@@ -470,6 +471,7 @@ class RolloutDataModule(L.LightningDataModule):
             "rewards": per_prompt,
             "correct": [[r >= self.eval_pass_threshold for r in group] for group in per_prompt],
             "lengths": [[c.num_sampled for c in g] for g in groups],
+            "failed": [[bool(result.failed_at(i * k + j)) for j in range(k)] for i in range(len(batch))],
             "data_sources": [r.data_source for r in batch],
         }
 
