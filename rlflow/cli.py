@@ -214,7 +214,7 @@ def function_judger_help(argv: list[str]) -> None:
     if not name:
         return
     try:
-        obj = registry.import_path(name) if registry.looks_like_path(name) else registry.load("rlflow.judgers", name)
+        obj, _ = registry.resolve_spec("rlflow.judgers", name)
     except registry.PluginError:
         return  # jsonargparse reports it (an unknown name lists the available ones)
     if isinstance(obj, type) or not callable(obj):

@@ -168,7 +168,7 @@ def _mapping_from_text(group: str, text: str) -> Any:
         raise PluginError(f"the {group} plugin {text!r} is neither a name nor a valid mapping: {exc}") from exc
 
 
-def _resolve(group: str, spec: str | dict) -> tuple[Any, dict[str, Any]]:
+def resolve_spec(group: str, spec: str | dict) -> tuple[Any, dict[str, Any]]:
     """The plugin object (class or function) a name, import path or ``{"class_path", "init_args"}`` mapping names
     (mapping text already read), and its ``init_args``; PluginError when it cannot be found or is malformed."""
     if isinstance(spec, str):
@@ -192,7 +192,7 @@ def check_spec(group: str, spec: str) -> None:
     plugin's signature, without building it: PluginError on an unknown plugin or argument (for plugins built late,
     e.g. a rollout backend built once the policy has loaded)."""
     parsed = _mapping_from_text(group, spec) if spec.lstrip().startswith("{") else spec
-    target, init_args = _resolve(group, parsed)
+    target, init_args = resolve_spec(group, parsed)
     if isinstance(target, type):
         params = inspect.signature(target).parameters
         if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -219,7 +219,7 @@ def build(group: str, spec: Any, **defaults: Any) -> Any:
         spec = _mapping_from_text(group, spec)
     if not isinstance(spec, (str, dict)):
         return spec
-    target, init_args = _resolve(group, spec)
+    target, init_args = resolve_spec(group, spec)
     if isinstance(target, type):
         params = inspect.signature(target).parameters
         takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())

@@ -48,7 +48,10 @@ class RewardServer:
                     return self.reply(200, {"rewards": [float(c.endswith(t)) for c, t in pairs]})
                 if self.path == "/shortbatch":
                     return self.reply(200, [1.0])
-                # per sample: 1.0 when the completion ends with the ground truth; null when there is none
+                # per sample: 1.0 when the completion ends with the ground truth; null when there is none; a 500
+                # for the ground truth "FAIL"
+                if body.get("ground_truth") == "FAIL":
+                    return self.reply(500, {"error": "cannot grade this one"})
                 if body.get("ground_truth") is None:
                     return self.reply(200, {"reward": None})
                 return self.reply(200, {"reward": float(body["completion"].endswith(body["ground_truth"]))})
@@ -103,6 +106,14 @@ def test_per_sample_rewards_and_payload(server):
     body = next(b for _, b in server.requests if b["ground_truth"] == "6")
     assert body["completion"] == "is 6" and body["prompt"] == [{"role": "user", "content": "q2"}]
     assert body["extra_info"] == {"i": 2} and body["data_source"] == "s" and "completion_ids" not in body
+
+
+def test_only_the_samples_whose_request_failed_are_marked_not_the_null_ones(server):
+    runner = JudgerRunner({"*": remote(server, "/reward", max_retries=0)})
+    columns = {**COLUMNS, "ground_truth": ["4", "FAIL", "6", None]}
+    result = runner.judge(PROMPTS, COMPLETIONS, IDS, columns)
+    assert result.per_judger["remote"] == [1.0, None, 1.0, None]  # both None: one failed, one "not applicable"
+    assert result.failed == [(), ("remote",), (), ()] and result.metrics["judger/failures"] == 1.0
 
 
 def test_batch_mode_one_request(server):

@@ -42,4 +42,5 @@ class ExperienceSource(Protocol):
         """Called after every optimizer step so the next rollout samples from the new weights."""
 
     def evaluate(self, batch: list[Any], step: int, batch_idx: int) -> dict[str, Any]:
-        """Generate and judge one evaluation batch (``rewards``, ``correct``, ``lengths``, ``data_sources``)."""
+        """Generate and judge one evaluation batch (``rewards``, ``correct``, ``lengths``, ``data_sources``; optionally
+        ``failed``, per sample whether a judger failed on it, for ``eval/judger_failures``)."""

@@ -11,9 +11,11 @@ jsonargparse can validate its arguments); a function, or any callable, is named 
 
 A judger may be ``async def`` (several run concurrently) or plain (run in a thread, so it may block). Optional
 extras the runner honours: a ``name`` attribute (the metric key, else the function's ``__name__`` as in TRL);
-a constructor argument ``max_tokens`` (filled from ``data.max_tokens`` when the config does not set it); and a
-``consume_failures()`` method returning how many samples it gave ``None`` because of an error since the last
-call (added to ``judger/failures``), for judgers that fail per sample rather than per call.
+a constructor argument ``max_tokens`` (filled from ``data.max_tokens`` when the config does not set it); and, for
+judgers that fail per sample rather than per call, a ``consume_failed()`` method returning the positions (in its
+last call) of the samples it gave ``None`` because of an error: counted in ``judger/failures`` and named on
+those samples in ``trajectories.jsonl`` (``judgers_failed``). A ``consume_failures()`` method returning only how
+many is counted, not marked per sample.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ class RemoteJudger(Judger):
         self.max_concurrency = int(max_concurrency)
         self.headers = {"Content-Type": "application/json", **(headers or {})}
         self.name = name
-        self._failures = 0
+        self._failed: list[int] = []  # positions in the current call of the samples whose request failed
         self._logged = False
         self._lock = threading.Lock()
 
@@ -114,18 +114,23 @@ class RemoteJudger(Judger):
                 raise RemoteJudgerError(f"{self.url} answered something that is not JSON: {body[:200]!r}") from exc
         raise RemoteJudgerError(f"{error} (after {attempt + 1} attempt(s))") from error
 
-    def consume_failures(self) -> int:
-        """Samples given ``None`` because their request failed, since the last call (read by the runner)."""
+    def consume_failed(self) -> list[int]:
+        """Positions (in the call) of the samples given ``None`` because their request failed, since the last call
+        (read by the runner: it marks exactly those, not a sample the server answered ``null`` for)."""
         with self._lock:
-            count, self._failures = self._failures, 0
-        return count
+            positions, self._failed = self._failed, []
+        return positions
 
-    def _one(self, payload: dict[str, Any]) -> float | None:
+    def consume_failures(self) -> int:
+        """How many samples :meth:`consume_failed` would name (and consumes them)."""
+        return len(self.consume_failed())
+
+    def _one(self, position: int, payload: dict[str, Any]) -> float | None:
         try:
             return _reward(self.post(payload), self.url)
         except RemoteJudgerError as exc:
             with self._lock:
-                self._failures += 1
+                self._failed.append(position)
                 first, self._logged = not self._logged, True
             if first:
                 log.warning(
@@ -152,4 +157,4 @@ class RemoteJudger(Judger):
             for i in range(len(texts))
         ]
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(len(payloads), 1))) as pool:
-            return list(pool.map(self._one, payloads))
+            return list(pool.map(self._one, range(len(payloads)), payloads))

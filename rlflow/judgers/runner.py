@@ -79,7 +79,8 @@ class JudgeResult:
     per_judger: dict[str, list[float | None]] = field(default_factory=dict)
     metrics: dict[str, float] = field(default_factory=dict)
     #: Per sample, the judgers that failed on it (raised, timed out, gave an infinite reward or, for a judger that
-    #: counts its own per-sample failures, gave None): trajectories.jsonl's ``judgers_failed``. Empty: none did.
+    #: reports its own per-sample failures, ``consume_failed()``, named it): trajectories.jsonl's ``judgers_failed``.
+    #: Empty: none did.
     failed: list[tuple[str, ...]] = field(default_factory=list)
 
     def failed_at(self, i: int) -> tuple[str, ...]:
@@ -325,6 +326,18 @@ class JudgerRunner:
             "logged once per judger): %s: %s", name, n, type(exc).__name__, exc, exc_info=exc,
         )
 
+    def own_failures(self, name: str) -> tuple[list[int], int]:
+        """The samples judger ``name`` gave None because of an error in its last call, for judgers that fail per
+        sample (see :mod:`rlflow.judgers.base`): their positions in the call and how many, from ``consume_failed()``;
+        from a judger that only counts them (``consume_failures()``), no positions and the count."""
+        judger = self.judgers[name]
+        consume_failed = getattr(judger, "consume_failed", None)
+        if callable(consume_failed):
+            positions = sorted(consume_failed())
+            return positions, len(positions)
+        consume = getattr(judger, "consume_failures", None)
+        return [], int(consume()) if callable(consume) else 0
+
     # ------------------------------------------------------------------------------------------- judging
     def judge(
         self,
@@ -355,29 +368,22 @@ class JudgerRunner:
             idx = indices[name]
             if exc is not None:
                 self.report_failure(name, exc, len(idx))
-                failures += len(idx)
-                for i in idx:
-                    failed[i] += (name,)
-                continue
-            values = self.check(name, out, len(idx))
-            infinite = [v for v in values if v is not None and math.isinf(v)]
-            if infinite:  # a failure of those samples (e.g. a division by zero), not a reward to train on
-                self.report_failure(name, ValueError(f"it returned {infinite[0]} for {len(infinite)} sample(s); "
-                                                     "infinite rewards count as failed"), len(infinite))
-                failures += len(infinite)
-                for i, v in zip(idx, values):
-                    if v is not None and math.isinf(v):
-                        failed[i] += (name,)
-                values = [None if v is not None and math.isinf(v) else v for v in values]
-            for i, value in zip(idx, values):
-                per_judger[name][i] = value
-            consume = getattr(self.judgers[name], "consume_failures", None)
-            failed_here = int(consume()) if callable(consume) else 0  # judgers that fail per sample (e.g. remote)
-            if failed_here:  # report how many they gave None: those samples
-                failures += failed_here
+                lost, counted = list(range(len(idx))), len(idx)
+            else:
+                values = self.check(name, out, len(idx))
+                lost = [p for p, v in enumerate(values) if v is not None and math.isinf(v)]
+                if lost:  # a failure of those samples (e.g. a division by zero), not a reward to train on
+                    self.report_failure(name, ValueError(f"it returned {values[lost[0]]} for {len(lost)} sample(s); "
+                                                         "infinite rewards count as failed"), len(lost))
+                    for p in lost:
+                        values[p] = None
                 for i, value in zip(idx, values):
-                    if value is None:
-                        failed[i] += (name,)
+                    per_judger[name][i] = value
+                own, own_count = self.own_failures(name)
+                lost, counted = lost + own, len(lost) + own_count
+            failures += counted
+            for p in lost:  # positions in this judger's share of the batch
+                failed[idx[p]] += (name,)
         rewards = []
         for i in range(n):
             parts = [
