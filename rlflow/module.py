@@ -60,6 +60,7 @@ from rlflow.lora import LoraSettings
 from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
 from rlflow.model_path import check_model_path
 from rlflow.optim import UpdateFraction, build_lr_scheduler, build_optimizer, check_optimizer, rebuild_lr_scheduler
+from rlflow.reference import check_same_layout, check_sync, sync_reference
 from rlflow.step_unit import count_rollout_step, optimizer_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -143,6 +144,8 @@ class GRPOModule(L.LightningModule):
         kl_coef: float | None = None,
         kl_type: str | None = None,
         ref_model_path: str | None = None,
+        ref_model_sync_steps: int = 0,
+        ref_model_mixup_alpha: float = 0.6,
         rollout_is: str | None = None,
         rollout_is_cap: float = 2.0,
         rollout_is_min: float | None = None,
@@ -189,6 +192,12 @@ class GRPOModule(L.LightningModule):
                 ``abs``; None keeps the loss's own (``k3``).
             ref_model_path: Reference model; defaults to ``model_path`` (with ``lora``: the policy with its adapters
                 disabled, no second copy, unless this is set).
+            ref_model_sync_steps: Every this many rollout steps, move the KL reference toward the policy:
+                ``ref <- ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * ref`` (TRL's
+                ``sync_ref_model``, TR-DPO; alpha 1 resets it to the policy, as ProRL does). The reference is then
+                checkpointed with the policy. 0 (the default): the reference stays fixed. Needs a KL term; not with
+                ``lora``. See :mod:`rlflow.reference`.
+            ref_model_mixup_alpha: The weight of the policy in that update, in (0, 1].
             rollout_is: Rollout/training mismatch correction from the rollout engine's log-probs: ``token_truncate``,
                 ``sequence_truncate`` (TIS), ``token_mask``, ``sequence_mask`` (MIS). None: off, except with pipelined
                 generation (``data.max_staleness > 0``), where it defaults to ``token_truncate`` against the
@@ -240,6 +249,7 @@ class GRPOModule(L.LightningModule):
             check_model_path(ref_model_path, "model.ref_model_path")
         settings = {"epsilon_low": epsilon_low, "epsilon_high": epsilon_high, "kl_coef": kl_coef, "kl_type": kl_type}
         self.loss_fn = build_loss(loss, settings, max_tokens)
+        check_sync(ref_model_sync_steps, ref_model_mixup_alpha, self.uses_reference, self.lora is not None)
         on = rollout_is is not None and rollout_is != "off"
         self.correction = RolloutCorrection(rollout_is, rollout_is_cap, rollout_is_min) if on else None
         self.policy: torch.nn.Module | None = None
@@ -261,8 +271,10 @@ class GRPOModule(L.LightningModule):
 
     @property
     def ref_model(self) -> torch.nn.Module | None:
-        """The frozen reference, kept out of ``state_dict`` (it never changes, so checkpoints need not hold it)."""
-        return self.__dict__.get("_ref_model")
+        """The frozen reference. Kept out of ``state_dict`` (it never changes, so checkpoints need not hold it),
+        unless ``model.ref_model_sync_steps`` moves it: then it is the submodule ``reference``, checkpointed."""
+        fixed = self.__dict__.get("_ref_model")
+        return fixed if fixed is not None else self._modules.get("reference")
 
     def configure_model(self) -> None:
         if self.policy is not None:
@@ -281,8 +293,12 @@ class GRPOModule(L.LightningModule):
         if self.uses_reference and (self.lora is None or hp.ref_model_path):  # LoRA: the base is the reference
             key = "model.ref_model_path" if hp.ref_model_path else "model.model_path"
             ref = load_causal_lm(hp.ref_model_path or hp.model_path, hp.dtype, hp.attn_implementation, key)
-            ref.eval().requires_grad_(False)
-            self.__dict__["_ref_model"] = ref
+            ref.requires_grad_(False)
+            if hp.get("ref_model_sync_steps", 0):  # it will move: checkpointed with the policy (rlflow.reference)
+                check_same_layout(self.policy, ref)
+                self.reference = ref.train()  # in train mode like the rest of the module; its forwards switch to eval
+            else:
+                self.__dict__["_ref_model"] = ref.eval()
         self.shard_models()
 
     def setup_vision(self) -> None:
@@ -467,6 +483,7 @@ class GRPOModule(L.LightningModule):
             sums = self.optimizer_step_on(minibatch, generation_tokens, generation_seqs, sums, count=last)
         if self.global_step == rollout_step:  # that step was skipped: the rollout step counts all the same
             count_rollout_step(self.optimizers())
+        self.maybe_sync_reference(rollout_step + 1)
         if self._is_tokens:  # the IS metrics of the weights from the training forward (correction_in_forward)
             old_t, rollout_t = (torch.cat(parts) for parts in zip(*self._is_tokens))
             metrics.update(self.correction.metrics(old_t, rollout_t, torch.ones_like(old_t, dtype=torch.bool)))
@@ -483,6 +500,17 @@ class GRPOModule(L.LightningModule):
         self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(everything))
         self.last_metrics = metrics
         self.last_rollout = rollout
+
+    def maybe_sync_reference(self, rollout_steps_done: int) -> None:
+        """After every ``model.ref_model_sync_steps``-th rollout step, move the reference toward the policy
+        (:func:`rlflow.reference.sync_reference`; every rank its own shards)."""
+        every = self.hparams.get("ref_model_sync_steps", 0)
+        if not every or rollout_steps_done % every or self.ref_model is None:
+            return
+        alpha = self.hparams.ref_model_mixup_alpha
+        sync_reference(self.ref_model, self.policy, alpha)
+        info(f"rollout step {rollout_steps_done - 1}: the KL reference moved toward the policy "
+             f"(model.ref_model_mixup_alpha={alpha})")
 
     def optimizer_step_on(
         self, minibatch: list[Experience], generation_tokens: int, generation_seqs: int, sums: dict, count: bool = True
@@ -637,12 +665,30 @@ class GRPOModule(L.LightningModule):
         return trainable_state(state, frozen_keys(self.policy, kwargs.get("prefix", "") + "policy."))
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, **kwargs: Any) -> Any:
-        """Under ``model.lora`` a checkpoint's missing base weights are the live (never trained) ones."""
+        """Under ``model.lora`` a checkpoint's missing base weights are the live (never trained) ones. A checkpoint
+        without the reference (``model.ref_model_sync_steps`` was 0) continues with the reference as loaded; one
+        with a moved reference continues with that one, synced or not (a run without a KL term drops it)."""
+        state_dict = self.reference_state(state_dict)
         if self.peft_model is not None:
             from rlflow.lora import complete_state, frozen_keys
 
             state_dict = complete_state(state_dict, super().state_dict(), frozen_keys(self.policy, "policy."))
         return super().load_state_dict(state_dict, strict=strict, **kwargs)
+
+    def reference_state(self, state_dict: Any) -> Any:
+        """``state_dict`` with the ``reference.*`` entries this module has (see :meth:`load_state_dict`)."""
+        saved = any(k.startswith("reference.") for k in state_dict)
+        if saved and "reference" not in self._modules and self.__dict__.get("_ref_model") is not None:
+            info("the checkpoint holds a KL reference moved by model.ref_model_sync_steps: this run continues "
+                 "with it, and with model.ref_model_sync_steps=0 it stays there")
+            self.reference = self.__dict__.pop("_ref_model").train()  # checkpointed from now on (forwards: eval)
+        if saved == ("reference" in self._modules):
+            return state_dict
+        if not saved:
+            info("the checkpoint holds no KL reference (saved with model.ref_model_sync_steps=0): the reference "
+                 "starts from model.ref_model_path / model.model_path and moves from here")
+            return {**state_dict, **{f"reference.{k}": v for k, v in self.reference.state_dict().items()}}
+        return {k: v for k, v in state_dict.items() if not k.startswith("reference.")}  # no KL term now
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["rlflow"] = {

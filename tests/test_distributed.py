@@ -295,9 +295,11 @@ def run_two_ranks(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def two_rank_run(tiny_model, tiny_data, tmp_path_factory):
     """4 steps on 2 gloo ranks under ``trainer.strategy=fsdp``, a sharded checkpoint after every step; packed
-    micro-batches (the default) of at most 120 tokens, so the ranks' pack counts differ (prompts are 100 tokens)."""
+    micro-batches (the default) of at most 120 tokens, so the ranks' pack counts differ (prompts are 100 tokens);
+    the KL reference reset to the policy after every second step (each rank its shards), so checkpoints hold it."""
     root = tmp_path_factory.mktemp("fsdp2")
     args = fit_args(tiny_model, tiny_data, root, *SEEDED, "--trainer.strategy=fsdp", "--model.pack_max_length=120",
+                    "--model.ref_model_sync_steps=2", "--model.ref_model_mixup_alpha=1.0",
                     "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
                     "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_top_k=-1", steps=4)
     args = [a.replace("--trainer.devices=1", "--trainer.devices=2") for a in args]
@@ -339,12 +341,14 @@ def test_sharded_checkpoint_resumes_where_the_run_left_off(two_rank_run, tiny_mo
     assert ckpt.is_dir() and len(list(ckpt.glob("*.distcp"))) == 2  # one shard file per rank
     full = read_metrics(log_dir)
     assert [r["step"] for r in full] == [0, 1, 2, 3]
+    # the sharded reference was reset to the sharded policy after step 1: step 2's KL is exactly 0
+    assert full[1]["kl"] > 0.0 and full[2]["kl"] == 0.0 and full[3]["kl"] > 0.0
     resumed_root = root / "resumed"
     resumed_args = [a.replace(str(root), str(resumed_root)) for a in args] + [f"--ckpt_path={ckpt}"]
     run_two_ranks(resumed_args, root)
     resumed = read_metrics(resumed_root / "lightning_logs" / "version_0")
     assert [r["step"] for r in resumed] == [3]
-    # weights, optimizer state, sampler position and counters came back: step 4 repeats exactly
+    # weights, the moved reference, optimizer state, sampler position and counters came back: step 4 repeats
     for key in ("reward", "completions/mean_length", "num_tokens"):
         assert resumed[0][key] == pytest.approx(full[3][key], rel=1e-6), key
     for key in ("loss", "grad_norm", "kl"):

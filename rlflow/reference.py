@@ -1,0 +1,64 @@
+"""Moving the KL reference toward the policy during training (``model.ref_model_sync_steps``).
+
+A KL penalty to a frozen reference keeps the policy near its starting point; over a long run that anchor also
+holds it back. TR-DPO and TRL's ``sync_ref_model`` move the reference every ``N`` steps by a soft update,
+``ref <- alpha * policy + (1 - alpha) * ref`` (TRL's ``ref_model_mixup_alpha``, 0.6 by default); with ``alpha = 1``
+the reference is reset to the current policy, as NVIDIA's ProRL does every few hundred steps.
+
+The reference then no longer equals the weights it was loaded from, so it is checkpointed with the policy
+(:class:`~rlflow.module.GRPOModule` registers it as a submodule when syncing is on) and a resumed run continues
+with the reference it had.
+
+Simplifications: ``N`` counts rollout steps (rlflow's step unit; TRL counts optimizer steps, the same with one
+optimizer step per rollout step); the update is per parameter in the parameters' own dtype (under FSDP2 on each
+rank's shards, policy and reference being sharded alike); LoRA runs are refused (their reference is the base model
+under the adapters, which syncing would have to change, and a separate reference would need the adapters merged).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlflow.config_error import ConfigError
+
+
+def check_sync(sync_steps: int, alpha: float, uses_reference: bool, lora: bool) -> None:
+    """ConfigError unless ``model.ref_model_sync_steps``/``model.ref_model_mixup_alpha`` can act on this run."""
+    if isinstance(sync_steps, bool) or not isinstance(sync_steps, int) or sync_steps < 0:
+        raise ConfigError(f"model.ref_model_sync_steps must be an integer >= 0 (0: never), got {sync_steps!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha <= 1.0:
+        raise ConfigError(f"model.ref_model_mixup_alpha must be in (0, 1] (1: reset the reference to the policy), "
+                          f"got {alpha!r}")
+    if not sync_steps:
+        return
+    if not uses_reference:
+        raise ConfigError(f"model.ref_model_sync_steps={sync_steps} moves the KL reference, but this loss has no KL "
+                          "term (model.kl_coef is 0), so no reference is loaded: set model.kl_coef > 0 or "
+                          "model.ref_model_sync_steps=0")
+    if lora:
+        raise ConfigError(f"model.ref_model_sync_steps={sync_steps} is not supported with model.lora: the reference "
+                          "is the base model under the adapters; set model.ref_model_sync_steps=0")
+
+
+def check_same_layout(policy: torch.nn.Module, ref: torch.nn.Module) -> None:
+    """ConfigError unless ``ref`` has the policy's parameters (names and shapes), so one can be mixed into the
+    other (a ``model.ref_model_path`` of another architecture cannot)."""
+    mine = {n: tuple(p.shape) for n, p in policy.named_parameters()}
+    theirs = {n: tuple(p.shape) for n, p in ref.named_parameters()}
+    if mine != theirs:
+        diff = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
+        raise ConfigError(f"model.ref_model_sync_steps: the reference (model.ref_model_path) and the policy have "
+                          f"different parameters, so the policy cannot be mixed into it; first differences: {diff}")
+
+
+@torch.no_grad()
+def sync_reference(ref: torch.nn.Module, policy: torch.nn.Module, alpha: float) -> None:
+    """``ref <- alpha * policy + (1 - alpha) * ref``, parameter by parameter (TRL's ``SyncRefModelCallback``
+    formula); ``alpha = 1`` copies the policy exactly."""
+    for (name, r), (other, p) in zip(ref.named_parameters(), policy.named_parameters()):
+        if name != other:
+            raise RuntimeError(f"reference parameter {name!r} meets policy parameter {other!r}")
+        if alpha == 1.0:
+            r.copy_(p)
+        else:
+            r.mul_(1.0 - alpha).add_(p.to(r.dtype), alpha=alpha)
