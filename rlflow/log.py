@@ -13,6 +13,8 @@ import sys
 
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
+from rlflow.quiet import quiet_third_party
+
 logger = logging.getLogger("rlflow")
 if not logger.handlers:
     _handler = logging.StreamHandler(sys.stdout)
@@ -20,11 +22,7 @@ if not logger.handlers:
     logger.addHandler(_handler)
     logger.setLevel(logging.INFO)
 
-# torchao (the adamw_bf16_sr optimizer; transformers imports it whenever it is installed) warns at import that its
-# CUDA kernels do not load on a CPU build of torch, and torch's pytree warns about its enums: noise in every run.
-# Errors still show.
-for _name in ("torchao", "torch.utils._pytree"):
-    logging.getLogger(_name).setLevel(logging.ERROR)
+quiet_third_party()  # torchao's and torch pytree's import-time noise (rlflow/quiet.py)
 
 
 @rank_zero_only

@@ -21,6 +21,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
+from rlflow.quiet import quiet_third_party
 from rlflow.rollout.base import Completion, SamplingParams, pad_with_eos
 
 
@@ -175,6 +176,7 @@ def worker_main(threads: int, jobs: Any, results: Any, tokenizer_path: str | Non
     """The worker process: import what generation needs (and load the tokenizer, if given), wait for the shared
     model, build the backend on it, then run jobs until told to stop (held while ``running`` is cleared)."""
     parent = mp.parent_process()
+    quiet_third_party()  # before transformers imports torchao, as in the trainer
     try:
         import torch
 
