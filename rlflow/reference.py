@@ -37,7 +37,8 @@ def check_sync(sync_steps: int, alpha: float, uses_reference: bool, lora: bool) 
                           "model.ref_model_sync_steps=0")
     if lora:
         raise ConfigError(f"model.ref_model_sync_steps={sync_steps} is not supported with model.lora: the reference "
-                          "is the base model under the adapters; set model.ref_model_sync_steps=0")
+                          "is the base model under the adapters (or model.ref_model_path, into which the adapters "
+                          "would have to be merged); set model.ref_model_sync_steps=0")
 
 
 def check_same_layout(policy: torch.nn.Module, ref: torch.nn.Module) -> None:
