@@ -41,16 +41,15 @@ import string
 import time
 from pathlib import Path
 
-import torch
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import (
-    GenerationConfig,
-    PreTrainedTokenizerFast,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from rlflow.quiet import quiet_third_party
 
-from rlflow.rollout.engine import cache_kwargs, common_prefix_len
+quiet_third_party()  # before transformers imports torchao: its import-time noise (rlflow/quiet.py)
+
+import torch  # noqa: E402
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM  # noqa: E402
+
+from rlflow.rollout.engine import cache_kwargs, common_prefix_len  # noqa: E402
 
 PAD, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END, UNK]
@@ -235,7 +234,8 @@ def batch_loss(model, examples, pad_id: int) -> torch.Tensor:
     if n == 0:
         return model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
     prefix = torch.tensor([examples[0][0][:n]])
-    cache = model.model(input_ids=prefix, use_cache=True).past_key_values
+    out = model.model(input_ids=prefix, use_cache=True)
+    cache = out.cache if "cache" in out else out.past_key_values  # transformers >= 5.2x names it cache
     cache.batch_repeat_interleave(len(examples))
     full_mask = torch.cat([torch.ones(len(examples), n, dtype=mask.dtype), mask], dim=1)
     return model(input_ids=input_ids, attention_mask=full_mask, labels=labels, **cache_kwargs(model, cache)).loss
