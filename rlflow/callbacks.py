@@ -13,6 +13,8 @@
 
 The step's samples and metrics come from the :class:`~rlflow.data.experience.RolloutStep` the module keeps as
 ``pl_module.last_rollout``.
+* :class:`StepsRichProgressBar`: Lightning's rich bar without the "Epoch 4/-2" of a run bounded by
+  ``max_steps`` (rlflow's default bar where rich is installed and no bar is configured).
 * :class:`LoggerSaveConfigCallback`: LightningCLI's config writer that also sends the full resolved config
   (``rlflow fit --print_config``'s output) to every logger, so a W&B run shows it under *Config*.
 
@@ -58,6 +60,30 @@ def _say(trainer: Any, line: str) -> None:
         bar.print(line)
     else:
         print(line, flush=True)
+
+
+class StepsRichProgressBar(RichProgressBar):
+    """Lightning's rich progress bar, labelled "Epoch N" where a run bounded by ``trainer.max_steps`` (rlflow's
+    usual way) has ``max_epochs = -1``, which the parent class labels "Epoch N/-2"."""
+
+    def _get_train_description(self, current_epoch: int) -> str:
+        description = super()._get_train_description(current_epoch)
+        max_epochs = self.trainer.max_epochs
+        if max_epochs is not None and max_epochs < 0:
+            label = f"Epoch {current_epoch}"
+            description = description.replace(f"{label}/{max_epochs - 1}", label)
+        return description
+
+
+def default_progress_bar(configured: list[Any], enabled: bool | None) -> L.Callback | None:
+    """The bar rlflow adds when the trainer would pick Lightning's rich bar itself (progress bars on, rich
+    installed, none among the ``configured`` callbacks); None otherwise (Lightning's choice stands)."""
+    from lightning.pytorch.callbacks import ProgressBar
+    from lightning.pytorch.callbacks.progress.rich_progress import _RICH_AVAILABLE
+
+    if enabled is False or not _RICH_AVAILABLE or any(isinstance(c, ProgressBar) for c in configured):
+        return None
+    return StepsRichProgressBar()
 
 
 class RolloutProgressBar(L.Callback):

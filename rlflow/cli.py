@@ -32,7 +32,14 @@ from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
 
 from rlflow import registry
-from rlflow.callbacks import LoggerSaveConfigCallback, RolloutProgressBar, SampleTable, StepSummary, TrajectoryWriter
+from rlflow.callbacks import (
+    LoggerSaveConfigCallback,
+    RolloutProgressBar,
+    SampleTable,
+    StepSummary,
+    TrajectoryWriter,
+    default_progress_bar,
+)
 from rlflow.checkpointing import CheckpointDiskFullError, RLFlowCheckpoint
 from rlflow.config_checks import check_data_args, check_model_args
 from rlflow.config_error import ConfigError
@@ -156,7 +163,10 @@ class RLFlowCLI(LightningCLI):
     def _instantiate_trainer(self, config, callbacks):
         if config.get("enable_checkpointing") is False:  # --trainer.enable_checkpointing=false drops rlflow's too
             callbacks = [c for c in callbacks if not isinstance(c, RLFlowCheckpoint)]
-        return super()._instantiate_trainer(config, callbacks)
+        configured = config.get("callbacks") or []
+        bar = default_progress_bar([*(configured if isinstance(configured, list) else [configured]), *callbacks],
+                                   config.get("enable_progress_bar"))
+        return super()._instantiate_trainer(config, [*callbacks, bar] if bar is not None else callbacks)
 
     def parse_arguments(self, parser, args) -> None:
         argv = sys.argv[1:] if args is None else args

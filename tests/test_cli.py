@@ -155,3 +155,33 @@ def test_plugin_help_takes_every_spelling_of_a_class(capsys, spelling):
     assert exit_info.value.code == 0
     assert "Help for --model.loss.help=rlflow.losses." in out and "DAPOLoss" in out
     assert "--model.loss.epsilon_high" in out
+
+
+def test_the_default_rich_bar_of_a_max_steps_run_has_no_negative_epoch_total(tiny_model, tiny_data, tmp_path):
+    """Lightning labels its rich bar "Epoch 0/-2" when ``max_steps`` bounds the run (``max_epochs`` is -1); rlflow's
+    default bar says "Epoch 0". A configured bar, or progress bars off, are left as they are."""
+    pytest.importorskip("rich")
+    from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
+
+    from rlflow.callbacks import StepsRichProgressBar
+
+    args = [a for a in fit_args(tiny_model, tiny_data, tmp_path, steps=1)[1:] if "enable_progress_bar" not in a]
+    cli = cli_main(args, run=False)
+    bar = cli.trainer.progress_bar_callback
+    assert type(bar) is StepsRichProgressBar
+    from lightning.pytorch.loops.utilities import _parse_loop_limits
+
+    trainer = cli.trainer  # the loop limits Trainer._run sets at fit: max_steps bounds the run, max_epochs is -1
+    trainer.fit_loop.max_epochs = _parse_loop_limits(None, trainer.max_steps, None, trainer.max_epochs, trainer)[1]
+    assert trainer.max_epochs == -1
+    plain = RichProgressBar()
+    for b in (bar, plain):
+        b._trainer = cli.trainer
+    assert plain._get_train_description(0).strip() == "Epoch 0/-2"  # what Lightning's own bar says
+    assert bar._get_train_description(0).strip() == "Epoch 0"
+    cli.trainer.fit_loop.max_epochs = 3
+    assert bar._get_train_description(1).strip() == "Epoch 1/2"  # a bound on epochs is still shown
+    own = cli_main([*args, "--trainer.callbacks+=lightning.pytorch.callbacks.TQDMProgressBar"], run=False)
+    assert type(own.trainer.progress_bar_callback) is TQDMProgressBar
+    off = cli_main([*args, "--trainer.enable_progress_bar=false"], run=False)
+    assert off.trainer.progress_bar_callback is None
