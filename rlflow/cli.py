@@ -26,6 +26,7 @@ import inspect
 import os
 import re
 import sys
+import warnings
 from typing import Any
 
 from jsonargparse import Namespace
@@ -238,8 +239,15 @@ def function_judger_help(argv: list[str]) -> None:
     raise SystemExit(0)
 
 
+#: Warnings of the libraries rlflow runs on that say nothing a user can act on: Lightning's data fetcher builds
+#: torch pytree ``LeafSpec`` objects, which torch >= 2.10 deprecates (a FutureWarning on every run).
+LIBRARY_WARNINGS = (r"`isinstance\(treespec, LeafSpec\)` is deprecated",)
+
+
 def cli_main(args: list[str] | None = None, run: bool = True, cli_class: type[RLFlowCLI] | None = None) -> RLFlowCLI:
     """Build (and with ``run``, run) the CLI; ``cli_class`` lets a tool such as ``rlflow data check`` reuse it."""
+    for message in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
     return (cli_class or RLFlowCLI)(
         GRPOModule,
         RolloutDataModule,

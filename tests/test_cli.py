@@ -185,3 +185,20 @@ def test_the_default_rich_bar_of_a_max_steps_run_has_no_negative_epoch_total(tin
     assert type(own.trainer.progress_bar_callback) is TQDMProgressBar
     off = cli_main([*args, "--trainer.enable_progress_bar=false"], run=False)
     assert off.trainer.progress_bar_callback is None
+
+
+def test_lightnings_pytree_deprecation_is_not_shown_to_users(tiny_model, tiny_data, tmp_path):
+    """Lightning's data fetcher triggers torch's LeafSpec FutureWarning on every run; rlflow's CLI filters it."""
+    import warnings
+
+    from lightning.pytorch.utilities._pytree import _tree_flatten
+
+    with warnings.catch_warnings(record=True) as raw:
+        warnings.simplefilter("always")
+        _tree_flatten([1, {"a": [2]}])
+    if not any("LeafSpec" in str(w.message) for w in raw):
+        pytest.skip("this torch/Lightning pair does not warn: nothing to filter")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        cli_main(fit_args(tiny_model, tiny_data, tmp_path, steps=1))
+    assert not [w for w in seen if "LeafSpec" in str(w.message)]
