@@ -11,7 +11,9 @@ with the reference it had.
 
 Simplifications: ``N`` counts rollout steps (rlflow's step unit; TRL counts optimizer steps, the same with one
 optimizer step per rollout step); the update is per parameter in the parameters' own dtype (under FSDP2 on each
-rank's shards, policy and reference being sharded alike); LoRA runs are refused (their reference is the base model
+rank's shards, policy and reference being sharded alike); turning syncing on when continuing a checkpoint saved
+without it is handled for single-file checkpoints (the reference starts from the loaded weights), not for FSDP2's
+sharded ones (their loader wants every key the module has); LoRA runs are refused (their reference is the base model
 under the adapters, which syncing would have to change, and a separate reference would need the adapters merged).
 """
 
