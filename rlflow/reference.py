@@ -11,10 +11,12 @@ with the reference it had.
 
 Simplifications: ``N`` counts rollout steps (rlflow's step unit; TRL counts optimizer steps, the same with one
 optimizer step per rollout step); the update is per parameter in the parameters' own dtype (under FSDP2 on each
-rank's shards, policy and reference being sharded alike); turning syncing on when continuing a checkpoint saved
-without it is handled for single-file checkpoints (the reference starts from the loaded weights), not for FSDP2's
-sharded ones (their loader wants every key the module has); LoRA runs are refused (their reference is the base model
-under the adapters, which syncing would have to change, and a separate reference would need the adapters merged).
+rank's shards, policy and reference being sharded alike); switching syncing on or off when continuing a checkpoint
+is handled for single-file checkpoints (on: the reference starts from the loaded weights; off: the checkpoint's
+moved reference is kept), not for FSDP2's sharded ones, whose loader reads exactly the module's own keys (on: an
+error for the missing reference; off: the reference is the loaded weights again); LoRA runs are refused (their
+reference is the base model under the adapters, which syncing would have to change, and a separate reference would
+need the adapters merged).
 """
 
 from __future__ import annotations
