@@ -10,14 +10,30 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 
 from rlflow.quiet import quiet_third_party
 
+
+class _StdoutHandler(logging.StreamHandler):
+    """A handler that writes to ``sys.stdout`` as it is when a message is logged, not as it was when rlflow was
+    imported (a notebook's or pytest's capture that has since closed would make every later message a logging
+    error)."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value: Any) -> None:  # StreamHandler.__init__ sets it; the property reads sys.stdout instead
+        pass
+
+
 logger = logging.getLogger("rlflow")
 if not logger.handlers:
-    _handler = logging.StreamHandler(sys.stdout)
+    _handler = _StdoutHandler()
     _handler.setFormatter(logging.Formatter("[rlflow] %(message)s"))
     logger.addHandler(_handler)
     logger.setLevel(logging.INFO)

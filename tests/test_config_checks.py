@@ -8,6 +8,7 @@ import sys
 import pytest
 from conftest import ROOT, fit_args
 
+from rlflow.cli import main  # Lightning imported here, before any test captures stdout (its log handler keeps it)
 from rlflow.config_checks import ConfigError, check_data_args, check_model_args
 from rlflow.rollout.base import SamplingParams
 
@@ -17,6 +18,7 @@ BAD_VALUES = [
     ("data.top_p", "0", "data.top_p must be in (0.0, 1.0]"),
     ("data.top_p", "1.5", "data.top_p must be in (0.0, 1.0]"),
     ("data.top_k", "-1", "data.top_k must be >= 0"),
+    ("data.min_p", "1.0", "data.min_p must be in [0.0, 1.0)"),
     ("data.prompt_repeat_k", "1", "data.prompt_repeat_k must be >= 2"),
     ("data.global_batch_size", "0", "data.global_batch_size must be >= 1"),
     ("model.lr", "0", "model.lr must be > 0"),
@@ -36,8 +38,6 @@ def error_lines(err: str) -> list[str]:
 def test_each_invalid_value_is_one_error_line_naming_the_option(
     key, value, message, tiny_model, tiny_data, tmp_path, capsys
 ):
-    from rlflow.cli import main
-
     code = main(fit_args(tiny_model, tiny_data, tmp_path, f"--{key}={value}", steps=1))
     err = capsys.readouterr().err
     assert code == 1

@@ -44,17 +44,19 @@ def next_token_probs(model, ids: list[int], temperature: float) -> torch.Tensor:
     return torch.softmax(logits / temperature, dim=-1)
 
 
-def truncated(probs: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Top-k / top-p truncation written from their definitions, renormalised."""
+def truncated(probs: torch.Tensor, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0) -> torch.Tensor:
+    """Top-k / top-p / min-p truncation written from their definitions, renormalised."""
     order = torch.argsort(probs, descending=True).tolist()
+    kept_by_k = order[:top_k] if top_k else order
+    k_mass = float(probs[kept_by_k].sum())  # top-p measures mass after top-k's renormalisation
     keep, mass = [], 0.0
-    for rank, tok in enumerate(order):
-        if top_k and rank >= top_k:
-            break
+    for tok in kept_by_k:
         if top_p < 1.0 and mass >= top_p:
             break
         keep.append(tok)
-        mass += float(probs[tok])
+        mass += float(probs[tok]) / k_mass
+    best = float(probs[order[0]])
+    keep = [tok for tok in keep if float(probs[tok]) >= min_p * best]
     out = torch.zeros_like(probs)
     out[keep] = probs[keep]
     return out / out.sum()
@@ -84,14 +86,17 @@ def test_registered_as_engine():
     assert isinstance(registry.build("rlflow.rollout", "engine"), EngineRollout)
 
 
-@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 5, 1.0), (1.3, 0, 0.3)])
-def test_first_token_distribution_matches_plain_softmax(model, tokenizer, temperature, top_k, top_p):
+@pytest.mark.parametrize("temperature,top_k,top_p,min_p", [(0.7, 5, 1.0, 0.0), (1.3, 0, 0.3, 0.0),
+                                                           (1.3, 0, 1.0, 0.75), (1.5, 12, 0.9, 0.8)])
+def test_first_token_distribution_matches_plain_softmax(model, tokenizer, temperature, top_k, top_p, min_p):
     prompt = prompts_of([17], seed=3)[0]
     e = engine(model, tokenizer, seed=1)
-    params = SamplingParams(temperature, top_p, top_k, max_tokens=1)
+    params = SamplingParams(temperature, top_p, top_k, max_tokens=1, min_p=min_p)
     (group,) = e.generate([prompt], params, n=4000)
     counts = torch.bincount(torch.tensor([c.token_ids[0] for c in group]), minlength=model.config.vocab_size).double()
-    expected = truncated(next_token_probs(model, prompt, temperature), top_k, top_p)
+    expected = truncated(next_token_probs(model, prompt, temperature), top_k, top_p, min_p)
+    if min_p:  # min-p really drops tokens that the other settings keep
+        assert (expected > 0).sum() < (truncated(next_token_probs(model, prompt, temperature), top_k, top_p) > 0).sum()
     stat, df = chi_square(counts, expected)
     assert df >= 3 and float(expected[expected > 0].min()) * 4000 >= 5
     assert stat < chi2_quantile_999(df), (stat, df)
@@ -317,3 +322,21 @@ def test_a_head_common_to_every_prompt_is_prefilled_once(model, tokenizer, monke
     monkeypatch.setattr(off, "_prefill_head", lambda h, d: heads.append(len(h)) or original_head(h, d))
     off.generate(prompts, SamplingParams(1.0, max_tokens=3), n=2)
     assert heads == []
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.1), (20, 1.0, 0.05), (0, 0.8, 0.2), (30, 0.9, 0.02)])
+def test_truncation_keeps_what_transformers_warpers_keep(top_k, top_p, min_p):
+    """The engine's top-k -> top-p -> min-p against transformers' own warpers, in generate's order."""
+    from transformers import LogitsProcessorList, MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from rlflow.rollout.engine import truncate
+
+    torch.manual_seed(0)
+    logits = torch.randn(64, 1000) * 3.0
+    warpers = LogitsProcessorList(
+        ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])
+        + [MinPLogitsWarper(min_p)])
+    theirs = torch.isinf(warpers(None, logits.clone()))
+    ours = torch.isinf(truncate(torch.log_softmax(logits, -1), SamplingParams(1.0, top_p, top_k, min_p=min_p)))
+    assert ours.any(dim=-1).all() and (~ours).sum(dim=-1).min() >= 1  # every row drops some, keeps some
+    assert torch.equal(ours, theirs)

@@ -123,3 +123,24 @@ def test_the_benchmarks_plain_generate_anchor_samples_with_transformers_own_warp
     rows.bind(model, tok)
     (own,) = rows.generate([ids], params, n=n)
     assert [c.token_ids for c in own] != [c.token_ids for c in group]
+
+
+@pytest.mark.parametrize("backend", ["rows", "plain"])
+def test_min_p_keeps_the_tokens_within_min_p_of_the_best_in_both_hf_samplers(tok, model, one_thread, backend):
+    """``min_p``: rlflow's per-row sampler and ``generate``'s own MinP warper (the benchmarks' anchor) sample from the
+    tokens whose tempered probability is at least ``min_p`` times the best one's, renormalised."""
+    ids = prompt(tok, "Hello there")
+    temperature, min_p, n = 1.5, 0.2, 3000
+    with torch.no_grad():
+        tempered = torch.softmax(model(torch.tensor([ids])).logits[0, -1].double() / temperature, dim=-1)
+    kept = tempered >= min_p * tempered.max()
+    expected = torch.where(kept, tempered, 0.0)
+    expected /= expected.sum()
+    assert 3 <= int(kept.sum()) and tempered[~kept].sum() > 0.05  # min-p drops a real share of the mass
+    hf = HFRollout(seed=5, batch_size=1000) if backend == "rows" else PlainGenerateRollout(batch_size=1000)
+    hf.bind(model, tok)
+    torch.manual_seed(0)
+    (group,) = hf.generate([ids], SamplingParams(temperature=temperature, max_tokens=1, min_p=min_p), n=n)
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in group]), minlength=len(tok)).double() / n
+    assert not counts[~kept].any()  # nothing below min_p x the best
+    assert (counts - expected).abs().max() < 0.03  # 3000 draws: standard error <= 0.009

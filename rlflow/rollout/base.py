@@ -27,13 +27,16 @@ Progress = Callable[[int, int], None]
 
 @dataclass
 class SamplingParams:
-    """How completions are sampled. ``temperature`` 0 means greedy; ``top_k`` 0 and ``top_p`` 1 disable them."""
+    """How completions are sampled. ``temperature`` 0 means greedy; ``top_k`` 0, ``top_p`` 1 and ``min_p`` 0
+    disable them. ``min_p`` keeps the tokens whose probability is at least ``min_p`` times the most likely one's
+    (after top-k and top-p, in transformers' order)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -42,6 +45,8 @@ class SamplingParams:
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ConfigError(f"min_p must be in [0, 1) (0 disables it), got {self.min_p}")
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
 

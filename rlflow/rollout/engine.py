@@ -52,6 +52,7 @@ model (:mod:`rlflow.rollout.engine_support`).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -391,9 +392,10 @@ def sample_tokens(
     """Sample one token per row of ``logits`` (``[rows, vocab]``); return ``(tokens, logprobs)``.
 
     The log-probs are ``log_softmax(logits / temperature)`` of the taken tokens (temperature 1 when greedy),
-    before top-k/top-p truncation; sampling itself draws from the truncated, renormalised distribution
+    before top-k/top-p/min-p truncation; sampling itself draws from the truncated, renormalised distribution
     (top-k keeps ties with the k-th value; top-p keeps the smallest set of best tokens whose mass reaches
-    ``top_p``, as transformers' warpers do). ``uniform`` (``[rows]`` float64 in ``[0, 1)``, e.g. the engine's
+    ``top_p``; min-p then keeps the tokens of probability at least ``min_p`` times the best one's, as
+    transformers' warpers do, in their order). ``uniform`` (``[rows]`` float64 in ``[0, 1)``, e.g. the engine's
     counter-based draws of :mod:`rlflow.rollout.draws`) gives each row's uniform; without it they are drawn from
     ``generator`` (torch's global one when None). ``buffers`` (the engine's, per serve call) holds the
     ``[rows, vocab]`` intermediates (:mod:`rlflow.rollout.buffers`: the same values, without allocating them anew
@@ -411,16 +413,7 @@ def sample_tokens(
     if params.greedy:
         tokens = logits.argmax(dim=-1)
     else:
-        filtered = logp
-        if params.top_k and params.top_k < filtered.shape[-1]:
-            kth = torch.topk(filtered, params.top_k, dim=-1).values[:, -1:]
-            filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-        if params.top_p < 1.0:
-            sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)
-            probs = sorted_lp.softmax(dim=-1)
-            before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
-            drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= params.top_p)
-            filtered = filtered.masked_fill(drop, float("-inf"))
+        filtered = truncate(logp, params)
         # inverse-CDF sampling: one uniform per row (multinomial draws one exponential per vocabulary entry)
         probs = filtered.exp() if buffers is None else torch.exp(filtered, out=buffers.get("probs", filtered))
         if uniform is None:
@@ -429,6 +422,27 @@ def sample_tokens(
             uniform = uniform.to(device=probs.device, dtype=torch.float64).view(-1, 1)
         tokens = inverse_cdf(probs, uniform, buffers)
     return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def truncate(logp: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """``logp`` (``[rows, vocab]`` log-probs) with the tokens that top-k, top-p and min-p drop set to ``-inf``, in
+    transformers' warper order: top-k keeps ties with the k-th value; top-p keeps the smallest set of best tokens
+    whose mass (renormalised after top-k) reaches ``top_p``; min-p keeps the tokens whose probability is at least
+    ``min_p`` times the best one's. ``logp`` itself where none applies."""
+    filtered = logp
+    if params.top_k and params.top_k < filtered.shape[-1]:
+        kth = torch.topk(filtered, params.top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if params.top_p < 1.0:
+        sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)
+        probs = sorted_lp.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
+        drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= params.top_p)
+        filtered = filtered.masked_fill(drop, float("-inf"))
+    if params.min_p > 0.0:  # p < min_p * p_max, i.e. log p < log p_max + log min_p (normalisation cancels)
+        floor = filtered.amax(dim=-1, keepdim=True) + math.log(params.min_p)
+        filtered = filtered.masked_fill(filtered < floor, float("-inf"))
+    return filtered
 
 
 CDF_BLOCK = 256  # vocabulary entries per block of the two-level CDF

@@ -194,4 +194,5 @@ class PlainGenerateRollout(HFRollout):
         if not params.greedy:
             config.do_sample = True
             config.temperature, config.top_p, config.top_k = params.temperature, params.top_p, params.top_k
+            config.min_p = params.min_p or None
         return LogitsProcessorList()
