@@ -687,7 +687,7 @@ class GRPOModule(L.LightningModule):
         if not saved:
             info("the checkpoint holds no KL reference (saved with model.ref_model_sync_steps=0): the reference "
                  "starts from model.ref_model_path / model.model_path and moves from here")
-            return {**state_dict, **{f"reference.{k}": v for k, v in self.reference.state_dict().items()}}
+            return {**state_dict, **self.reference.state_dict(prefix="reference.")}
         return {k: v for k, v in state_dict.items() if not k.startswith("reference.")}  # no KL term now
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -7,6 +7,8 @@ is ``test_resume_matrix.py``'s ``reference-sync`` case).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from resume_helpers import last_checkpoint, metrics_by_step, run_args
@@ -58,7 +60,7 @@ def test_alpha_one_resets_the_reference_to_the_policy_exactly(tiny_model):
     ((2, 0.6, True, True), "not supported with model.lora"),
 ])
 def test_settings_that_cannot_act_are_config_errors(args, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         check_sync(*args)
     check_sync(0, 0.6, False, True)  # off: nothing to check against the loss or LoRA
 
