@@ -239,15 +239,25 @@ def function_judger_help(argv: list[str]) -> None:
     raise SystemExit(0)
 
 
-#: Warnings of the libraries rlflow runs on that say nothing a user can act on: Lightning's data fetcher builds
-#: torch pytree ``LeafSpec`` objects, which torch >= 2.10 deprecates (a FutureWarning on every run).
-LIBRARY_WARNINGS = (r"`isinstance\(treespec, LeafSpec\)` is deprecated",)
+#: Warnings of the libraries rlflow runs on that say nothing a user can act on, with their categories:
+#: - Lightning's data fetcher builds torch pytree ``LeafSpec`` objects, which torch >= 2.10 deprecates (a
+#:   FutureWarning on every run);
+#: - Lightning asks for DataLoader workers on any machine with more than 2 cores (seen on a 16-core GPU machine),
+#:   but rlflow's loaders hand out prompt records only: the rollout that makes a batch runs in the trainer's
+#:   process (or rlflow's own generator process), with the live policy, and cannot move into workers;
+#: - without eval data ``val_dataloader`` returns ``[]``, Lightning's way to skip validation, which it then
+#:   reports as "Total length of `list` across ranks is zero".
+LIBRARY_WARNINGS = (
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", FutureWarning),
+    (r"The '(train|val)_dataloader' does not have many workers", Warning),
+    (r"Total length of `list` across ranks is zero", Warning),
+)
 
 
 def cli_main(args: list[str] | None = None, run: bool = True, cli_class: type[RLFlowCLI] | None = None) -> RLFlowCLI:
     """Build (and with ``run``, run) the CLI; ``cli_class`` lets a tool such as ``rlflow data check`` reuse it."""
-    for message in LIBRARY_WARNINGS:
-        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    for message, category in LIBRARY_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
     return (cli_class or RLFlowCLI)(
         GRPOModule,
         RolloutDataModule,

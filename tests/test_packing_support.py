@@ -70,3 +70,45 @@ def test_packing_off_is_not_probed(monkeypatch):
 
     monkeypatch.setattr(packing_support, "packing_unsupported_reason", lambda *a: pytest.fail("probed"))
     assert resolve_packing(False, [tiny_causal_lm("qwen3")], False, 64) is False
+
+
+BF16_ROUNDING = 0.0078  # packed vs padded log-probs of the Qwen3-0.6B shape under fsdp2_bf16 on an H100
+
+
+@pytest.fixture
+def rounded_packs(monkeypatch):
+    """Packed log-probs off by what bf16 kernels round differently on a GPU (CPU kernels agree to the bit)."""
+    import rlflow.data.packing_support as packing_support
+
+    exact = packing_support.packed_completion_logprobs
+
+    def rounded(*args, **kwargs):
+        logprobs, rest = exact(*args, **kwargs)
+        return logprobs + BF16_ROUNDING, rest
+
+    monkeypatch.setattr(packing_support, "packed_completion_logprobs", rounded)
+
+
+def test_the_tolerance_follows_the_compute_dtype_not_the_stored_one(rounded_packs):
+    """float32 compute: 0.0078 is a leak; the same float32 parameters computing in bf16 (autocast, or FSDP2's
+    param_dtype) round that much on their own, and packing stays on."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from rlflow.distributed import shard_model
+
+    reason = packing_unsupported_reason(tiny_causal_lm("qwen3"))
+    assert reason and "by 0.0078 (> 0.001 in float32): sequences leak" in reason
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert packing_unsupported_reason(tiny_causal_lm("qwen3")) is None
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = tiny_causal_lm("qwen3")
+        shard_model(model, init_device_mesh("cpu", (1,)), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        assert next(model.parameters()).dtype == torch.float32  # stored: float32 shards
+        assert packing_unsupported_reason(model, sharded=True) is None
+    finally:
+        dist.destroy_process_group()

@@ -17,10 +17,11 @@ bf16; ``--dtype both`` runs the float32 pair and the bf16 pair in one run (four 
 a ratio line for each, plus bf16 engine over float32 ``generate``.
 
 ``--device cuda`` runs both on the GPU (their outputs are Python lists, so each timed rollout has finished its
-kernels). Simplifications: CPU or a single device; prompts are the first ``--prompts`` rows of an XTuner/TRL jsonl file
-rendered with the tokenizer's chat template (or given as plain strings); no warm-up beyond one discarded run; each
-timed run is ``--rollouts`` rollouts back to back (one rollout of the engine is only ~60 ms on 2 cores, short
-enough for scheduler noise to move a single timing by several per cent).
+kernels); add ``--full-warmup`` there. Simplifications: CPU or a single device; prompts are the first ``--prompts``
+rows of an XTuner/TRL jsonl file rendered with the tokenizer's chat template (or given as plain strings); the warm-up
+is one discarded short run (``--full-warmup``: one full-size rollout of each backend); each timed run is
+``--rollouts`` rollouts back to back (one rollout of the engine is only ~60 ms on 2 cores, short enough for
+scheduler noise to move a single timing by several per cent).
 """
 
 from __future__ import annotations
@@ -83,6 +84,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="float32",
                     help="precision of both sides: float32 weights, bf16 (engine: bf16 copies of float32 weights; "
                     "generate: the model cast to bf16), or both pairs in one run")
+    ap.add_argument("--full-warmup", action="store_true",
+                    help="warm up with one full-size rollout of each backend, not a 2-prompt one: on a GPU the first "
+                    "batch-sized rollout pays for kernel selection and the caching allocator's growth")
     args = ap.parse_args(argv)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -112,7 +116,7 @@ def main(argv=None) -> dict:
                          "engine-bf16": (EngineRollout(dtype="bfloat16"), model)})
     for b, m in backends.values():
         b.bind(m, tok)
-        run_once(b, prompts[:2], params, 2)  # warm-up
+        run_once(b, prompts, params, args.n) if args.full_warmup else run_once(b, prompts[:2], params, 2)  # warm-up
     backends = {name: b for name, (b, _) in backends.items()}
     rates: dict[str, list[float]] = {name: [] for name in backends}
     for r in range(args.repeats):

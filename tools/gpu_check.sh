@@ -10,9 +10,10 @@
 #   bash tools/demo.sh                # (or make_tiny_model.py) so checkpoints/tiny-qwen3 and checkpoints/arith exist
 #   device run: command "bash tools/gpu_check.sh", carry [".whl", "checkpoints/tiny-qwen3", "checkpoints/arith",
 #               "rlflow.egg-info"], timeout_s 560
-# It takes ~6-8 minutes on an H100. RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2 runs the same steps on a CPU, smaller
-# (a dry run of the script itself); a step that fails is reported and the rest still run; the exit status is 1 if
-# any failed.
+# It took 8.5 minutes on an H100 (2026-11-26; starting the machine added ~30 s of device time): its log is
+# docs/gpu/2026-11-26-h100.log. RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2 runs the same steps on a CPU, smaller (a dry
+# run of the script itself); a step that fails is reported and the rest still run; the exit status is 1 if any
+# failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
@@ -68,11 +69,11 @@ run "$PY" tools/make_shape_model.py --shape qwen3-0.6b --out "$SHAPE" ${SHAPE_LA
 
 step "rollout: engine vs model.generate, tiny model, float32 and bf16"
 run "$PY" tools/bench_rollout.py --device "$DEVICE" --dtype both --model checkpoints/tiny-qwen3 \
-  --prompts "$PROMPTS" --n 8 --max-tokens 32 --repeats 3 --rollouts 3
+  --prompts "$PROMPTS" --n 8 --max-tokens 32 --repeats 3 --rollouts 3 --full-warmup
 
 step "rollout: engine vs model.generate, Qwen3-0.6B shape, float32 and bf16"
 run "$PY" tools/bench_rollout.py --device "$DEVICE" --dtype both --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
-  --max-tokens "$TOKENS" --repeats 3 --rollouts 1
+  --max-tokens "$TOKENS" --repeats 3 --rollouts 1 --full-warmup
 
 step "achieved FLOP/s against the matmul peak, Qwen3-0.6B shape, bf16"
 run "$PY" tools/bench_flops.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --seqs "$PROMPTS" \

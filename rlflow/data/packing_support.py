@@ -7,6 +7,11 @@ gradient checkpointing) transformers' own packed-sequence detection must see the
 read from a config, so three tiny sequences (two sharing a prompt) are scored packed and padded and compared:
 it costs two forward passes of ~20 tokens, once per run.
 
+The tolerance follows the dtype the forward computes in, read off its first linear projection's output: FSDP2's
+``param_dtype: bfloat16`` and autocast compute in bf16 while the stored parameters stay float32. On an H100 the
+Qwen3-0.6B shape's packed and padded bf16 log-probs differ by 0.0078 (different attention kernels, each rounding in
+bf16), which a float32 tolerance would misread as sequences leaking into each other.
+
 Simplifications: a probe, not a proof; the 16-bit tolerance is loose (the two layouts round differently).
 """
 
@@ -58,6 +63,9 @@ def probe_error(model: Any, sharded: bool = False) -> str | None:
     exps = probe_experiences(model.get_input_embeddings().num_embeddings)
     was_training = model.training
     model.eval()
+    computed = []  # what the forward computes in (FSDP2's param_dtype, autocast): a projection's output dtype
+    linear = next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
+    hook = linear.register_forward_hook(lambda m, i, out: computed.append(out.dtype)) if linear is not None else None
     try:
         padded_batch = {k: v.to(device) for k, v in collate(exps, pad_id=0).items()}
         padded, _ = (sharded_completion_logprobs if sharded else completion_logprobs)(model, padded_batch)
@@ -67,12 +75,15 @@ def probe_error(model: Any, sharded: bool = False) -> str | None:
         return f"a packed forward of this model fails ({type(exc).__name__}: {exc})"
     finally:
         model.train(was_training)
+        if hook is not None:
+            hook.remove()
     mask = padded_batch["completion_mask"]
     worst = float((packed.float() - padded.float())[mask].abs().max())
-    tolerance = TOLERANCE.get(next(model.parameters()).dtype, HALF_TOLERANCE)
+    dtype = computed[0] if computed else next(model.parameters()).dtype
+    tolerance = TOLERANCE.get(dtype, HALF_TOLERANCE)
     if not worst <= tolerance:
-        return (f"packed log-probs differ from padded ones by {worst:.3g} (> {tolerance:g}): "
-                "sequences leak into each other")
+        return (f"packed log-probs differ from padded ones by {worst:.3g} (> {tolerance:g} in "
+                f"{str(dtype).removeprefix('torch.')}): sequences leak into each other")
     return None
 
 
