@@ -10,8 +10,9 @@
 #   bash tools/demo.sh                # (or make_tiny_model.py) so checkpoints/tiny-qwen3 and checkpoints/arith exist
 #   device run: command "bash tools/gpu_check.sh", carry [".whl", "checkpoints/tiny-qwen3", "checkpoints/arith",
 #               "rlflow.egg-info"], timeout_s 560
-# It took 8.5 minutes on an H100 (2026-11-26; starting the machine added ~30 s of device time): its log is
-# docs/gpu/2026-11-26-h100.log. RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2 runs the same steps on a CPU, smaller (a dry
+# It took 8.5 minutes on an H100 (2026-11-26; starting the machine added ~30 s of device time; its log is
+# docs/gpu/2026-11-26-h100.log); since then the FLOP/s bench repeats twice and the 0.6B fit makes 64 tokens, to
+# pay for the full-size rollout warm-ups and stay inside 560 s. RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2 runs the same steps on a CPU, smaller (a dry
 # run of the script itself); a step that fails is reported and the rest still run; the exit status is 1 if any
 # failed.
 set -uo pipefail
@@ -27,9 +28,9 @@ step() { echo; echo "=== $* ($(date +%T))"; }
 run() { "$@" || { echo "FAILED (exit $?): $*"; failed+=("$*"); }; }
 
 if [ "$DEVICE" = cuda ]; then
-  ACCELERATOR=gpu; TOKENS=128; STEPS=10; SHAPE_STEPS=3; PROMPTS=16
+  ACCELERATOR=gpu; TOKENS=128; FIT_TOKENS=64; STEPS=10; SHAPE_STEPS=3; PROMPTS=16
 else
-  ACCELERATOR=cpu; TOKENS=16; STEPS=2; SHAPE_STEPS=1; PROMPTS=4
+  ACCELERATOR=cpu; TOKENS=16; FIT_TOKENS=16; STEPS=2; SHAPE_STEPS=1; PROMPTS=4
 fi
 
 step "environment"
@@ -77,7 +78,7 @@ run "$PY" tools/bench_rollout.py --device "$DEVICE" --dtype both --model "$SHAPE
 
 step "achieved FLOP/s against the matmul peak, Qwen3-0.6B shape, bf16"
 run "$PY" tools/bench_flops.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --seqs "$PROMPTS" \
-  --prompts "$PROMPTS" --n 8 --completion "$TOKENS" --repeats 3
+  --prompts "$PROMPTS" --n 8 --completion "$TOKENS" --repeats 2
 
 fit() {  # fit NAME STEPS ARGS...: an rlflow fit run on the demo config, its metrics.csv copied to $OUT/NAME.csv
   local name=$1 steps=$2; shift 2
@@ -96,9 +97,9 @@ step "rlflow fit: the demo config, bf16-mixed without FSDP (the engine decodes i
 fit demo_bf16 "$STEPS" --trainer.precision=bf16-mixed --data.rollout=engine \
   --data.rollout.init_args.dtype=auto
 
-step "rlflow fit: Qwen3-0.6B shape under FSDP2, $TOKENS new tokens, a dense reward"
+step "rlflow fit: Qwen3-0.6B shape under FSDP2, $FIT_TOKENS new tokens, a dense reward"
 fit shape_fsdp2 "$SHAPE_STEPS" --model.model_path="$SHAPE" --trainer.strategy=fsdp2_bf16 \
-  --trainer.precision=32-true --data.max_tokens="$TOKENS" --data.eval_data_path=null --model.lr=1e-6 \
+  --trainer.precision=32-true --data.max_tokens="$FIT_TOKENS" --data.eval_data_path=null --model.lr=1e-6 \
   '--data.judgers={"*": "test_gpu:even_id_share"}'
 
 step "done"
