@@ -104,11 +104,15 @@ def test_the_tolerance_follows_the_compute_dtype_not_the_stored_one(rounded_pack
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert packing_unsupported_reason(tiny_causal_lm("qwen3")) is None
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    created = not dist.is_initialized()  # a single-rank group in this process, unless a test left one
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         model = tiny_causal_lm("qwen3")
-        shard_model(model, init_device_mesh("cpu", (1,)), mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        shard_model(model, mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
         assert next(model.parameters()).dtype == torch.float32  # stored: float32 shards
         assert packing_unsupported_reason(model, sharded=True) is None
     finally:
-        dist.destroy_process_group()
+        if created:
+            dist.destroy_process_group()
