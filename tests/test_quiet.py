@@ -25,3 +25,25 @@ def test_the_generator_process_imports_quietly():
     quiet = stderr_of(f"from rlflow.rollout.worker import quiet_third_party; quiet_third_party(); {IMPORTS}")
     assert not [n for n in NOISE if n in quiet], quiet[-2000:]
     assert not [n for n in NOISE if n in stderr_of(f"import rlflow.log; {IMPORTS}")]  # the trainer's path
+
+
+def test_lightnings_service_tips_are_dropped_and_its_other_messages_kept():
+    """Lightning logs a "Tip" for litlogger at every Trainer set-up (seen first without rlflow); with rlflow's
+    logging set up it is gone, and another rank-zero message through the same logger still shows."""
+    trainer = ("import lightning as L; L.Trainer(accelerator='cpu', logger=L.pytorch.loggers.CSVLogger('{dir}'), "
+               "enable_checkpointing=False, enable_progress_bar=False); "
+               "from lightning.pytorch.utilities.rank_zero import rank_zero_info; rank_zero_info('still shown')")
+
+    def output(code: str) -> str:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        return done.stdout + done.stderr
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        loud = output(trainer.format(dir=tmp))
+        if "Tip:" not in loud:
+            pytest.skip("this Lightning prints no service tip: nothing to drop")
+        quiet = output("import rlflow.log; " + trainer.format(dir=tmp))
+    assert "still shown" in loud and "still shown" in quiet
+    assert "Tip:" not in quiet, quiet[-2000:]
