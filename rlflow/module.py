@@ -53,6 +53,7 @@ from rlflow.distributed import (
     sharded_completion_logprobs,
     world_size,
 )
+from rlflow.dropout import disable_dropout
 from rlflow.evaluation import EvalMetrics
 from rlflow.log import info, warn
 from rlflow.logprobs import completion_logprobs
@@ -157,6 +158,7 @@ class GRPOModule(L.LightningModule):
         dtype: str = "float32",
         attn_implementation: str | None = None,
         gradient_checkpointing: bool = False,
+        disable_dropout: bool = True,
         logprob_chunk_size: int = 1024,
         packing: bool = True,
         pack_max_length: int = 4096,
@@ -216,6 +218,10 @@ class GRPOModule(L.LightningModule):
                 the share of weights each step changed).
             attn_implementation: transformers attention implementation (``sdpa``, ``eager``, ``flash_attention_2``...).
             gradient_checkpointing: Recompute activations in the backward pass to save memory.
+            disable_dropout: Set the policy's dropout probabilities to 0 (TRL's ``disable_dropout``): with dropout
+                the training forward's log-probs differ from the sampler's, the old policy's and the reference's
+                for the same tokens, noise the ratio and the KL read as a policy change (:mod:`rlflow.dropout`).
+                A LoRA adapter's own ``model.lora.dropout`` is kept.
             logprob_chunk_size: Positions per chunk when turning hidden states into log-probs (bounds the logits
                 memory).
             packing: Padding-free training: pack prompt + completion sequences end to end into micro-batches of at most
@@ -282,6 +288,11 @@ class GRPOModule(L.LightningModule):
         hp = self.hparams
         self.policy = load_causal_lm(hp.model_path, hp.dtype, hp.attn_implementation)
         self.policy.train()
+        if hp.get("disable_dropout", True):
+            switched = disable_dropout(self.policy)
+            if switched:
+                info(f"model.disable_dropout: set {len(switched)} dropout probabilities of the policy to 0 "
+                     f"({', '.join(switched[:3])}{', ...' if len(switched) > 3 else ''})")
         self.setup_vision()
         if hp.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
