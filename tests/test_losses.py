@@ -51,7 +51,7 @@ def ref_kl(logp, ref, kind):
 
 def ref_loss(d, logp, loss_type, *, eps_low=0.2, eps_high=0.2, level="token", delta=None, clip_c=None, beta=0.0,
              kl="k3", tau_pos=1.0, tau_neg=1.05, top_q=1.0, ent_coef=0.0, entropy=None, mask_trunc=False,
-             is_w=None, agg=None, num_items=None, num_processes=1):
+             is_w=None, agg=None, num_items=None, num_processes=1, kl_bias_correction=False):
     """TRL's GRPOTrainer._compute_loss, re-typed from the formulas, with verl's dual clip and an entropy bonus."""
     mask = d["mask"].float()
     if mask_trunc:
@@ -61,6 +61,7 @@ def ref_loss(d, logp, loss_type, *, eps_low=0.2, eps_high=0.2, level="token", de
     if level == "sequence":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     coef_1 = torch.exp(log_ratio)
+    is_ratio = coef_1  # TRL multiplies the KL by coef_1 before the delta clamp
     if loss_type == "cispo":
         per_token = -torch.clamp(coef_1, max=1.0 + eps_high).detach() * adv * logp
     elif loss_type == "sapo":
@@ -82,7 +83,7 @@ def ref_loss(d, logp, loss_type, *, eps_low=0.2, eps_high=0.2, level="token", de
     if is_w is not None:
         per_token = per_token * is_w
     if beta:
-        per_token = per_token + beta * ref_kl(logp, d["ref"], kl)
+        per_token = per_token + beta * ref_kl(logp, d["ref"], kl) * (is_ratio if kl_bias_correction else 1.0)
     if ent_coef:
         per_token = per_token - ent_coef * entropy
     agg = agg or {"grpo": "grpo", "gspo": "grpo", "sapo": "grpo", "bnpo": "bnpo", "dr_grpo": "dr_grpo",
@@ -152,6 +153,37 @@ def test_kl_estimators_and_their_gradients(kind):
     metrics = run_both("bnpo", d, dict(beta=0.05, kl=kind), {"kl_coef": 0.05, "kl_type": kind})
     expected_kl = (ref_kl(d["logp"], d["ref"], kind) * d["mask"]).sum() / d["mask"].sum()
     assert metrics["kl"] == pytest.approx(expected_kl.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("name, level", [("bnpo", "token"), ("grpo", "sequence"), ("gspo", "sequence"),
+                                         ("cispo", "token"), ("sapo", "token")])
+def test_the_bias_corrected_kl_against_trls_formula(name, level):
+    """``use_bias_correction_kl``: TRL's ``per_token_kl * coef_1``, the ratio before any clamp, in the loss and
+    in the logged ``kl``; differentiable, so on-policy (ratio exactly 1) the value is the same and the gradient
+    is not."""
+    d = make_batch(4)
+    kw = {"importance_sampling_level": level} if name != "gspo" else {}
+    ref_kw = dict(beta=0.1, kl="k3", kl_bias_correction=True, level=level)
+    metrics = run_both(name, d, ref_kw, {**kw, "kl_coef": 0.1, "use_bias_correction_kl": True})
+    log_ratio = d["logp"] - d["old"]
+    m = d["mask"].float()
+    if level == "sequence":
+        log_ratio = ((log_ratio * m).sum(-1) / m.sum(-1)).unsqueeze(-1)
+    expected_kl = (ref_kl(d["logp"], d["ref"], "k3") * torch.exp(log_ratio) * m).sum() / m.sum()
+    assert metrics["kl"] == pytest.approx(expected_kl.item(), rel=1e-5)
+
+    on_policy = dict(d, old=d["logp"].clone())
+    grads = []
+    for corrected in (False, True):
+        logp = d["logp"].clone().requires_grad_(True)
+        loss, _ = build(name, **kw, kl_coef=0.1, use_bias_correction_kl=corrected)(
+            logp, on_policy["old"], d["adv"], d["mask"], ref_logprobs=d["ref"], entropy=d["entropy"])
+        loss.backward()
+        grads.append((loss.detach(), logp.grad))
+        run_both(name, on_policy, dict(ref_kw, kl_bias_correction=corrected),
+                 {**kw, "kl_coef": 0.1, "use_bias_correction_kl": corrected})
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    assert not torch.allclose(grads[0][1], grads[1][1])
 
 
 def test_k3_is_clamped_like_verl_low_var_kl():

@@ -4,7 +4,8 @@ Per micro-batch, in TRL's order: the loss mask (optionally without truncated com
 ratio ``exp(logprobs - old_logprobs)`` per token, or per sequence from the mean log-ratio over its tokens
 (``importance_sampling_level: sequence``, GSPO); the subclass's per-token objective; the high-entropy token
 mask (``top_entropy_quantile``); the rollout/training mismatch weights (TIS/MIS); ``+ kl_coef * KL`` to the
-reference; ``- entropy_coef * entropy``; then the aggregation (:mod:`rlflow.losses.aggregation`). The log-ratio
+reference (times the ratio with ``use_bias_correction_kl``, DeepSeek-V3.2's unbiased KL gradient, as TRL);
+``- entropy_coef * entropy``; then the aggregation (:mod:`rlflow.losses.aggregation`). The log-ratio
 is clamped to [-20, 20] before the exponential, as verl does (never reached by sane ratios).
 """
 
@@ -33,6 +34,7 @@ class RatioPolicyLoss(PolicyLoss):
         epsilon_high: float | None = None,
         kl_coef: float = 0.0,
         kl_type: str = "k3",
+        use_bias_correction_kl: bool = False,
         importance_sampling_level: str = "token",
         mask_truncated_completions: bool = False,
         top_entropy_quantile: float = 1.0,
@@ -47,6 +49,11 @@ class RatioPolicyLoss(PolicyLoss):
                 0.28.
             kl_coef: Weight of the KL penalty to the reference model (needs ``ref_logprobs``); 0 disables it.
             kl_type: KL estimator: ``k1``, ``k2``, ``k3`` (= ``low_var_kl``) or ``abs``.
+            use_bias_correction_kl: Multiply the per-token KL by the importance ratio ``exp(logprobs -
+                old_logprobs)`` (differentiable, so the gradient changes even where it is 1), which makes the KL
+                gradient the unbiased reverse-KL gradient for tokens sampled by the old policy (DeepSeek-V3.2;
+                TRL's ``use_bias_correction_kl``, true by default there). The logged ``kl`` is the corrected one, as
+                in TRL. With ``importance_sampling_level: sequence`` the sequence ratio is broadcast.
             importance_sampling_level: ``token`` (PPO/GRPO) or ``sequence`` (GSPO: one ratio per completion, from the
                 mean token log-ratio).
             mask_truncated_completions: Leave completions cut at ``max_tokens`` out of the loss (DAPO's overlong
@@ -74,6 +81,7 @@ class RatioPolicyLoss(PolicyLoss):
         self.epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
         self.kl_coef = kl_coef
         self.kl_type = kl_type
+        self.use_bias_correction_kl = use_bias_correction_kl
         self.importance_sampling_level = importance_sampling_level
         self.mask_truncated_completions = mask_truncated_completions
         self.top_entropy_quantile = top_entropy_quantile
@@ -133,6 +141,8 @@ class RatioPolicyLoss(PolicyLoss):
             if ref_logprobs is None:
                 raise ValueError("kl_coef > 0 needs ref_logprobs from a reference model")
             kl = kl_penalty(logprobs, ref_logprobs.to(logprobs.dtype), self.kl_type)
+            if self.use_bias_correction_kl:
+                kl = kl * coef
             per_token = per_token + self.kl_coef * kl
             metrics["kl"] = masked_mean(kl.detach(), mask).item()
         if self.entropy_coef > 0.0:
