@@ -114,9 +114,10 @@ def main(argv=None) -> dict:
         half = copy.deepcopy(model).to(torch.bfloat16)
         backends.update({"hf-bf16": (PlainGenerateRollout(), half),
                          "engine-bf16": (EngineRollout(dtype="bfloat16"), model)})
+    warmup = (prompts, args.n) if args.full_warmup else (prompts[:2], 2)  # prompts and group size
     for b, m in backends.values():
         b.bind(m, tok)
-        run_once(b, prompts, params, args.n) if args.full_warmup else run_once(b, prompts[:2], params, 2)  # warm-up
+        run_once(b, warmup[0], params, warmup[1])
     backends = {name: b for name, (b, _) in backends.items()}
     rates: dict[str, list[float]] = {name: [] for name in backends}
     for r in range(args.repeats):

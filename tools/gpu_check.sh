@@ -12,9 +12,9 @@
 #               "rlflow.egg-info"], timeout_s 560
 # It took 8.5 minutes on an H100 (2026-11-26; starting the machine added ~30 s of device time; its log is
 # docs/gpu/2026-11-26-h100.log); since then the FLOP/s bench repeats twice and the 0.6B fit makes 64 tokens, to
-# pay for the full-size rollout warm-ups and stay inside 560 s. RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2 runs the same steps on a CPU, smaller (a dry
-# run of the script itself); a step that fails is reported and the rest still run; the exit status is 1 if any
-# failed.
+# pay for the full-size rollout warm-ups and stay inside 560 s. RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2 runs the
+# same steps on a CPU, smaller (a dry run of the script itself); a step that fails is reported and the rest still
+# run; the exit status is 1 if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
