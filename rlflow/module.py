@@ -182,7 +182,8 @@ class GRPOModule(L.LightningModule):
                 optimizer steps (torch's ``LinearLR``/``CosineAnnealingLR``).
             max_grad_norm: Gradient clipping by global norm; None disables it.
             loss: Policy loss: a short name of the ``rlflow.losses`` group (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo``,
-                ``gspo``, ``cispo``, ``sapo``, or a plugin's), an import path, or ``class_path``/``init_args``
+                ``gspo``, ``luspo``, ``cispo``, ``sapo``, ``vespo``, or a plugin's), an import path, or
+                ``class_path``/``init_args``
                 (``--model.loss.help grpo`` lists a loss's options). The loss owns its hyper-parameters.
             epsilon_low: Shortcut for the loss's ``epsilon_low`` (lower clip range, ``1 - epsilon_low``); None keeps the
                 loss's own (0.2); setting both to different values is an error.
@@ -258,6 +259,10 @@ class GRPOModule(L.LightningModule):
         check_sync(ref_model_sync_steps, ref_model_mixup_alpha, self.uses_reference, self.lora is not None)
         on = rollout_is is not None and rollout_is != "off"
         self.correction = RolloutCorrection(rollout_is, rollout_is_cap, rollout_is_min) if on else None
+        if on and self.correction.sequence_level and getattr(self.loss_fn, "own_importance_weights", False):
+            raise ConfigError(f"model.loss={type(self.loss_fn).__name__} folds token-level rollout correction weights "
+                              f"into its own sequence weight; model.rollout_is={rollout_is} is sequence-level: use "
+                              "token_truncate or token_mask")
         self.policy: torch.nn.Module | None = None
         self.policy_version = 0  # optimizer steps taken: the version of the weights that sample next
         self.num_tokens = 0.0  # TRL's cumulative prompt + completion tokens

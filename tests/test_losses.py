@@ -1,6 +1,7 @@
-"""Policy losses against plain re-implementations of the published formulas (TRL ``_compute_loss``, verl
-``compute_policy_loss`` / ``kl_penalty``, the CISPO/SAPO/GSPO papers), gradients included, and micro-batch
-accumulation with ``micro_batch_weight`` against the full batch."""
+"""Policy losses against plain re-implementations of the published formulas (TRL ``_compute_loss``,
+``get_gamma_weights`` and ``get_off_policy_mask``, verl ``compute_policy_loss`` / ``kl_penalty``, the
+CISPO/SAPO/GSPO/LUSPO/VESPO papers), gradients included, and micro-batch accumulation with ``micro_batch_weight``
+against the full batch."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from conftest import fit_args
 
 from rlflow import registry
+from rlflow.config_error import ConfigError
 from rlflow.losses import LossContext, kl_penalty
 
 B, T, MAX_TOKENS = 6, 9, 12
@@ -51,13 +53,19 @@ def ref_kl(logp, ref, kind):
 
 def ref_loss(d, logp, loss_type, *, eps_low=0.2, eps_high=0.2, level="token", delta=None, clip_c=None, beta=0.0,
              kl="k3", tau_pos=1.0, tau_neg=1.05, top_q=1.0, ent_coef=0.0, entropy=None, mask_trunc=False,
-             is_w=None, agg=None, num_items=None, num_processes=1, kl_bias_correction=False):
+             is_w=None, agg=None, num_items=None, num_processes=1, kl_bias_correction=False, opsm=None,
+             sampling=None, vespo=(2.0, 3.0, 3.0, 2.0)):
     """TRL's GRPOTrainer._compute_loss, re-typed from the formulas, with verl's dual clip and an entropy bonus."""
     mask = d["mask"].float()
     if mask_trunc:
         mask = mask * (~d["truncated"]).float().unsqueeze(1)
     adv = d["adv"].unsqueeze(1)
+    if opsm is not None:  # TRL get_off_policy_mask: keep if A >= 0 or mean(sampling - logp) <= delta
+        kl_div = torch.nan_to_num((sampling if sampling is not None else d["old"]) - logp.detach(), nan=0.0)
+        avg_seq_kl = (kl_div * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1.0)
+        off_policy_mask = ((adv >= 0) | (avg_seq_kl <= opsm)).float()
     log_ratio = logp - d["old"]
+    token_log_ratio = log_ratio
     if level == "sequence":
         log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     coef_1 = torch.exp(log_ratio)
@@ -67,6 +75,20 @@ def ref_loss(d, logp, loss_type, *, eps_low=0.2, eps_high=0.2, level="token", de
     elif loss_type == "sapo":
         tau = torch.where(adv > 0, torch.tensor(tau_pos), torch.tensor(tau_neg))
         per_token = -(torch.sigmoid(tau * (coef_1 - 1)) * 4.0 / tau) * adv
+    elif loss_type == "vespo":  # TRL get_gamma_weights, under no_grad
+        with torch.no_grad():
+            k_pos, lambda_pos, k_neg, lambda_neg = vespo
+            lower = math.log(1e-8)
+            seq_log_ratio = torch.sum(torch.clamp(token_log_ratio, -20.0, 20.0) * mask, dim=-1, keepdim=True)
+            if is_w is not None:
+                seq_log_ratio += torch.sum(torch.clamp(torch.log(is_w), lower, 20.0), dim=-1, keepdim=True)
+            log_w_seq = torch.clamp(seq_log_ratio, lower, 20.0)
+            k_seq = torch.where(adv >= 0, k_pos, k_neg)
+            lambda_seq = torch.where(adv >= 0, lambda_pos, lambda_neg).clamp(min=1e-4)
+            phi_seq = torch.exp(lambda_seq + k_seq * log_w_seq - lambda_seq * torch.exp(log_w_seq))
+            phi_seq = phi_seq.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        per_token = -phi_seq * adv * logp
+        is_w = None  # folded into phi, not multiplied again
     else:
         coef_2 = torch.clamp(coef_1, 1 - eps_low, 1 + eps_high)
         if delta is not None:
@@ -76,6 +98,8 @@ def ref_loss(d, logp, loss_type, *, eps_low=0.2, eps_high=0.2, level="token", de
             pg3 = -adv * clip_c
             per_token = torch.where(adv < 0, torch.min(pg3, per_token), per_token)
     per_token = per_token.expand(mask.shape)
+    if opsm is not None:
+        per_token = per_token * off_policy_mask
     if top_q < 1.0:  # TRL get_high_entropy_mask
         ent = entropy.detach()
         threshold = torch.quantile(ent[mask.bool()], 1 - top_q)
@@ -87,7 +111,9 @@ def ref_loss(d, logp, loss_type, *, eps_low=0.2, eps_high=0.2, level="token", de
     if ent_coef:
         per_token = per_token - ent_coef * entropy
     agg = agg or {"grpo": "grpo", "gspo": "grpo", "sapo": "grpo", "bnpo": "bnpo", "dr_grpo": "dr_grpo",
-                  "dapo": "dapo", "cispo": "dapo"}[loss_type]
+                  "dapo": "dapo", "cispo": "dapo", "luspo": "luspo", "vespo": "dapo"}[loss_type]
+    if agg == "luspo":
+        return (per_token * mask).sum(-1).mean()
     if agg == "grpo":
         return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
     if agg == "bnpo":
@@ -125,7 +151,7 @@ def run_both(name, d, ref_kwargs, loss_kwargs, call_kwargs=None, ctx=None):
     return metrics
 
 
-LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "cispo", "sapo"]
+LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "luspo", "cispo", "sapo", "vespo"]
 
 
 @pytest.mark.parametrize("name", LOSSES)
@@ -135,7 +161,63 @@ def test_each_loss_matches_the_published_formula(name, level):
     kw = {"importance_sampling_level": level} if name != "gspo" else {}
     ref_level = "sequence" if name == "gspo" else level
     eps = {"epsilon_low": 0.2, "epsilon_high": 0.28}
+    if name == "vespo" and level == "sequence":  # its weight is built from token log-ratios: refused, not ignored
+        with pytest.raises(ConfigError, match="importance_sampling_level must be 'token'"):
+            build(name, **kw)
+        return
     run_both(name, d, dict(eps_low=0.2, eps_high=0.28, level=ref_level), {**kw, **eps})
+
+
+def test_luspo_defaults_to_the_sequence_ratio_and_weights_sequences_by_length():
+    """LUSPO = GSPO's clipped sequence ratio with each sequence's loss summed, not averaged, over its tokens: on
+    policy (ratio 1) the loss is ``-mean_i(A_i * len_i)``, worked out here from the lengths."""
+    d = make_batch(2)
+    run_both("luspo", d, dict(level="sequence"), {})
+    lengths = d["mask"].sum(-1).float()
+    loss, _ = build("luspo")(d["logp"], d["logp"].clone(), d["adv"], d["mask"])
+    assert loss.item() == pytest.approx(-(d["adv"] * lengths).mean().item(), rel=1e-6)
+    gspo, _ = build("gspo")(d["logp"], d["logp"].clone(), d["adv"], d["mask"])
+    assert gspo.item() == pytest.approx(-d["adv"].mean().item(), rel=1e-6)  # the per-sequence mean it replaces
+
+
+def test_vespo_weight_by_hand():
+    """phi(w) = exp(lambda + k log w - lambda w): 1 at w = 1 (on-policy VESPO is REINFORCE), and at a sequence
+    log-ratio of -0.5 spread over two tokens exp(3 - 1 - 3 e^-0.5) for a positive advantage (k 2, lambda 3),
+    exp(2 - 1.5 - 2 e^-0.5) for a negative one (k 3, lambda 2)."""
+    logp = torch.tensor([[-1.0, -2.0], [-1.0, -2.0]])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    adv = torch.tensor([1.0, -1.0])
+    loss_fn = build("vespo", aggregation="bnpo")
+    loss, metrics = loss_fn(logp, logp.clone(), adv, mask)
+    assert loss.item() == pytest.approx((-(1.0 * -3.0) - (-1.0 * -3.0)) / 4, abs=1e-6)  # phi = 1: -A * logp
+    assert metrics["vespo/phi_seq_mean"] == pytest.approx(1.0)
+    old = logp + 0.25  # each token's log-ratio -0.25: sequence log w = -0.5
+    logp_g = logp.clone().requires_grad_(True)
+    loss, metrics = loss_fn(logp_g, old, adv, mask)
+    phi_pos = math.exp(3.0 - 2.0 * 0.5 - 3.0 * math.exp(-0.5))
+    phi_neg = math.exp(2.0 - 3.0 * 0.5 - 2.0 * math.exp(-0.5))
+    assert metrics["vespo/phi_seq_mean"] == pytest.approx((phi_pos + phi_neg) / 2, rel=1e-6)
+    loss.backward()  # d/d logp of -phi * A * logp / 4 tokens: -phi * A / 4, phi held constant
+    want = torch.tensor([[-phi_pos / 4] * 2, [phi_neg / 4] * 2])
+    torch.testing.assert_close(logp_g.grad, want)
+
+
+def test_vespo_folds_token_rollout_weights_into_the_sequence_weight():
+    """TRL: for vespo the TIS/MIS weights enter log w (a masked-out token's weight 0 drives phi to ~0) and are not
+    multiplied onto the loss again; sequence-level weights are refused with the fix named."""
+    d = make_batch(5)
+    d["is_w"] = torch.where(d["mask"], d["is_w"], 1.0)  # both TRL and rlflow weigh padding exp(0 * diff) = 1
+    run_both("vespo", d, dict(is_w=d["is_w"]), {}, {"rollout_is_weights": d["is_w"]})
+    masked = d["is_w"].clone()
+    masked[0, 0] = 0.0  # token_mask dropped one token of sequence 0
+    run_both("vespo", d, dict(is_w=masked), {}, {"rollout_is_weights": masked})
+    logp = d["logp"].clone().requires_grad_(True)
+    loss, _ = build("vespo")(logp, d["old"], d["adv"], d["mask"], rollout_is_weights=masked)
+    loss.backward()
+    assert logp.grad[0].abs().max() < 1e-12  # log w clamped at log(1e-8): phi ~ exp(-33), the sequence is out
+    assert (logp.grad[2:].abs().sum(-1) > 0).all()  # the others still learn (row 1 has advantage 0)
+    with pytest.raises(ConfigError, match="token_truncate or token_mask"):
+        build("vespo")(d["logp"], d["old"], d["adv"], d["mask"], rollout_is_weights=d["is_w"][:, :1])
 
 
 @pytest.mark.parametrize("kind", ["k1", "k2", "k3", "low_var_kl", "abs"])
@@ -221,6 +303,34 @@ def test_options_truncation_entropy_mask_bonus_and_rollout_weights():
              {"tau_pos": 0.5, "tau_neg": 2.0, "aggregation": "bnpo"})
 
 
+@pytest.mark.parametrize("name", ["grpo", "dapo", "cispo", "sapo", "vespo"])
+def test_off_policy_sequence_masking_against_trls_formula(name):
+    """``off_policy_mask_threshold`` (DeepSeek-V3.2 eq. 9, TRL's ``get_off_policy_mask``): a negative-advantage
+    completion whose mean ``sampler - current`` log-prob exceeds the threshold leaves the loss (KL term kept); the
+    sampler is the rollout engine when its log-probs are given, else ``old_logprobs``; the dropped share is logged."""
+    d = make_batch(9)
+    d["old"] = d["logp"] + 0.4 * torch.rand(B, T, generator=torch.Generator().manual_seed(1))  # drift in [0, 0.4]
+    m = d["mask"].float()
+    for sampling in (None, d["old"] + 0.3):
+        call = {} if sampling is None else {"rollout_logprobs": sampling}
+        threshold = 0.2 if sampling is None else 0.5
+        metrics = run_both(name, d, dict(opsm=threshold, sampling=sampling, beta=0.05),
+                           {"off_policy_mask_threshold": threshold, "kl_coef": 0.05}, call)
+        drift = (((d["old"] if sampling is None else sampling) - d["logp"]) * m).sum(-1) / m.sum(-1)
+        dropped = (d["adv"] < 0) & (drift > threshold)
+        assert 0 < int(dropped.sum()) < int((d["adv"] < 0).sum()) or sampling is not None
+        assert metrics["off_policy_mask/dropped_ratio"] == pytest.approx(dropped.float().mean().item())
+    # dropped sequences get no policy gradient; a threshold nothing exceeds changes nothing
+    logp = d["logp"].clone().requires_grad_(True)
+    build(name, off_policy_mask_threshold=0.2)(logp, d["old"], d["adv"], d["mask"])[0].backward()
+    drift = ((d["old"] - d["logp"]) * m).sum(-1) / m.sum(-1)
+    dropped = (d["adv"] < 0) & (drift > 0.2)
+    assert torch.all(logp.grad[dropped] == 0) and logp.grad[~dropped].abs().sum() > 0
+    loose, _ = build(name, off_policy_mask_threshold=10.0)(d["logp"], d["old"], d["adv"], d["mask"])
+    plain, _ = build(name)(d["logp"], d["old"], d["adv"], d["mask"])
+    torch.testing.assert_close(loose, plain)
+
+
 def test_clip_metrics_use_trl_definitions():
     d = make_batch(5)
     _, metrics = build("bnpo", epsilon_low=0.2, epsilon_high=0.28)(d["logp"], d["old"], d["adv"], d["mask"])
@@ -251,7 +361,8 @@ def test_dapo_normalises_by_the_generation_batch_across_ranks():
 
 # ----------------------------------------------------------------------------- micro-batch accumulation
 ACCUMULATION = [
-    ("grpo", {}), ("bnpo", {}), ("dr_grpo", {}), ("dapo", {}), ("gspo", {}), ("cispo", {}), ("sapo", {}),
+    ("grpo", {}), ("bnpo", {}), ("dr_grpo", {}), ("dapo", {}), ("gspo", {}), ("luspo", {}), ("cispo", {}),
+    ("sapo", {}), ("vespo", {}), ("grpo", {"off_policy_mask_threshold": 0.05}),
     ("bnpo", {"mask_truncated_completions": True}), ("dapo", {"kl_coef": 0.1}),
 ]
 
@@ -318,7 +429,11 @@ def test_bad_options_fail_clearly():
         build("dapo", clip_ratio_c=0.5)
     with pytest.raises(Exception, match="aggregation"):
         build("cispo", aggregation="sum")
-    with pytest.raises(Exception, match="available: bnpo, cispo, dapo, dr_grpo, grpo, gspo, sapo"):
+    with pytest.raises(Exception, match="off_policy_mask_threshold"):
+        build("grpo", off_policy_mask_threshold=-0.1)
+    with pytest.raises(Exception, match="lambda"):
+        build("vespo", lambda_neg=0.0)
+    with pytest.raises(Exception, match="available: bnpo, cispo, dapo, dr_grpo, grpo, gspo, luspo, sapo, vespo"):
         registry.build("rlflow.losses", "ppo")
     d = make_batch(8)
     with pytest.raises(ValueError, match="ref_logprobs"):
@@ -355,3 +470,27 @@ def test_fit_with_dapo_two_iterations_and_two_optimizer_steps(tiny_model, tiny_d
     assert {sampled for _, sampled in module.trained_versions} == {0}
     rows = list(csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")))
     assert rows and all(math.isfinite(float(r["loss"])) for r in rows if r.get("loss"))
+
+
+@pytest.mark.slow
+def test_fit_with_vespo_token_mis_and_off_policy_masking(tiny_model, tiny_data, tmp_path):
+    """The new options through ``rlflow fit``: VESPO with a token MIS correction and off-policy sequence masking
+    train and log TRL's ``vespo/phi_seq_mean`` and the dropped share; the engine samples in float32 with the
+    training weights, so on the first step phi is 1 up to float rounding and nothing is dropped."""
+    from rlflow.cli import cli_main
+
+    loss = '--model.loss={"class_path": "vespo", "init_args": {"off_policy_mask_threshold": 0.5}}'
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, loss, "--model.rollout_is=token_mask", steps=2))
+    assert type(cli.model.loss_fn).__name__ == "VESPOLoss" and cli.model.correction.mode == "token_mask"
+    rows = [r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")) if r.get("loss")]
+    assert len(rows) == 2
+    assert float(rows[0]["vespo/phi_seq_mean"]) == pytest.approx(1.0, abs=1e-3)
+    assert float(rows[0]["off_policy_mask/dropped_ratio"]) == 0.0
+    assert all(math.isfinite(float(r["loss"])) for r in rows)
+
+
+def test_vespo_refuses_a_sequence_level_rollout_correction(tiny_model, tiny_data, tmp_path):
+    from rlflow.cli import cli_main
+
+    with pytest.raises(ConfigError, match="sequence_mask is sequence-level: use token_truncate or token_mask"):
+        cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--model.loss=vespo", "--model.rollout_is=sequence_mask"))

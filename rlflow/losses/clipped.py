@@ -4,9 +4,10 @@ Per token, with ``r = exp(logprobs - old_logprobs)`` and advantage ``A``: ``-min
 1 + epsilon_high) * A)``. Options: ``delta`` caps the unclipped ratio from above (two-sided clipping of
 INTELLECT-2, TRL's ``delta``); ``clip_ratio_c`` is the dual clip of verl/XTuner, which bounds the loss of a
 negative-advantage token by ``-clip_ratio_c * A``. The losses registered here: ``grpo``, ``bnpo``, ``dr_grpo``,
-``dapo`` (see :mod:`rlflow.losses.aggregation`) and ``gspo`` (``grpo`` with ``importance_sampling_level:
-sequence``). The metrics are TRL's ``clip_ratio/{low,high,region}_mean``, plus ``clip_ratio/dual_mean`` with a
-dual clip (verl's ``pg_clipfrac_lower``).
+``dapo`` (see :mod:`rlflow.losses.aggregation`), ``gspo`` (``grpo`` with ``importance_sampling_level:
+sequence``) and ``luspo`` (GSPO's sequence ratio with each sequence's loss summed over its tokens, not averaged).
+The metrics are TRL's ``clip_ratio/{low,high,region}_mean``, plus ``clip_ratio/dual_mean`` with a dual clip
+(verl's ``pg_clipfrac_lower``).
 """
 
 from __future__ import annotations
@@ -92,4 +93,14 @@ class GSPOLoss(ClippedSurrogateLoss):
         super().__init__(*args, importance_sampling_level=importance_sampling_level, **kwargs)
 
 
-__all__ = ["ClippedSurrogateLoss", "GRPOLoss", "BNPOLoss", "DrGRPOLoss", "DAPOLoss", "GSPOLoss", "LossContext"]
+class LUSPOLoss(GSPOLoss):
+    """``luspo``: GSPO's one ratio per sequence, each sequence's loss summed over its tokens, then the mean over
+    sequences (LUSPO: GSPO's per-sequence mean favours short completions; scaling by length removes that bias).
+    The paper's setup is the sequence-level ratio, the default here; the clip range is GSPO's to set."""
+
+    default_aggregation = "luspo"
+
+
+__all__ = ["ClippedSurrogateLoss", "GRPOLoss", "BNPOLoss", "DrGRPOLoss", "DAPOLoss", "GSPOLoss", "LUSPOLoss",
+           "LossContext"]
+

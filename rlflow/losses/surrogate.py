@@ -1,9 +1,12 @@
-"""The shared body of the importance-ratio policy losses (grpo, bnpo, dr_grpo, dapo, gspo, cispo, sapo).
+"""The shared body of the importance-ratio policy losses (grpo, bnpo, dr_grpo, dapo, gspo, luspo, cispo, sapo,
+vespo).
 
 Per micro-batch, in TRL's order: the loss mask (optionally without truncated completions); the importance
 ratio ``exp(logprobs - old_logprobs)`` per token, or per sequence from the mean log-ratio over its tokens
-(``importance_sampling_level: sequence``, GSPO); the subclass's per-token objective; the high-entropy token
-mask (``top_entropy_quantile``); the rollout/training mismatch weights (TIS/MIS); ``+ kl_coef * KL`` to the
+(``importance_sampling_level: sequence``, GSPO); the subclass's per-token objective; the off-policy sequence
+mask (``off_policy_mask_threshold``); the high-entropy token mask (``top_entropy_quantile``); the
+rollout/training mismatch weights (TIS/MIS; a loss with ``own_importance_weights``, VESPO, folds them into its
+objective instead); ``+ kl_coef * KL`` to the
 reference (times the ratio with ``use_bias_correction_kl``, DeepSeek-V3.2's unbiased KL gradient, as TRL);
 ``- entropy_coef * entropy``; then the aggregation (:mod:`rlflow.losses.aggregation`). The log-ratio
 is clamped to [-20, 20] before the exponential, as verl does (never reached by sane ratios).
@@ -17,7 +20,7 @@ from rlflow.config_error import ConfigError
 from rlflow.losses.aggregation import UNITS, aggregate, check_aggregation
 from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
 from rlflow.losses.kl import check_kl_type, kl_penalty
-from rlflow.losses.masks import high_entropy_mask, truncated_mask
+from rlflow.losses.masks import high_entropy_mask, off_policy_sequence_mask, truncated_mask
 
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
@@ -25,8 +28,11 @@ IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 class RatioPolicyLoss(PolicyLoss):
     """Shared options and pipeline; a subclass supplies :meth:`objective` and its default aggregation."""
 
-    #: Default normaliser of the subclass (``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``).
+    #: Default normaliser of the subclass (``grpo``, ``bnpo``, ``dr_grpo``, ``dapo`` or ``luspo``).
     default_aggregation: str = "grpo"
+    #: Whether :meth:`objective` takes the per-token log-ratio and the rollout IS weights itself (VESPO), rather
+    #: than the pipeline multiplying the per-token loss by those weights.
+    own_importance_weights: bool = False
 
     def __init__(
         self,
@@ -39,6 +45,7 @@ class RatioPolicyLoss(PolicyLoss):
         mask_truncated_completions: bool = False,
         top_entropy_quantile: float = 1.0,
         entropy_coef: float = 0.0,
+        off_policy_mask_threshold: float | None = None,
         max_tokens: int | None = None,
         aggregation: str | None = None,
     ) -> None:
@@ -60,9 +67,13 @@ class RatioPolicyLoss(PolicyLoss):
                 filtering).
             top_entropy_quantile: Train only on this fraction of tokens with the highest entropy; 1.0 trains on all.
             entropy_coef: Weight of an entropy bonus (subtracted from the loss); 0 disables it.
+            off_policy_mask_threshold: Off-policy sequence masking (DeepSeek-V3.2; TRL's option of the same name):
+                leave out of the loss a completion with a negative advantage whose mean per-token ``sampler log-prob
+                - current log-prob`` exceeds this (e.g. 0.5). The sampler's log-probs are the rollout engine's
+                when given, else ``old_logprobs``. Logged as ``off_policy_mask/dropped_ratio``. None disables it.
             max_tokens: Completion budget, the ``dr_grpo`` normaliser when no ``LossContext`` is given.
-            aggregation: Override the normaliser: ``grpo``, ``bnpo``, ``dr_grpo`` or ``dapo``; None keeps the loss's
-                own.
+            aggregation: Override the normaliser: ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo`` or ``luspo``; None keeps
+                the loss's own.
         """
         check_kl_type(kl_type)
         if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
@@ -77,6 +88,8 @@ class RatioPolicyLoss(PolicyLoss):
             raise ConfigError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
         if kl_coef < 0.0 or entropy_coef < 0.0:
             raise ConfigError(f"kl_coef and entropy_coef must be >= 0, got {kl_coef} and {entropy_coef}")
+        if off_policy_mask_threshold is not None and not off_policy_mask_threshold >= 0.0:
+            raise ConfigError(f"off_policy_mask_threshold must be >= 0 (or null), got {off_policy_mask_threshold}")
         self.epsilon_low = epsilon_low
         self.epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
         self.kl_coef = kl_coef
@@ -86,6 +99,7 @@ class RatioPolicyLoss(PolicyLoss):
         self.mask_truncated_completions = mask_truncated_completions
         self.top_entropy_quantile = top_entropy_quantile
         self.entropy_coef = entropy_coef
+        self.off_policy_mask_threshold = off_policy_mask_threshold
         self.max_tokens = max_tokens
         self.aggregation = check_aggregation(aggregation or self.default_aggregation)
 
@@ -129,12 +143,22 @@ class RatioPolicyLoss(PolicyLoss):
             mask = truncated_mask(mask, truncated)
         adv = advantages.to(logprobs.dtype)
         adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
-        coef = torch.exp(self.log_importance_weights(logprobs, old_logprobs.to(logprobs.dtype), mask))
-        per_token, indicators = self.objective(coef, logprobs, adv, mask)
+        log_ratio = self.log_importance_weights(logprobs, old_logprobs.to(logprobs.dtype), mask)
+        coef = torch.exp(log_ratio)
+        if self.own_importance_weights:
+            per_token, indicators = self.objective(coef, logprobs, adv, mask, log_ratio=log_ratio,
+                                                   rollout_is_weights=rollout_is_weights)
+        else:
+            per_token, indicators = self.objective(coef, logprobs, adv, mask)
         per_token = per_token.expand(mask.shape)
+        if self.off_policy_mask_threshold is not None:
+            sampling = rollout_logprobs if rollout_logprobs is not None else old_logprobs
+            keep = off_policy_sequence_mask(adv, logprobs, sampling, mask, self.off_policy_mask_threshold)
+            per_token = per_token * keep
+            indicators = {**indicators, "off_policy_mask/dropped_ratio": keep == 0}
         if self.top_entropy_quantile < 1.0:
             per_token = per_token * high_entropy_mask(entropy, mask, self.top_entropy_quantile)
-        if rollout_is_weights is not None:
+        if rollout_is_weights is not None and not self.own_importance_weights:
             per_token = per_token * rollout_is_weights.to(per_token.dtype)
         metrics: dict[str, float] = {}
         if self.kl_coef > 0.0:
@@ -156,7 +180,8 @@ class RatioPolicyLoss(PolicyLoss):
 
     @staticmethod
     def _indicator_mean(flags: torch.Tensor, mask: torch.Tensor) -> float:
-        """TRL's ``masked_batch_mean``: a sequence-level flag is averaged over sequences, a token flag over tokens."""
+        """TRL's ``masked_batch_mean``: a sequence-level flag (or value) is averaged over sequences, a token flag
+        over tokens."""
         flags = flags.detach().float()
         if flags.shape[-1] == 1 and mask.shape[-1] != 1:
             return flags.mean().item()
