@@ -6,7 +6,8 @@ Under autograd each chunk is recomputed in the backward pass, whose gradient is 
 peak holds about two chunks of logits instead of every position's, and fewer than generic activation
 checkpointing would keep). Under autocast (``trainer.precision: bf16-mixed``) the LM head's matmul runs in the
 autocast dtype, in forward and in the recomputing backward alike, while the log-softmax, the taken log-prob and
-the entropy are float32. Simplification: the LM head is applied as the model's output
+the entropy are float32; an :class:`~rlflow.lm_head.FP32Linear` head (``model.cast_lm_head_to_fp32``) runs its
+matmul in float32 instead. Simplification: the LM head is applied as the model's output
 embedding layer alone, so models with a final logit soft-cap or scale fall back to the model's own logits.
 """
 
@@ -15,6 +16,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from rlflow.lm_head import is_fp32_head
 
 
 def _autocast_state(device_type: str) -> tuple[bool, torch.dtype] | None:
@@ -135,13 +138,20 @@ def token_stats_from_hidden(
     if flat_t.numel() == 0:
         empty = flat_h.new_zeros(0, dtype=torch.float32)
         return empty.view(shape), empty.view(shape)
+    precision = contextlib.nullcontext()
+    if is_fp32_head(lm_head):  # model.cast_lm_head_to_fp32: the product in float32, autocast or not
+        flat_h, weight = flat_h.float(), weight.float()
+        bias = None if bias is None else bias.float()
+        state = _autocast_state(flat_h.device.type)
+        precision = _autocast(flat_h.device.type, (False, torch.float32) if state else None)
     needs_grad = any(x is not None and x.requires_grad for x in (flat_h, weight, bias))
-    if torch.is_grad_enabled() and needs_grad:
-        lp, ent = _ChunkedTokenStats.apply(flat_h, weight, bias, flat_t, temperature, chunk_size)
-    else:
-        outs = [_chunk_stats(flat_h[s: s + chunk_size], flat_t[s: s + chunk_size], weight, bias, temperature)
-                for s in range(0, flat_t.numel(), chunk_size)]
-        lp, ent = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+    with precision:
+        if torch.is_grad_enabled() and needs_grad:
+            lp, ent = _ChunkedTokenStats.apply(flat_h, weight, bias, flat_t, temperature, chunk_size)
+        else:
+            outs = [_chunk_stats(flat_h[s: s + chunk_size], flat_t[s: s + chunk_size], weight, bias, temperature)
+                    for s in range(0, flat_t.numel(), chunk_size)]
+            lp, ent = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
     return lp.view(shape), ent.view(shape)
 
 

@@ -55,6 +55,7 @@ from rlflow.distributed import (
 )
 from rlflow.dropout import disable_dropout
 from rlflow.evaluation import EvalMetrics
+from rlflow.lm_head import cast_lm_head_to_fp32
 from rlflow.log import info, warn
 from rlflow.logprobs import completion_logprobs
 from rlflow.lora import LoraSettings
@@ -159,6 +160,7 @@ class GRPOModule(L.LightningModule):
         attn_implementation: str | None = None,
         gradient_checkpointing: bool = False,
         disable_dropout: bool = True,
+        cast_lm_head_to_fp32: bool = False,
         logprob_chunk_size: int = 1024,
         packing: bool = True,
         pack_max_length: int = 4096,
@@ -223,6 +225,10 @@ class GRPOModule(L.LightningModule):
                 the training forward's log-probs differ from the sampler's, the old policy's and the reference's
                 for the same tokens, noise the ratio and the KL read as a policy change (:mod:`rlflow.dropout`).
                 A LoRA adapter's own ``model.lora.dropout`` is kept.
+            cast_lm_head_to_fp32: Keep the LM head's weights in float32 and compute its product in float32 (TRL's
+                option; ScaleRL's fp32 head), in the training forward, the old/reference passes and the engine's
+                decode, so bf16 rounding of the logits does not move the ratio and the KL (:mod:`rlflow.lm_head`).
+                Tied embeddings become float32 too. Refused with a PEFT adapter on the head.
             logprob_chunk_size: Positions per chunk when turning hidden states into log-probs (bounds the logits
                 memory).
             packing: Padding-free training: pack prompt + completion sequences end to end into micro-batches of at most
@@ -306,10 +312,14 @@ class GRPOModule(L.LightningModule):
             from rlflow.lora import apply_lora
 
             self.__dict__["_peft_model"] = apply_lora(self.policy, self.lora)
+        if hp.get("cast_lm_head_to_fp32", False):
+            cast_lm_head_to_fp32(self.policy)
         if self.uses_reference and (self.lora is None or hp.ref_model_path):  # LoRA: the base is the reference
             key = "model.ref_model_path" if hp.ref_model_path else "model.model_path"
             ref = load_causal_lm(hp.ref_model_path or hp.model_path, hp.dtype, hp.attn_implementation, key)
             ref.requires_grad_(False)
+            if hp.get("cast_lm_head_to_fp32", False):
+                cast_lm_head_to_fp32(ref)
             if hp.get("ref_model_sync_steps", 0):  # it will move: checkpointed with the policy (rlflow.reference)
                 check_same_layout(self.policy, ref)
                 self.reference = ref.train()  # in train mode like the rest of the module; its forwards switch to eval

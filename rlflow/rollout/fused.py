@@ -18,7 +18,9 @@ With ``dtype`` (:class:`FusedDecoder`'s argument; the engine's ``dtype`` option)
 dtype than the live weights': its weight copies are made in that dtype (bfloat16 copies of float32 master
 weights, as vLLM and lmdeploy decode), with the model's own order of operations for that dtype, so its logits are
 those of the model cast to ``dtype`` up to rounding (no folds: they would round differently from that model).
-The engine's KV caches are then in that dtype too (half the bytes a decode step's attention reads).
+The engine's KV caches are then in that dtype too (half the bytes a decode step's attention reads). An
+:class:`~rlflow.lm_head.FP32Linear` head (``model.cast_lm_head_to_fp32``) keeps a float32 copy and its product in
+float32 whatever ``dtype`` is.
 
 LoRA (PEFT) projections are folded: each one's weight copy is its base weight plus the adapters' delta
 (:func:`rlflow.lora.linear_weights`), computed when the decoder is built, so a rollout samples from the adapted
@@ -39,6 +41,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from rlflow.lm_head import is_fp32_head
 from rlflow.lora import fold_problem, linear_weights
 from rlflow.rollout.prepack import PackedWeight, packable
 
@@ -190,17 +193,20 @@ class FusedDecoder:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.embed = inner.embed_tokens.weight  # looked up in its own dtype, the rows cast (no copy of the table)
-        self.dtype = dtype or self.embed.dtype
-        cast = None if self.dtype == self.embed.dtype else self.dtype
+        own = inner.norm.weight.dtype  # the layers' dtype (a tied embedding may be float32: cast_lm_head_to_fp32)
+        self.dtype = dtype or own
+        cast = None if self.dtype == own else self.dtype
         self.rotary = inner.rotary_emb
-        fold = self.embed.dtype == torch.float32 and self.dtype == torch.float32
+        fold = own == torch.float32 and self.dtype == torch.float32
         self.layers = [_Layer(layer, fold, cast) for layer in inner.layers]
         self.norm_w, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
-        self.lm_head_w, self.lm_head_b = model.lm_head.weight, _cast(model.lm_head.bias, cast)
+        self.head_fp32 = is_fp32_head(model.lm_head)  # model.cast_lm_head_to_fp32: the product in float32
+        head_cast = torch.float32 if self.head_fp32 else cast
+        self.lm_head_w, self.lm_head_b = model.lm_head.weight, _cast(model.lm_head.bias, head_cast)
         if fold:
             self.lm_head_w, self.norm_w = self.lm_head_w * self.norm_w, None
         self.norm_w = _cast(self.norm_w, cast)
-        self.lm_head_w = _transposed(self.lm_head_w, cast, physical=True)
+        self.lm_head_w = _transposed(self.lm_head_w, head_cast, physical=True)
         self.rope_table = getattr(self.rotary, "rope_type", "default") in STATIC_ROPE_TYPES
         self._table = None  # [positions, 2, dim]: cos, and sin with rotate_half's sign folded in
         self.packed_rows = 0  # the row count the matrices are packed for (prepack); 0: not packed
@@ -311,4 +317,4 @@ class FusedDecoder:
         if select is not None:
             h = h[select]
         h = _rms_norm(h, self.norm_w, self.norm_eps)
-        return _linear(h, self.lm_head_w, self.lm_head_b)
+        return _linear(h.float() if self.head_fp32 else h, self.lm_head_w, self.lm_head_b)
