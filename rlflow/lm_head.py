@@ -18,6 +18,7 @@ calls this head's float32 product as well.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -63,4 +64,8 @@ def cast_lm_head_to_fp32(model: torch.nn.Module) -> None:
     head.float()
     head.__class__ = FP32Linear  # same parameters and state_dict keys; deepcopy and pickling keep the class
     if tied and original != torch.float32:
-        embed.register_forward_hook(lambda _m, _a, out: out.to(original))
+        embed.register_forward_hook(functools.partial(_cast_output, dtype=original))  # picklable: generator process
+
+
+def _cast_output(_module: torch.nn.Module, _args: Any, output: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return output.to(dtype)

@@ -148,3 +148,23 @@ def test_fit_with_a_bf16_policy_and_a_float32_head(tiny_model, tiny_data, tmp_pa
     assert next(cli.model.policy.model.layers.parameters()).dtype == torch.bfloat16
     rows = [r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")) if r.get("loss")]
     assert len(rows) == 2 and all(abs(float(r["loss"])) < 1e3 for r in rows)
+
+
+def test_the_pipelined_generators_copy_keeps_the_float32_head():
+    """``data.max_staleness`` runs the engine in a process on a copy of the policy: the copy's layers keep the
+    policy's dtype (not the float32 of a tied head that comes first), its head is an FP32Linear with the same
+    float32 weights, and it pickles (the tied embedding's hook included), as handing it to the process needs."""
+    import pickle
+
+    from rlflow.rollout.process import generator_copy
+
+    policy = bf16_model("qwen3", tied=True, seed=5)
+    cast_lm_head_to_fp32(policy)
+    copy_ = generator_copy(policy)
+    assert next(copy_.model.layers.parameters()).dtype == torch.bfloat16
+    assert is_fp32_head(copy_.lm_head) and torch.equal(copy_.lm_head.weight, policy.lm_head.weight)
+    ids = torch.tensor([[3, 7, 9]])
+    with torch.no_grad():
+        logits = copy_(input_ids=ids).logits
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(pickle.loads(pickle.dumps(copy_))(input_ids=ids).logits, logits, rtol=0, atol=0)

@@ -37,6 +37,7 @@ so a pipelined lmdeploy run is not bit-reproducible (the process generator's run
 
 from __future__ import annotations
 
+import collections
 import copy
 import queue
 import time
@@ -45,6 +46,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from rlflow.lm_head import cast_lm_head_to_fp32, is_fp32_head
 from rlflow.rollout import prestart
 from rlflow.rollout.worker import Job, JobResult, plain_groups, worker_main
 
@@ -58,13 +60,16 @@ def generator_copy(policy: torch.nn.Module) -> torch.nn.Module:
     from rlflow.data.packing import ATTENTION_NAME
 
     config = copy.deepcopy(policy.config)  # its own: the trainer switches the policy's attention around packed passes
-    dtype = next(iter(policy.state_dict().values())).dtype
+    # the dtype most parameters have (a float32 head, cast_lm_head_to_fp32, may come first)
+    dtype = collections.Counter(p.dtype for p in policy.parameters()).most_common(1)[0][0]
     kwargs: dict[str, Any] = {"dtype": dtype}
     attn = getattr(config, "_attn_implementation", None)
     if attn:
         kwargs["attn_implementation"] = "sdpa" if attn == ATTENTION_NAME else attn
     model = AutoModelForCausalLM.from_config(config, **kwargs)
     model.eval().requires_grad_(False)
+    if is_fp32_head(policy.get_output_embeddings()):
+        cast_lm_head_to_fp32(model)
     copy_weights(policy, model)
     return model.share_memory()
 
