@@ -104,6 +104,7 @@ DATA_RULES: dict[str, Rule] = {
     "top_p": interval(0.0, 1.0, low_open=True),
     "top_k": at_least(0),
     "min_p": interval(0.0, 1.0, high_open=True),
+    "repetition_penalty": greater_than(0.0),
     "judger_timeout": greater_than(0.0, optional=True),
     "max_sampling_rounds": at_least(1),
     "eval_temperature": at_least(0.0),

@@ -19,6 +19,7 @@ BAD_VALUES = [
     ("data.top_p", "1.5", "data.top_p must be in (0.0, 1.0]"),
     ("data.top_k", "-1", "data.top_k must be >= 0"),
     ("data.min_p", "1.0", "data.min_p must be in [0.0, 1.0)"),
+    ("data.repetition_penalty", "0", "data.repetition_penalty must be > 0.0, got 0"),
     ("data.prompt_repeat_k", "1", "data.prompt_repeat_k must be >= 2"),
     ("data.global_batch_size", "0", "data.global_batch_size must be >= 1"),
     ("model.lr", "0", "model.lr must be > 0"),

@@ -39,12 +39,13 @@ EOS = 2
 
 # ------------------------------------------------------------------------------------------- translation
 def test_sampling_options_map_one_to_one():
-    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=1024, stop_token_ids=[EOS, 7], min_p=0.05)
+    params = SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=1024, stop_token_ids=[EOS, 7], min_p=0.05,
+                            repetition_penalty=1.1)
     body = generate_payload([5, 6, 7], params, model_name="policy")
     assert body == {
         "input_ids": [5, 6, 7], "max_tokens": 1024, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05,
-        "stop_token_ids": [EOS, 7], "ignore_eos": False, "return_logprob": True, "include_stop_str_in_output": True,
-        "skip_special_tokens": False, "stream": False, "model": "policy",
+        "repetition_penalty": 1.1, "stop_token_ids": [EOS, 7], "ignore_eos": False, "return_logprob": True,
+        "include_stop_str_in_output": True, "skip_special_tokens": False, "stream": False, "model": "policy",
     }
     greedy = generate_payload([5], SamplingParams(temperature=0.0, top_p=0.5, top_k=3, max_tokens=4))
     assert (greedy["temperature"], greedy["top_k"], greedy["top_p"], greedy["min_p"]) == (1.0, 1, 1.0, 0.0)

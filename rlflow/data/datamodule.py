@@ -80,6 +80,7 @@ class RolloutDataModule(L.LightningDataModule):
         top_p: float = 1.0,
         top_k: int = 0,
         min_p: float = 0.0,
+        repetition_penalty: float = 1.0,
         stop: list[str] | None = None,
         judgers: dict[str, str | Judger | list[str | Judger]] | None = None,
         reward_weights: dict[str, float] | None = None,
@@ -127,6 +128,11 @@ class RolloutDataModule(L.LightningDataModule):
             min_p: Min-p sampling: keep the tokens whose probability is at least ``min_p`` times the most likely
                 token's (0 disables it; applied after top-k and top-p, as transformers and vLLM do). Like them,
                 it truncates the sampling distribution only: the log-probs the trainer uses are the policy's.
+            repetition_penalty: Repetition penalty of training rollouts (transformers', vLLM's and LMDeploy's; 1.0
+                disables it): the logit of a token already in the prompt or the completion is divided by it where
+                positive and multiplied where negative, before the temperature. The rollout log-probs are those of
+                the penalised distribution (vLLM's ``processed_logprobs``, as TRL uses), so ``model.rollout_is``
+                corrects for it; evaluation samples without it (:mod:`rlflow.rollout.penalty`).
             stop: Extra stop strings, each a single token of the tokenizer; the tokenizer's EOS always stops.
             judgers: Judgers per ``data_source``: a short name, an import path (a TRL-style reward function),
                 ``class_path``/``init_args`` (``--data.judgers.help gsm8k`` lists a judger's options), or a list of
@@ -218,7 +224,8 @@ class RolloutDataModule(L.LightningDataModule):
         # the parts, built here so that a wrong plugin name or setting fails before any model is loaded
         self.train_prompts = PromptSet(train_sources, "train", max_prompt_length, **formats)
         self.eval_prompts = PromptSet(eval_sources, "eval", max_prompt_length, **formats)
-        self.sampling = SamplingParams(temperature, top_p, top_k, max_tokens, min_p=min_p)  # stop ids: tokenizer
+        self.sampling = SamplingParams(temperature, top_p, top_k, max_tokens, min_p=min_p,  # stop ids: tokenizer
+                                       repetition_penalty=repetition_penalty)
         self.eval_sampling = SamplingParams(eval_temperature, 1.0, 0, max_tokens)
         self.judges = JudgePanel(judgers if judgers is not None else {"openai/gsm8k": "gsm8k"}, reward_weights,
                                  [*train_sources, *eval_sources], timeout=judger_timeout, max_tokens=max_tokens)

@@ -27,9 +27,10 @@ Progress = Callable[[int, int], None]
 
 @dataclass
 class SamplingParams:
-    """How completions are sampled. ``temperature`` 0 means greedy; ``top_k`` 0, ``top_p`` 1 and ``min_p`` 0
-    disable them. ``min_p`` keeps the tokens whose probability is at least ``min_p`` times the most likely one's
-    (after top-k and top-p, in transformers' order)."""
+    """How completions are sampled. ``temperature`` 0 means greedy; ``top_k`` 0, ``top_p`` 1, ``min_p`` 0 and
+    ``repetition_penalty`` 1 disable them. ``min_p`` keeps the tokens whose probability is at least ``min_p`` times
+    the most likely one's (after top-k and top-p, in transformers' order); ``repetition_penalty`` acts on the logits
+    of tokens already in the row, before the temperature (:mod:`rlflow.rollout.penalty`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -37,6 +38,7 @@ class SamplingParams:
     max_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)
     min_p: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -47,6 +49,8 @@ class SamplingParams:
             raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not 0.0 <= self.min_p < 1.0:
             raise ConfigError(f"min_p must be in [0, 1) (0 disables it), got {self.min_p}")
+        if not self.repetition_penalty > 0.0:
+            raise ConfigError(f"repetition_penalty must be > 0 (1 disables it), got {self.repetition_penalty}")
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
 

@@ -70,6 +70,7 @@ from rlflow.rollout.draws import CallKeys, RowDraws
 from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder
 from rlflow.rollout.hardware import native_bf16
+from rlflow.rollout.penalty import mark_seen, penalize, seen_tokens
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource
 
 ATTENTION_NAME = "rlflow_shared_prefix"
@@ -365,6 +366,12 @@ class _Lane:
     pos: torch.Tensor | None = None
     pending: torch.Tensor | None = None
     draws: RowDraws = field(default_factory=RowDraws)
+    seen: torch.Tensor | None = None  # [rows, vocab] tokens each row holds (only with a repetition penalty)
+
+    def mark(self, offset: int, tokens: torch.Tensor) -> None:
+        """Record the tokens just sampled by rows ``offset:`` as seen (with a repetition penalty)."""
+        if self.seen is not None:
+            mark_seen(self.seen[offset:], tokens)
 
 
 DECODE_DTYPES = ("model", "float32", "bfloat16", "float16", "auto")
@@ -387,14 +394,15 @@ def common_prefix_len(prompts: list[list[int]]) -> int:
 
 def sample_tokens(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-    uniform: torch.Tensor | None = None, buffers: VocabBuffers | None = None,
+    uniform: torch.Tensor | None = None, buffers: VocabBuffers | None = None, seen: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` (``[rows, vocab]``); return ``(tokens, logprobs)``.
 
     The log-probs are ``log_softmax(logits / temperature)`` of the taken tokens (temperature 1 when greedy),
-    before top-k/top-p/min-p truncation; sampling itself draws from the truncated, renormalised distribution
-    (top-k keeps ties with the k-th value; top-p keeps the smallest set of best tokens whose mass reaches
-    ``top_p``; min-p then keeps the tokens of probability at least ``min_p`` times the best one's, as
+    with the repetition penalty applied first to the tokens ``seen`` (``[rows, vocab]`` bool; ignored when the
+    penalty is 1) and before top-k/top-p/min-p truncation; sampling itself draws from the truncated, renormalised
+    distribution (top-k keeps ties with the k-th value; top-p keeps the smallest set of best tokens whose mass
+    reaches ``top_p``; min-p then keeps the tokens of probability at least ``min_p`` times the best one's, as
     transformers' warpers do, in their order). ``uniform`` (``[rows]`` float64 in ``[0, 1)``, e.g. the engine's
     counter-based draws of :mod:`rlflow.rollout.draws`) gives each row's uniform; without it they are drawn from
     ``generator`` (torch's global one when None). ``buffers`` (the engine's, per serve call) holds the
@@ -404,6 +412,8 @@ def sample_tokens(
     if buffers is not None and logits.dtype != torch.float32:
         logits = buffers.get("logits", logits, torch.float32).copy_(logits)
     logits = logits.float()
+    if seen is not None and params.repetition_penalty != 1.0:
+        logits = penalize(logits, seen, params.repetition_penalty)
     temperature = params.temperature if not params.greedy else 1.0
     scaled = logits / temperature if temperature != 1.0 else logits
     if buffers is None:
@@ -747,6 +757,7 @@ class EngineRollout(CallKeys, RolloutBackend):
         model.eval()
         stop_ids = set(params.stop_token_ids)
         stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
+        penalty = params.repetition_penalty != 1.0  # rows track the tokens they hold (_Lane.seen)
         decoder = self._fused_decoder(model, device)
         self._decoder = decoder
         buffers = VocabBuffers()  # the sampler's [rows, vocab] intermediates, reused step after step
@@ -810,8 +821,15 @@ class EngineRollout(CallKeys, RolloutBackend):
                         lane.draws.add([k for _, r, _ in chunk for k in r.keys], [r.start for _, r, _ in chunk
                                                                                 for _ in range(n)])
                         uniform = None if params.greedy else lane.draws.draw(device, offset)
+                        seen = None
+                        if penalty:  # each row starts with its prompt's tokens seen
+                            prompt_ids = [torch.tensor(r.ids, device=device) for _, r, _ in chunk]
+                            padded = torch.nn.utils.rnn.pad_sequence(prompt_ids, batch_first=True, padding_value=-1)
+                            seen = seen_tokens(padded, logits.shape[-1]).repeat_interleave(n, dim=0)
+                            lane.seen = seen if lane.seen is None else torch.cat([lane.seen, seen])
                         tokens, lps = sample_tokens(logits.repeat_interleave(n, dim=0) if n > 1 else logits, params,
-                                                    uniform=uniform, buffers=buffers)
+                                                    uniform=uniform, buffers=buffers, seen=seen)
+                        lane.mark(offset, tokens)
                         lane.state.add_groups([i for i, _, _ in chunk], keys, values, mask)
                         new_pos = torch.tensor([len(r.ids) for _, r, _ in chunk], device=device).repeat_interleave(n)
                         lane.pos = new_pos if lane.pos is None else torch.cat([lane.pos, new_pos])
@@ -827,16 +845,18 @@ class EngineRollout(CallKeys, RolloutBackend):
                         lane = active[0]
                         logits = self._decode_step(lane.state, lane.pending, lane.pos, decoder)
                         uniform = None if params.greedy else lane.draws.draw(device)
-                        parts = [sample_tokens(logits, params, uniform=uniform, buffers=buffers)]
+                        parts = [sample_tokens(logits, params, uniform=uniform, buffers=buffers, seen=lane.seen)]
                     else:
                         state = LaneStates([lane.state for lane in active])
                         logits = self._decode_step(state, torch.cat([lane.pending for lane in active]),
                                                    torch.cat([lane.pos for lane in active]), decoder)
                         uniform = None if params.greedy else torch.cat([lane.draws.draw(device) for lane in active])
-                        tokens, lps = sample_tokens(logits, params, uniform=uniform, buffers=buffers)
+                        seen = torch.cat([lane.seen for lane in active]) if penalty else None
+                        tokens, lps = sample_tokens(logits, params, uniform=uniform, buffers=buffers, seen=seen)
                         parts = list(zip(tokens.split(state.sizes), lps.split(state.sizes)))
                     for lane, (tokens, lps) in zip(active, parts):
                         lane.pos, lane.pending = lane.pos + 1, tokens
+                        lane.mark(0, tokens)
                         finished.append((lane, self._record(lane.rows, 0, tokens, lps, stop_t, self.version)))
                 for lane, rows_done in finished:
                     complete = []
@@ -875,6 +895,8 @@ class EngineRollout(CallKeys, RolloutBackend):
                         lane.state.keep_rows(keep)
                         lane.pos, lane.pending = lane.pos[keep], lane.pending[keep]
                         lane.draws.keep(keep_list)
+                        if lane.seen is not None:
+                            lane.seen = lane.seen[keep]
         finally:
             self._decoder = None
             model.train(was_training)

@@ -29,6 +29,7 @@ from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams
 from rlflow.rollout.draws import CallKeys, RowDraws
+from rlflow.rollout.penalty import mark_seen, penalize, seen_tokens
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource
 from rlflow.vision import generation_inputs, is_vision_model, placeholder_ids
 
@@ -59,15 +60,30 @@ class RowDrawsSampler(LogitsProcessor):
     composition nor torch's global generator. Temperature, top-k and top-p are applied here
     (:func:`rlflow.rollout.engine.sample_tokens`), so ``generate`` must run with ``do_sample=False``."""
 
-    def __init__(self, params: SamplingParams, draws: RowDraws) -> None:
-        self.params, self.draws = params, draws
+    def __init__(self, params: SamplingParams, draws: RowDraws | None, starts: list[int] | None = None) -> None:
+        """
+        Args:
+            params: The sampling settings.
+            draws: The rows' random streams; None samples greedily (a greedy call with a repetition penalty).
+            starts: Where each row's prompt starts in ``input_ids`` (its left padding), for the repetition penalty.
+        """
+        self.params, self.draws, self.starts = params, draws, starts
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         from rlflow.rollout.engine import sample_tokens  # the engine module imports transformers' cache classes
 
-        tokens, _ = sample_tokens(scores, self.params, uniform=self.draws.draw(scores.device))
+        uniform = None if self.draws is None else self.draws.draw(scores.device)
+        tokens, _ = sample_tokens(scores, self.params, uniform=uniform, seen=self.seen(input_ids, scores.shape[-1]))
         only = torch.full_like(scores, float("-inf"))
         return only.scatter_(1, tokens.unsqueeze(1), 0.0)
+
+    def seen(self, input_ids: torch.Tensor, vocab: int) -> torch.Tensor | None:
+        """The tokens of each row's prompt and completion so far, its padding left out (repetition penalty)."""
+        if self.params.repetition_penalty == 1.0:
+            return None
+        starts = torch.tensor(self.starts or [0] * input_ids.shape[0], device=input_ids.device)
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return seen_tokens(input_ids, vocab, positions >= starts[:, None])
 
 
 class HFRollout(CallKeys, RolloutBackend):
@@ -107,10 +123,14 @@ class HFRollout(CallKeys, RolloutBackend):
         """The processors that sample ``rows`` in a greedy ``generate`` call: :class:`RowDrawsSampler` over the rows'
         own streams (none when ``params`` is greedy)."""
         processors = LogitsProcessorList()
+        width = max(len(r.ids) for r, _ in rows)
+        starts = [width - len(r.ids) for r, _ in rows]  # left padding (left_pad)
         if not params.greedy:
             draws = RowDraws()
             draws.add([r.keys[s] for r, s in rows], [r.start for r, _ in rows])
-            processors.append(RowDrawsSampler(params, draws))
+            processors.append(RowDrawsSampler(params, draws, starts))
+        elif params.repetition_penalty != 1.0:  # greedy over the penalised logits
+            processors.append(RowDrawsSampler(params, None, starts))
         return processors
 
     @torch.no_grad()
@@ -175,10 +195,15 @@ class HFRollout(CallKeys, RolloutBackend):
         out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
                              logits_processor=processors, **vision)
         new = out.sequences[:, ids.shape[1]:]
-        steps = [
-            torch.log_softmax(logits.float() / temperature, dim=-1).gather(1, new[:, t: t + 1]).squeeze(1)
-            for t, logits in enumerate(out.logits)
-        ]
+        seen = None  # the repetition penalty's tokens per row, as the sampler saw them at each step
+        if params.repetition_penalty != 1.0:
+            seen = seen_tokens(ids.to(device), out.logits[0].shape[-1] if out.logits else 1, mask.bool().to(device))
+        steps = []
+        for t, logits in enumerate(out.logits):
+            logits = logits.float() if seen is None else penalize(logits.float(), seen, params.repetition_penalty)
+            steps.append(torch.log_softmax(logits / temperature, dim=-1).gather(1, new[:, t: t + 1]).squeeze(1))
+            if seen is not None:
+                mark_seen(seen, new[:, t])
         logprobs = torch.stack(steps, dim=1) if steps else new.new_zeros((new.shape[0], 0), dtype=torch.float)
         return [trim_at_stop(row, lp, stop_ids, limit)
                 for row, lp, limit in zip(new.tolist(), logprobs.tolist(), limits)]
@@ -195,4 +220,6 @@ class PlainGenerateRollout(HFRollout):
             config.do_sample = True
             config.temperature, config.top_p, config.top_k = params.temperature, params.top_p, params.top_k
             config.min_p = params.min_p or None
+        if params.repetition_penalty != 1.0:  # transformers' own processor (it also counts the left padding)
+            config.repetition_penalty = params.repetition_penalty
         return LogitsProcessorList()

@@ -80,6 +80,7 @@ def generate_payload(prompt_ids: list[int], params: SamplingParams, model_name: 
         "top_p": 1.0 if params.greedy else params.top_p,
         "top_k": 1 if params.greedy else params.top_k,
         "min_p": 0.0 if params.greedy else params.min_p,
+        "repetition_penalty": params.repetition_penalty,
         "stop_token_ids": list(params.stop_token_ids),
         "ignore_eos": False,
         "return_logprob": True,
