@@ -600,12 +600,14 @@ class GRPOModule(L.LightningModule):
             grad_norm = self.clip_gradients_and_norm(hp.max_grad_norm)
             finite = bool(torch.isfinite(grad_norm))
         if not finite:
+            self.loss_fn.on_skipped_step()
             self.skip_step(opt)
             return sums
         self.consecutive_skips = 0
         self.update_fraction.before_step()
         optimizer_step(self.trainer, opt, count)
         sched.step()
+        step.update(self.loss_fn.on_optimizer_step(self.reduce_sum))  # a loss's own state (adaptive entropy)
         fraction = self.update_fraction.after_step(self.policy_version)
         if fraction is not None:
             step["optim/update_fraction"] = fraction
@@ -628,6 +630,12 @@ class GRPOModule(L.LightningModule):
         dm = getattr(trainer, "datamodule", None) if trainer is not None else None
         cores = getattr(dm, "all_cores", None)
         return cores() if cores is not None else contextlib.nullcontext()
+
+    def reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` summed over ranks (itself on one)."""
+        if self.trainer is None or self.trainer.world_size == 1:
+            return values
+        return self.trainer.strategy.reduce(values.to(self.device), reduce_op="sum").cpu()
 
     def global_counts(self, values: list[int]) -> list[int]:
         """``values`` summed over ranks: the batch sizes the loss normalisers divide by."""
@@ -722,6 +730,7 @@ class GRPOModule(L.LightningModule):
             "consecutive_skips": self.consecutive_skips, "lr_schedule_steps": getattr(self, "lr_schedule_steps", None),
             # every rank's Python/NumPy/torch RNG, so sampling after a resume draws what it would have drawn
             "rng": gather_rng_states(self.trainer.world_size if self._trainer is not None else 1),
+            "loss": self.loss_fn.state_dict(),  # a loss's own training state (adaptive entropy control)
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -730,6 +739,7 @@ class GRPOModule(L.LightningModule):
         self.num_tokens = state.get("num_tokens", 0.0)
         self.skipped_steps = state.get("skipped_steps", 0)
         self.consecutive_skips = state.get("consecutive_skips", 0)
+        self.loss_fn.load_state_dict(state.get("loss", {}))
         self._resume_rng = state.get("rng")  # applied in on_train_start, after Lightning's own set-up
         self._resume_lr_steps = state.get("lr_schedule_steps")  # likewise, once Lightning restored the scheduler
         trainer, step = self._trainer, checkpoint.get("global_step", 0)

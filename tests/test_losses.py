@@ -494,3 +494,75 @@ def test_vespo_refuses_a_sequence_level_rollout_correction(tiny_model, tiny_data
 
     with pytest.raises(ConfigError, match="sequence_mask is sequence-level: use token_truncate or token_mask"):
         cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--model.loss=vespo", "--model.rollout_is=sequence_mask"))
+
+
+# ---------------------------------------------------------------------------------- adaptive entropy control
+def test_adaptive_entropy_follows_skywork_or1s_rule_step_by_step():
+    """Worked by hand (target 1.0, delta 0.01, bounds [0, 0.025], start 0.01): a step's bonus uses the coefficient
+    from the end of the step before, gated by the entropy measured then (none on step 1: nothing measured), and the
+    coefficient moves up after a step at or below the target, down after one above, within its bounds."""
+    d = make_batch(11)
+    loss_fn = build("bnpo", use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=1.0, entropy_coef_delta=0.01,
+                    entropy_coef_max=0.025)
+    m = d["mask"]
+    applied, coefs = [], []
+    for level in (0.5, 2.0, 0.5, 0.5):  # the batch's entropy each step (constant over its tokens)
+        ent = torch.full((B, T), level)
+        loss, _ = loss_fn(d["logp"], d["old"], d["adv"], m, entropy=ent)
+        base = ref_loss(d, d["logp"], "bnpo", entropy=ent)
+        applied.append(round((base - loss).item() / level, 6))  # bnpo: the bonus is coef * the token mean = coef*level
+        coefs.append(loss_fn.on_optimizer_step()["entropy_coef"])
+    assert applied == [0.0, 0.02, 0.0, 0.02]
+    assert coefs == pytest.approx([0.02, 0.01, 0.02, 0.025])
+    assert loss_fn.state_dict() == {"adaptive_entropy": {"entropy_coef": pytest.approx(0.025), "last_entropy": 0.5}}
+
+
+def test_adaptive_entropy_measures_every_micro_batch_and_rank_and_can_resume():
+    """The step's entropy is the token-weighted mean over its micro-batches and over ranks (``reduce_sum``), over
+    the tokens the loss trains on; a skipped step leaves the controller as it was; the state reloads."""
+    d = make_batch(12)
+    loss_fn = build("grpo", use_adaptive_entropy=True, entropy_coef=0.0, entropy_target=1.0,
+                    mask_truncated_completions=True)
+    trained = d["mask"] & ~d["truncated"].unsqueeze(1)
+    halves = [slice(0, 2), slice(2, B)]
+    for part in halves:
+        loss_fn(d["logp"][part], d["old"][part], d["adv"][part], d["mask"][part], entropy=d["entropy"][part],
+                truncated=d["truncated"][part])
+    other_rank = torch.tensor([30.0, 20.0], dtype=torch.float64)  # another rank's entropy sum and token count
+    loss_fn.on_optimizer_step(lambda t: t + other_rank)
+    mine = (d["entropy"] * trained).sum().item()
+    want = (mine + 30.0) / (trained.sum().item() + 20.0)
+    assert loss_fn.adaptive_entropy.last_entropy == pytest.approx(want, rel=1e-6)
+    state = loss_fn.state_dict()
+    loss_fn(d["logp"], d["old"], d["adv"], d["mask"], entropy=d["entropy"] * 0, truncated=d["truncated"])
+    loss_fn.on_skipped_step()
+    assert loss_fn.state_dict() == state
+    fresh = build("grpo", use_adaptive_entropy=True, entropy_coef=0.0, entropy_target=1.0)
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+    with pytest.raises(ConfigError, match="entropy_coef_min <= entropy_coef <= entropy_coef_max"):
+        build("grpo", use_adaptive_entropy=True, entropy_coef=2.0)
+    with pytest.raises(ValueError, match="use_adaptive_entropy needs the per-token 'entropy'"):
+        build("grpo", use_adaptive_entropy=True)(d["logp"], d["old"], d["adv"], d["mask"])
+
+
+@pytest.mark.slow
+def test_adaptive_entropy_through_fit_and_resume(tiny_model, tiny_data, tmp_path):
+    """``rlflow fit`` logs ``entropy_coef`` each step, moving by delta; a run resumed from its step-2 checkpoint
+    continues the straight run's coefficient (the controller is in the checkpoint)."""
+    from rlflow.cli import cli_main
+
+    loss = ('--model.loss={"class_path": "bnpo", "init_args": {"use_adaptive_entropy": true, "entropy_coef": 0.01, '
+            '"entropy_target": 100.0, "entropy_coef_delta": 0.01}}')
+
+    def run(root, steps, *extra):
+        cli = cli_main(fit_args(tiny_model, tiny_data, root, loss, *extra, steps=steps))
+        rows = [r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")) if r.get("loss")]
+        return [float(r["entropy_coef"]) for r in rows], cli
+
+    straight, _ = run(tmp_path / "a", 3)
+    assert straight == pytest.approx([0.02, 0.03, 0.04])  # entropy is always under a target of 100 nats
+    _, first = run(tmp_path / "b", 2, "--checkpoint.every_n_train_steps=1")
+    ckpt = Path(first.trainer.log_dir) / "checkpoints" / "last.ckpt"
+    resumed, _ = run(tmp_path / "b", 3, f"--ckpt_path={ckpt}")
+    assert resumed[-1] == pytest.approx(straight[-1])

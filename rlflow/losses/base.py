@@ -60,6 +60,21 @@ class PolicyLoss:
     #: Whether completions cut at ``max_tokens`` are left out of the loss (and of the token counts).
     mask_truncated_completions: bool = False
 
+    def on_optimizer_step(self, reduce_sum=None) -> dict[str, float]:
+        """Called after each optimizer step the trainer takes (``reduce_sum`` sums a tensor over ranks); a loss
+        with state that follows training (adaptive entropy control) updates it here and returns metrics."""
+        return {}
+
+    def on_skipped_step(self) -> None:
+        """Called instead when the trainer skips an optimizer step (a non-finite loss or gradient)."""
+
+    def state_dict(self) -> dict:
+        """The loss's training state, checkpointed with the module (empty for a stateless loss)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` from a checkpoint."""
+
     def micro_batch_weight(self, mask: torch.Tensor, ctx: LossContext) -> float:
         """Factor for this micro-batch's loss so that micro-batches accumulate to the mini-batch loss.
 

@@ -6,10 +6,11 @@ ratio ``exp(logprobs - old_logprobs)`` per token, or per sequence from the mean 
 (``importance_sampling_level: sequence``, GSPO); the subclass's per-token objective; the off-policy sequence
 mask (``off_policy_mask_threshold``); the high-entropy token mask (``top_entropy_quantile``); the
 rollout/training mismatch weights (TIS/MIS; a loss with ``own_importance_weights``, VESPO, folds them into its
-objective instead); ``+ kl_coef * KL`` to the
-reference (times the ratio with ``use_bias_correction_kl``, DeepSeek-V3.2's unbiased KL gradient, as TRL);
-``- entropy_coef * entropy``; then the aggregation (:mod:`rlflow.losses.aggregation`). The log-ratio
-is clamped to [-20, 20] before the exponential, as verl does (never reached by sane ratios).
+objective instead); ``+ kl_coef * KL`` to the reference (times the ratio with ``use_bias_correction_kl``,
+DeepSeek-V3.2's unbiased KL gradient, as TRL); ``- entropy_coef * entropy`` (the coefficient adaptive with
+``use_adaptive_entropy``, :mod:`rlflow.losses.entropy_control`); then the aggregation
+(:mod:`rlflow.losses.aggregation`). The log-ratio is clamped to [-20, 20] before the exponential, as verl does
+(never reached by sane ratios).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from rlflow.config_error import ConfigError
 from rlflow.losses.aggregation import UNITS, aggregate, check_aggregation
 from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
+from rlflow.losses.entropy_control import AdaptiveEntropy
 from rlflow.losses.kl import check_kl_type, kl_penalty
 from rlflow.losses.masks import high_entropy_mask, off_policy_sequence_mask, truncated_mask
 
@@ -45,6 +47,11 @@ class RatioPolicyLoss(PolicyLoss):
         mask_truncated_completions: bool = False,
         top_entropy_quantile: float = 1.0,
         entropy_coef: float = 0.0,
+        use_adaptive_entropy: bool = False,
+        entropy_target: float = 0.2,
+        entropy_coef_min: float = 0.0,
+        entropy_coef_max: float = 1.0,
+        entropy_coef_delta: float = 0.005,
         off_policy_mask_threshold: float | None = None,
         max_tokens: int | None = None,
         aggregation: str | None = None,
@@ -66,7 +73,18 @@ class RatioPolicyLoss(PolicyLoss):
             mask_truncated_completions: Leave completions cut at ``max_tokens`` out of the loss (DAPO's overlong
                 filtering).
             top_entropy_quantile: Train only on this fraction of tokens with the highest entropy; 1.0 trains on all.
-            entropy_coef: Weight of an entropy bonus (subtracted from the loss); 0 disables it.
+            entropy_coef: Weight of an entropy bonus (subtracted from the loss); 0 disables it. With
+                ``use_adaptive_entropy``, its starting value.
+            use_adaptive_entropy: Adaptive entropy control (Skywork-OR1; TRL's option): after every optimizer step
+                the coefficient moves by ``entropy_coef_delta`` up when the step's entropy (the loss's tokens, all
+                micro-batches and ranks) was at or below ``entropy_target``, down otherwise, within
+                ``[entropy_coef_min, entropy_coef_max]``; the bonus applies only while that entropy is at or below
+                the target. Logged as ``entropy_coef``; checkpointed (:mod:`rlflow.losses.entropy_control`).
+            entropy_target: Target mean per-token entropy in nats (TRL's default 0.2 engages only near collapse:
+                set it near the ``entropy`` logged early in training).
+            entropy_coef_min: Lower bound of the adaptive coefficient.
+            entropy_coef_max: Upper bound of the adaptive coefficient.
+            entropy_coef_delta: The adaptive coefficient's step per optimizer step.
             off_policy_mask_threshold: Off-policy sequence masking (DeepSeek-V3.2; TRL's option of the same name):
                 leave out of the loss a completion with a negative advantage whose mean per-token ``sampler log-prob
                 - current log-prob`` exceeds this (e.g. 0.5). The sampler's log-probs are the rollout engine's
@@ -99,6 +117,8 @@ class RatioPolicyLoss(PolicyLoss):
         self.mask_truncated_completions = mask_truncated_completions
         self.top_entropy_quantile = top_entropy_quantile
         self.entropy_coef = entropy_coef
+        self.adaptive_entropy = AdaptiveEntropy(entropy_coef, entropy_target, entropy_coef_min, entropy_coef_max,
+                                                entropy_coef_delta) if use_adaptive_entropy else None
         self.off_policy_mask_threshold = off_policy_mask_threshold
         self.max_tokens = max_tokens
         self.aggregation = check_aggregation(aggregation or self.default_aggregation)
@@ -156,8 +176,10 @@ class RatioPolicyLoss(PolicyLoss):
             keep = off_policy_sequence_mask(adv, logprobs, sampling, mask, self.off_policy_mask_threshold)
             per_token = per_token * keep
             indicators = {**indicators, "off_policy_mask/dropped_ratio": keep == 0}
+        trained = mask  # the tokens the policy term trains on (adaptive entropy control measures them)
         if self.top_entropy_quantile < 1.0:
-            per_token = per_token * high_entropy_mask(entropy, mask, self.top_entropy_quantile)
+            trained = high_entropy_mask(entropy, mask, self.top_entropy_quantile)
+            per_token = per_token * trained
         if rollout_is_weights is not None and not self.own_importance_weights:
             per_token = per_token * rollout_is_weights.to(per_token.dtype)
         metrics: dict[str, float] = {}
@@ -169,14 +191,36 @@ class RatioPolicyLoss(PolicyLoss):
                 kl = kl * coef
             per_token = per_token + self.kl_coef * kl
             metrics["kl"] = masked_mean(kl.detach(), mask).item()
-        if self.entropy_coef > 0.0:
+        entropy_coef = self.entropy_coef
+        if self.adaptive_entropy is not None:
+            if entropy is None:
+                raise ValueError("use_adaptive_entropy needs the per-token 'entropy' of the policy")
+            entropy_coef = self.adaptive_entropy.applied()
+            self.adaptive_entropy.observe(entropy, trained)
+        if entropy_coef > 0.0:
             if entropy is None:
                 raise ValueError("entropy_coef > 0 needs the per-token 'entropy' of the policy")
-            per_token = per_token - self.entropy_coef * entropy
+            per_token = per_token - entropy_coef * entropy
         loss = aggregate(per_token, mask, self.aggregation, ctx, self.max_tokens)
         for name, flags in indicators.items():
             metrics[name] = self._indicator_mean(flags, mask)
         return loss, metrics
+
+    def on_optimizer_step(self, reduce_sum=None) -> dict[str, float]:
+        if self.adaptive_entropy is None:
+            return {}
+        return {"entropy_coef": self.adaptive_entropy.step(reduce_sum)}
+
+    def on_skipped_step(self) -> None:
+        if self.adaptive_entropy is not None:
+            self.adaptive_entropy.discard()
+
+    def state_dict(self) -> dict:
+        return {} if self.adaptive_entropy is None else {"adaptive_entropy": self.adaptive_entropy.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.adaptive_entropy is not None and "adaptive_entropy" in state:
+            self.adaptive_entropy.load_state_dict(state["adaptive_entropy"])
 
     @staticmethod
     def _indicator_mean(flags: torch.Tensor, mask: torch.Tensor) -> float:
