@@ -150,5 +150,102 @@ def test_bad_layouts_fail_clearly():
         registry.build("rlflow.advantages", "rloo")(torch.zeros(4), 1)
     with pytest.raises(ValueError, match="3 lengths for 4 rewards"):
         registry.build("rlflow.advantages", "opo")(torch.zeros(4), 2, lengths=torch.ones(3))
-    with pytest.raises(Exception, match="available: dr_grpo, grpo, opo, reinforce_pp, rloo"):
+    with pytest.raises(Exception, match="available: dr_grpo, gdpo, grpo, opo, reinforce_pp, rloo"):
         registry.build("rlflow.advantages", "gae")
+
+
+# ------------------------------------------------------------------------------------------------ GDPO
+def ref_gdpo(components, weights, k, eps=1e-4):
+    """TRL's ``normalize_then_sum``, written with loops over plain lists (None: a judger gave no reward)."""
+    n, judgers = len(components), len(weights)
+
+    def stats(values):
+        vals = [v for v in values if v is not None]
+        if not vals:
+            return None, None
+        mean = sum(vals) / len(vals)
+        std = (sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)) ** 0.5 if len(vals) > 1 else None
+        return mean, std
+
+    summed = []
+    for i in range(n):
+        g = i // k
+        total, any_scored = 0.0, False
+        for j in range(judgers):
+            v = components[i][j]
+            if v is None:
+                continue
+            any_scored = True
+            mean, std = stats([components[g * k + s][j] for s in range(k)])
+            if std is not None:  # a NaN std (one value in the group) drops out of TRL's nansum
+                total += weights[j] * (v - mean) / (std + eps)
+        summed.append(total if any_scored else None)
+    mean, std = stats(summed)
+    return [0.0 if s is None else (s - mean) / (std + eps) for s in summed]
+
+
+def test_gdpo_matches_trls_normalize_then_sum():
+    """Two judgers of very different spreads (0/1 correctness, a 0.1-wide format score), weights 1 and 0.5, a judger
+    that skipped some completions, one completion no judger scored, and a group where one judger is constant."""
+    g = torch.Generator().manual_seed(3)
+    n = 5 * K
+    correct = torch.randint(0, 2, (n,), generator=g).float().tolist()
+    fmt = (0.1 * torch.rand(n, generator=g)).tolist()
+    components = [[c, f] for c, f in zip(correct, fmt)]
+    components[1][1] = None  # the format judger failed on it
+    components[6] = [None, None]  # no judger scored it
+    for s in range(K):
+        components[K * 3 + s][0] = 1.0  # group 3: every completion correct
+    weights = [1.0, 0.5]
+    comp = torch.tensor([[float("nan") if v is None else v for v in row] for row in components])
+    got = registry.build("rlflow.advantages", "gdpo")(torch.zeros(n), K, components=comp, weights=torch.tensor(weights))
+    torch.testing.assert_close(got, torch.tensor(ref_gdpo(components, weights, K)), rtol=1e-5, atol=1e-5)
+    assert got[6] == 0.0
+    # the format judger's group-normalised signal survives where GRPO's summed reward would be dominated
+    grpo = registry.build("rlflow.advantages", "grpo")(torch.tensor([c + 0.5 * f for c, f in zip(correct, fmt)]), K)
+    assert not torch.allclose(got, grpo, atol=1e-3)
+
+
+def test_gdpo_through_estimate_needs_the_components():
+    gdpo = registry.build("rlflow.advantages", "gdpo")
+    comp = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]])
+    out = estimate(gdpo, torch.zeros(4), 2, components=(comp, torch.tensor([1.0, 1.0])))
+    assert out.shape == (4,) and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="needs each judger's rewards"):
+        estimate(gdpo, torch.zeros(4), 2)
+
+
+@pytest.mark.slow
+def test_gdpo_through_fit_uses_each_judgers_rewards_and_weights(tiny_model, tiny_data, tmp_path, monkeypatch):
+    """``rlflow fit --data.advantage=gdpo`` with two judgers (a TRL reward function and gsm8k) and weights: the
+    advantages it trains on equal the loop reference computed from the judgers' own rewards; with DAPO's dynamic
+    sampling it is a config error."""
+    import json
+
+    from conftest import fit_args
+
+    import rlflow.data.datamodule as dm_module
+    from rlflow.cli import cli_main
+    from rlflow.config_error import ConfigError
+
+    seen = []
+    original = dm_module.estimate_global
+
+    def recording(estimator, rewards, k, lengths=None, components=None):
+        out = original(estimator, rewards, k, lengths=lengths, components=components)
+        seen.append((components, out))
+        return out
+
+    monkeypatch.setattr(dm_module, "estimate_global", recording)
+    judgers = {"*": [{"class_path": "function", "init_args": {"path": "reward_helpers:reward_len"}}, "gsm8k"]}
+    args = fit_args(tiny_model, tiny_data, tmp_path, f"--data.judgers={json.dumps(judgers)}",
+                    '--data.reward_weights={"reward_len": 0.5, "gsm8k": 2.0}', "--data.advantage=gdpo", steps=2)
+    cli = cli_main(args)
+    assert cli.trainer.global_step == 2 and len(seen) == 2
+    for (comp, weights), out in seen:
+        assert weights.tolist() == [2.0, 0.5]  # sorted by judger name: gsm8k, reward_len
+        rows = [[None if v != v else v for v in row] for row in comp.tolist()]
+        torch.testing.assert_close(out, torch.tensor(ref_gdpo(rows, weights.tolist(), 4)), rtol=1e-5, atol=1e-5)
+        assert len({round(v, 3) for v in comp[:, 1].tolist()}) > 1  # reward_len varies: a real signal
+    with pytest.raises(ConfigError, match="use one or the other"):
+        cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--data.advantage=gdpo", "--data.dynamic_sampling=true"))

@@ -45,23 +45,33 @@ class AdvantageEstimator:
 
 
 def estimate(
-    estimator: Any, rewards: torch.Tensor, group_size: int, lengths: torch.Tensor | None = None
+    estimator: Any, rewards: torch.Tensor, group_size: int, lengths: torch.Tensor | None = None,
+    components: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Call ``estimator``, passing ``lengths`` only to estimators that ask for them (plugins may not take them)."""
+    """Call ``estimator``, passing ``lengths`` only to estimators that ask for them (plugins may not take them),
+    and ``components`` (each judger's rewards ``[N, judgers]``, NaN where none, and the judgers' weights) only to
+    those with ``needs_components`` (GDPO)."""
+    kwargs: dict[str, Any] = {}
     if getattr(estimator, "needs_lengths", False):
-        return estimator(rewards, group_size, lengths=lengths)
-    return estimator(rewards, group_size)
+        kwargs["lengths"] = lengths
+    if getattr(estimator, "needs_components", False):
+        if components is None:
+            raise ValueError(f"the {type(estimator).__name__} advantage estimator needs each judger's rewards")
+        kwargs["components"], kwargs["weights"] = components
+    return estimator(rewards, group_size, **kwargs)
 
 
 def estimate_global(estimator: Any, rewards: torch.Tensor, group_size: int, lengths: torch.Tensor | None = None,
-                    ) -> torch.Tensor:
+                    components: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """This rank's advantages, estimated over the generation batch of every rank (a collective under data
     parallelism: every rank calls it with the same number of rewards)."""
     from rlflow.distributed import all_gather, world_size
 
     if world_size() == 1:
-        return estimate(estimator, rewards, group_size, lengths=lengths)
+        return estimate(estimator, rewards, group_size, lengths=lengths, components=components)
     n, rank = rewards.numel(), torch.distributed.get_rank()
     gathered_lengths = all_gather(lengths) if lengths is not None else None
-    everything = estimate(estimator, all_gather(rewards), group_size, lengths=gathered_lengths)
+    gathered_components = (all_gather(components[0]), components[1]) if components is not None else None
+    everything = estimate(estimator, all_gather(rewards), group_size, lengths=gathered_lengths,
+                          components=gathered_components)
     return everything[rank * n: (rank + 1) * n]

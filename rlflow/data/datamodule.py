@@ -232,6 +232,9 @@ class RolloutDataModule(L.LightningDataModule):
         self.advantage = registry.build("rlflow.advantages", advantage)
         dynamic = DynamicSampling(max_sampling_rounds, seed)  # validated even when off
         self.dynamic_sampling = dynamic if dynamic_sampling else None
+        if self.dynamic_sampling is not None and self.needs_components:
+            raise ConfigError("data.advantage=gdpo normalises each judger's rewards apart; data.dynamic_sampling "
+                              "filters groups by their summed reward: use one or the other")
         self.buffer = ReplayBuffer(seed=seed)
         self.rollout_spec = rollout
         self.backend: RolloutBackend | None = None
@@ -372,6 +375,20 @@ class RolloutDataModule(L.LightningDataModule):
     def minibatches(self, num: int) -> list[list[Experience]]:
         return self.buffer.drain(num)
 
+    @property
+    def needs_components(self) -> bool:
+        """Whether the advantage estimator reads each judger's reward (GDPO), not only their weighted sum."""
+        return bool(getattr(self.advantage, "needs_components", False))
+
+    def reward_components(self, per_judger: dict[str, list[float | None]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[N, judgers]`` rewards of every configured judger (NaN where it gave none) and their weights."""
+        weights = self.judges.weights()
+        n = len(next(iter(per_judger.values()))) if per_judger else 0
+        columns = [[float("nan") if v is None else float(v) for v in per_judger.get(name, [None] * n)]
+                   for name in weights]
+        return (torch.tensor(columns, dtype=torch.float32).t().reshape(n, len(weights)),
+                torch.tensor(list(weights.values()), dtype=torch.float32))
+
     def make_experience(self, batch: list[PromptRecord], policy_version: int, step: int) -> RolloutStep:
         """Generate, judge and score one rollout step; put the experience in the replay buffer."""
         assert self.backend is not None, "bind() the policy first"
@@ -394,7 +411,8 @@ class RolloutDataModule(L.LightningDataModule):
             gen_time += extra_time
         reward_t = torch.tensor(chosen.rewards, dtype=torch.float32)
         lengths = torch.tensor([c.num_sampled for c in chosen.completions])
-        advantages = estimate_global(self.advantage, reward_t, k, lengths=lengths).tolist()
+        components = self.reward_components(judged.per_judger) if self.needs_components else None
+        advantages = estimate_global(self.advantage, reward_t, k, lengths=lengths, components=components).tolist()
         experiences = [
             Experience(
                 prompt_ids=c.prompt_ids or chosen.records[i // k].prompt_ids, completion_ids=c.token_ids,

@@ -108,6 +108,14 @@ class JudgePanel:
     def runner_for(self, record: PromptRecord) -> JudgerRunner:
         return self.routing.runners.get(record.origin, self.default)
 
+    def weights(self) -> dict[str, float]:
+        """Every configured judger's name and weight, sorted by name (the same on every rank)."""
+        found: dict[str, float] = {}
+        for runner in (self.default, *self.routing.runners.values()):
+            for name, weight in runner.weights.items():
+                found.setdefault(name, weight)
+        return dict(sorted(found.items()))
+
     def check_rows(self, records: list[PromptRecord], split: str) -> None:
         """Before any generation: every row has a judger for its ``data_source`` and the columns those judgers need
         (``required_columns``, e.g. gsm8k's ``ground_truth``); else one DataError naming each row's file:line."""
