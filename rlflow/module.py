@@ -61,6 +61,7 @@ from rlflow.logprobs import completion_logprobs
 from rlflow.lora import LoraSettings
 from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
 from rlflow.model_path import check_model_path
+from rlflow.moe import collect_router_logits, router_aux_coef
 from rlflow.optim import UpdateFraction, build_lr_scheduler, build_optimizer, check_optimizer, rebuild_lr_scheduler
 from rlflow.reference import check_same_layout, check_sync, sync_reference
 from rlflow.step_unit import count_rollout_step, optimizer_step
@@ -161,6 +162,7 @@ class GRPOModule(L.LightningModule):
         gradient_checkpointing: bool = False,
         disable_dropout: bool = True,
         cast_lm_head_to_fp32: bool = False,
+        router_aux_loss_coef: float | None = None,
         logprob_chunk_size: int = 1024,
         packing: bool = True,
         pack_max_length: int = 4096,
@@ -229,6 +231,9 @@ class GRPOModule(L.LightningModule):
                 option; ScaleRL's fp32 head), in the training forward, the old/reference passes and the engine's
                 decode, so bf16 rounding of the logits does not move the ratio and the KL (:mod:`rlflow.lm_head`).
                 Tied embeddings become float32 too. Refused with a PEFT adapter on the head.
+            router_aux_loss_coef: Weight of a mixture-of-experts policy's load-balancing loss added to each training
+                micro-batch's loss (TRL's option; :mod:`rlflow.moe`); None: the model config's own (0.001 for
+                Qwen3-MoE, 0 for a dense model); 0 disables it. Logged as ``aux_loss``.
             logprob_chunk_size: Positions per chunk when turning hidden states into log-probs (bounds the logits
                 memory).
             packing: Padding-free training: pack prompt + completion sequences end to end into micro-batches of at most
@@ -277,6 +282,7 @@ class GRPOModule(L.LightningModule):
         self.trained_versions: list[tuple[int, int]] = []  # (policy_version at the update, versions sampled)
         self.packing_checked: bool | None = None  # model.packing after the check at fit start (None: not checked)
         self.vision: Any = None  # rlflow.vision.VisionBatches for a vision-language policy
+        self.router_aux = 0.0  # the MoE load-balancing loss's weight, set when the policy is loaded
         self.correction_in_forward = False  # pipelined, one update per rollout step: IS weights from its forward
         self._is_tokens: list[tuple[torch.Tensor, torch.Tensor]] | None = None
 
@@ -314,6 +320,7 @@ class GRPOModule(L.LightningModule):
             self.__dict__["_peft_model"] = apply_lora(self.policy, self.lora)
         if hp.get("cast_lm_head_to_fp32", False):
             cast_lm_head_to_fp32(self.policy)
+        self.router_aux = router_aux_coef(self.policy, hp.get("router_aux_loss_coef"))
         if self.uses_reference and (self.lora is None or hp.ref_model_path):  # LoRA: the base is the reference
             key = "model.ref_model_path" if hp.ref_model_path else "model.model_path"
             ref = load_causal_lm(hp.ref_model_path or hp.model_path, hp.dtype, hp.attn_implementation, key)
@@ -563,7 +570,9 @@ class GRPOModule(L.LightningModule):
         step: dict[str, float] = {}
         finite = True
         for micro in self.micro_batches(minibatch):
-            logprobs, entropy, batch = self.logprobs_of(self.policy, micro)
+            routers = collect_router_logits(self.policy) if self.router_aux else contextlib.nullcontext()
+            with routers as caught:  # an MoE policy's router logits, for its load-balancing loss
+                logprobs, entropy, batch = self.logprobs_of(self.policy, micro)
             mask = batch["completion_mask"]
             old = batch["old_logprobs"] if micro[0].old_logprobs is not None else logprobs.detach()
             ref = batch["ref_logprobs"] if micro[0].ref_logprobs is not None else None
@@ -577,6 +586,10 @@ class GRPOModule(L.LightningModule):
                 rollout_logprobs=batch["rollout_logprobs"], entropy=entropy, truncated=batch["truncated"],
                 rollout_is_weights=is_weights, ctx=ctx,
             )
+            if caught is not None:
+                aux = caught.aux_loss(self.policy)
+                loss = loss + self.router_aux * aux.to(loss.device)
+                loss_metrics["aux_loss"] = float(aux)
             if getattr(self.loss_fn, "mask_truncated_completions", False):  # the weight counts the loss's tokens
                 mask = mask & ~batch["truncated"].unsqueeze(1)
             weight = self.loss_fn.micro_batch_weight(mask, ctx)

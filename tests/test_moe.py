@@ -1,0 +1,83 @@
+"""``model.router_aux_loss_coef`` (:mod:`rlflow.moe`): an MoE policy's load-balancing loss, caught from rlflow's
+own log-prob forward, equals transformers' ``aux_loss`` of the same batch; the coefficient defaults to the config's;
+``rlflow fit`` adds ``coef * aux_loss`` to the step's loss (checked against a run without it)."""
+
+from __future__ import annotations
+
+import csv
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import fit_args
+from tiny_archs import tiny_causal_lm
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from rlflow.config_error import ConfigError
+from rlflow.logprobs import completion_logprobs
+from rlflow.moe import collect_router_logits, router_aux_coef
+
+MOE = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+           num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256)
+
+
+def tiny_moe(vocab: int = 64, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", vocab_size=vocab, **MOE))
+
+
+def test_the_caught_aux_loss_is_transformers_own():
+    model = tiny_moe()
+    ids = torch.randint(2, 64, (3, 12), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # a left-padded row: its padding is left out of the expert statistics
+    batch = {"input_ids": ids, "attention_mask": mask, "completion_ids": ids[:, 6:]}
+    with collect_router_logits(model) as caught:
+        completion_logprobs(model, batch)
+    assert model.config.output_router_logits is False  # restored
+    want = model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
+    got = caught.aux_loss(model)
+    torch.testing.assert_close(got, want)
+    assert got.requires_grad  # it trains the routers
+    unmasked = model(input_ids=ids, output_router_logits=True).aux_loss
+    assert not torch.allclose(got, unmasked)  # the mask mattered
+
+
+def test_the_coefficient_defaults_to_the_config_and_is_refused_for_dense_models():
+    model = tiny_moe()
+    assert router_aux_coef(model, None) == model.config.router_aux_loss_coef == 0.001
+    assert router_aux_coef(model, 0.0) == 0.0 and router_aux_coef(model, 0.02) == 0.02
+    dense = tiny_causal_lm("llama")
+    assert router_aux_coef(dense, None) == 0.0
+    with pytest.raises(ConfigError, match="not a mixture-of-experts model"):
+        router_aux_coef(dense, 0.01)
+    with collect_router_logits(dense) as caught:  # nothing to catch: no hook, zero loss
+        dense(torch.tensor([[3, 4, 5]]))
+    assert float(caught.aux_loss(dense)) == 0.0
+
+
+@pytest.mark.slow
+def test_fit_adds_the_weighted_aux_loss(tiny_model, tiny_data, tmp_path):
+    """Two one-step runs from the same seed and weights sample the same rollout, so their first losses differ by
+    exactly ``coef * aux_loss`` (one packed micro-batch)."""
+    from rlflow.cli import cli_main
+
+    moe_dir = tmp_path / "moe"
+    vocab = AutoConfig.from_pretrained(tiny_model).vocab_size
+    tiny_moe(vocab).save_pretrained(moe_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (tiny_model / name).exists():
+            shutil.copy(tiny_model / name, moe_dir / name)
+
+    def first_row(root: Path, coef: str) -> dict[str, str]:
+        args = fit_args(moe_dir, tiny_data, root, f"--model.router_aux_loss_coef={coef}", steps=1)
+        args = [a for a in args if not a.startswith("--model.model_path")] + [f"--model.model_path={moe_dir}"]
+        cli = cli_main(args)
+        return next(r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")) if r.get("loss"))
+
+    with_aux, without = first_row(tmp_path / "a", "0.5"), first_row(tmp_path / "b", "0")
+    aux = float(with_aux["aux_loss"])
+    assert aux > 0 and not without.get("aux_loss")  # coefficient 0: no term, no metric
+    assert float(with_aux["reward"]) == float(without["reward"])  # the same rollout
+    assert float(with_aux["loss"]) - float(without["loss"]) == pytest.approx(0.5 * aux, rel=1e-4, abs=1e-6)
