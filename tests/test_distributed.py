@@ -174,6 +174,18 @@ def _sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> 
             # FSDP averages gradients over the 2 ranks, which computed the same loss: the mean is the plain gradient
             grad_err = max(grad_err, float((full_tensor(p.grad) - q.grad).abs().max()))
         results["grad_err"] = grad_err
+        # GDPO over both ranks' judger rewards: each rank's slice of the one-process answer over all of them
+        from rlflow import registry
+        from rlflow.advantages.base import estimate, estimate_global
+
+        g = torch.Generator().manual_seed(5)
+        comp = torch.rand(16, 2, generator=g).round()  # 0/1 rewards of 2 judgers, 2 ranks x 2 groups of 4
+        comp[3, 1] = float("nan")  # judger 2 gave none
+        weights = torch.tensor([1.0, 0.5])
+        gdpo = registry.build("rlflow.advantages", "gdpo")
+        mine = estimate_global(gdpo, torch.zeros(8), 4, components=(comp[8 * rank: 8 * rank + 8], weights))
+        whole = estimate(gdpo, torch.zeros(16), 4, components=(comp, weights))
+        results["gdpo_err"] = float((mine - whole[8 * rank: 8 * rank + 8]).abs().max())
         # the export gathers full weights on rank 0 only
         full = gather_full_state_dict(sharded)
         results["full_keys"] = len(full)
@@ -201,6 +213,7 @@ def test_sharded_generation_logprobs_grads_and_export_on_two_gloo_ranks(tiny_mod
         assert r["root_resharded_after_no_grad"] and r["no_grad_equal"]
         assert r["logprob_err"] < 1e-5 and r["entropy_err"] < 1e-4
         assert r["grad_err"] < 1e-5
+        assert r["gdpo_err"] < 1e-6  # batch statistics over both ranks' rewards
     assert r0["full_equal"] and r0["full_keys"] > 0
     assert r1["full_keys"] == 0  # full weights are assembled on rank 0 only
 
