@@ -35,7 +35,9 @@ def router_settings(model: Any) -> tuple[int, int, Any] | None:
     load-balancing loss; None for other models."""
     model = _unwrap(model)
     config = getattr(model, "config", None)
-    fn = getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)
+    # the architecture's module (FSDP2's fully_shard makes a subclass defined in torch: look through the MRO)
+    fn = next((f for cls in type(model).__mro__
+               if (f := getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)) is not None), None)
     experts, top_k = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
     if config is None or not hasattr(config, "output_router_logits") or fn is None or not experts or not top_k:
         return None

@@ -44,6 +44,18 @@ def test_the_caught_aux_loss_is_transformers_own():
     assert not torch.allclose(got, unmasked)  # the mask mattered
 
 
+def test_the_aux_loss_is_found_through_a_wrapper_subclass():
+    """FSDP2's ``fully_shard`` swaps the model's class for a subclass defined in torch: the architecture's loss
+    function is still found (through the class's MRO), so a sharded policy keeps its load-balancing loss."""
+    model = tiny_moe()
+    model.__class__ = type("FSDPQwen3MoeForCausalLM", (type(model),), {"__module__": "torch.distributed.fsdp"})
+    ids = torch.randint(2, 64, (2, 9), generator=torch.Generator().manual_seed(2))
+    with collect_router_logits(model) as caught:
+        completion_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                                    "completion_ids": ids[:, 4:]})
+    torch.testing.assert_close(caught.aux_loss(model), model(input_ids=ids, output_router_logits=True).aux_loss)
+
+
 def test_the_coefficient_defaults_to_the_config_and_is_refused_for_dense_models():
     model = tiny_moe()
     assert router_aux_coef(model, None) == model.config.router_aux_loss_coef == 0.001
