@@ -318,7 +318,8 @@ def test_off_policy_sequence_masking_against_trls_formula(name):
                            {"off_policy_mask_threshold": threshold, "kl_coef": 0.05}, call)
         drift = (((d["old"] if sampling is None else sampling) - d["logp"]) * m).sum(-1) / m.sum(-1)
         dropped = (d["adv"] < 0) & (drift > threshold)
-        assert 0 < int(dropped.sum()) < int((d["adv"] < 0).sum()) or sampling is not None
+        if sampling is None:  # the case really drops some negative-advantage completions and keeps others
+            assert 0 < int(dropped.sum()) < int((d["adv"] < 0).sum())
         assert metrics["off_policy_mask/dropped_ratio"] == pytest.approx(dropped.float().mean().item())
     # dropped sequences get no policy gradient; a threshold nothing exceeds changes nothing
     logp = d["logp"].clone().requires_grad_(True)
