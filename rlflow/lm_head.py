@@ -18,6 +18,7 @@ calls this head's float32 product as well.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -30,17 +31,17 @@ class FP32Linear(torch.nn.Linear):
     """An ``nn.Linear`` whose product runs in float32 with autocast off (its output is float32)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with _no_autocast(x.device.type):
+        with no_autocast(x.device.type):
             bias = None if self.bias is None else self.bias.float()
             return torch.nn.functional.linear(x.float(), self.weight.float(), bias)
 
 
-def _no_autocast(device_type: str):
+def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast switched off on ``device_type`` (a no-op where autocast does not exist): products in their inputs'
+    dtype (also used by :mod:`rlflow.logprobs` for its float32 statistics)."""
     if torch.amp.is_autocast_available(device_type):
         return torch.autocast(device_type, enabled=False)
-    from contextlib import nullcontext
-
-    return nullcontext()
+    return contextlib.nullcontext()
 
 
 def is_fp32_head(module: Any) -> bool:

@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from rlflow.lm_head import is_fp32_head
+from rlflow.lm_head import is_fp32_head, no_autocast
 
 
 def _autocast_state(device_type: str) -> tuple[bool, torch.dtype] | None:
@@ -37,7 +37,7 @@ def _autocast(device_type: str, state: tuple[bool, torch.dtype] | None):
 def _entropy(p: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
     """``-sum(p * logp)`` as a batched dot product (no third ``[rows, vocab]`` temporary), in float32 even
     under autocast (which would run einsum in bf16)."""
-    with _autocast(p.device.type, (False, torch.float32) if _autocast_state(p.device.type) else None):
+    with no_autocast(p.device.type):
         return -torch.einsum("...v,...v->...", p, logp)
 
 
@@ -142,8 +142,7 @@ def token_stats_from_hidden(
     if is_fp32_head(lm_head):  # model.cast_lm_head_to_fp32: the product in float32, autocast or not
         flat_h, weight = flat_h.float(), weight.float()
         bias = None if bias is None else bias.float()
-        state = _autocast_state(flat_h.device.type)
-        precision = _autocast(flat_h.device.type, (False, torch.float32) if state else None)
+        precision = no_autocast(flat_h.device.type)
     needs_grad = any(x is not None and x.requires_grad for x in (flat_h, weight, bias))
     with precision:
         if torch.is_grad_enabled() and needs_grad:

@@ -128,6 +128,13 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> Any:
     return wrapper
 
 
+def unwrap_peft(model: Any) -> Any:
+    """The transformers model inside a PEFT ``PeftModel`` (whose attributes resolve one level too deep); any other
+    model as it is."""
+    get_base = getattr(type(model), "get_base_model", None)
+    return model.get_base_model() if get_base is not None and hasattr(model, "peft_config") else model
+
+
 @contextlib.contextmanager
 def adapters_disabled(wrapper: Any) -> Iterator[None]:
     """The base model for the block: ``PeftModel.disable_adapter()`` (the reference of the KL term)."""

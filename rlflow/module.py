@@ -587,7 +587,7 @@ class GRPOModule(L.LightningModule):
                 rollout_is_weights=is_weights, ctx=ctx,
             )
             if caught is not None:
-                aux = caught.aux_loss(self.policy)
+                aux = caught.aux_loss()
                 loss = loss + self.router_aux * aux.to(loss.device)
                 loss_metrics["aux_loss"] = float(aux)
             if getattr(self.loss_fn, "mask_truncated_completions", False):  # the weight counts the loss's tokens

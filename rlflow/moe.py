@@ -23,17 +23,13 @@ from typing import Any
 import torch
 
 from rlflow.config_error import ConfigError
-
-
-def _unwrap(model: Any) -> Any:
-    get_base = getattr(type(model), "get_base_model", None)
-    return model.get_base_model() if get_base is not None and hasattr(model, "peft_config") else model
+from rlflow.lora import unwrap_peft
 
 
 def router_settings(model: Any) -> tuple[int, int, Any] | None:
     """``(num_experts, experts per token, load_balancing_loss_func)`` of an MoE causal LM whose forward adds the
     load-balancing loss; None for other models."""
-    model = _unwrap(model)
+    model = unwrap_peft(model)
     config = getattr(model, "config", None)
     # the architecture's module (FSDP2's fully_shard makes a subclass defined in torch: look through the MRO)
     fn = next((f for cls in type(model).__mro__
@@ -49,24 +45,26 @@ def router_aux_coef(model: Any, coef: float | None) -> float:
     settings = router_settings(model)
     if settings is None:
         if coef:
-            raise ConfigError(f"model.router_aux_loss_coef={coef}, but {type(_unwrap(model)).__name__} is not a "
+            raise ConfigError(f"model.router_aux_loss_coef={coef}, but {type(unwrap_peft(model)).__name__} is not a "
                               "mixture-of-experts model with router logits: leave it unset (null) or 0")
         return 0.0
-    return float(_unwrap(model).config.router_aux_loss_coef if coef is None else coef)
+    return float(unwrap_peft(model).config.router_aux_loss_coef if coef is None else coef)
 
 
 class RouterLogits:
-    """What :func:`collect_router_logits` caught: the router logits and attention mask of the last base forward."""
+    """What :func:`collect_router_logits` caught: the router logits and attention mask of the last base forward,
+    with the model's :func:`router_settings`."""
 
-    logits: tuple[torch.Tensor, ...] | None = None
-    attention_mask: torch.Tensor | None = None
+    def __init__(self, settings: tuple[int, int, Any] | None) -> None:
+        self.settings = settings
+        self.logits: tuple[torch.Tensor, ...] | None = None
+        self.attention_mask: torch.Tensor | None = None
 
-    def aux_loss(self, model: Any) -> torch.Tensor:
+    def aux_loss(self) -> torch.Tensor:
         """The architecture's load-balancing loss of the caught forward (0 if nothing was caught)."""
-        settings = router_settings(model)
-        if settings is None or not self.logits:
+        if self.settings is None or not self.logits:
             return torch.zeros(())
-        experts, top_k, fn = settings
+        experts, top_k, fn = self.settings
         mask = self.attention_mask if self.attention_mask is not None and self.attention_mask.dim() == 2 else None
         return fn(self.logits, experts, top_k, mask)
 
@@ -74,10 +72,10 @@ class RouterLogits:
 @contextlib.contextmanager
 def collect_router_logits(model: Any) -> Iterator[RouterLogits]:
     """While inside, the model's decoder returns its router logits and the last forward's are caught."""
-    inner = _unwrap(model)
+    inner = unwrap_peft(model)
     base = getattr(inner, getattr(inner, "base_model_prefix", ""), None)
-    caught = RouterLogits()
-    if base is None or router_settings(model) is None:
+    caught = RouterLogits(router_settings(model) if base is not None else None)
+    if caught.settings is None:
         yield caught
         return
 

@@ -37,7 +37,7 @@ def test_the_caught_aux_loss_is_transformers_own():
         completion_logprobs(model, batch)
     assert model.config.output_router_logits is False  # restored
     want = model(input_ids=ids, attention_mask=mask, output_router_logits=True).aux_loss
-    got = caught.aux_loss(model)
+    got = caught.aux_loss()
     torch.testing.assert_close(got, want)
     assert got.requires_grad  # it trains the routers
     unmasked = model(input_ids=ids, output_router_logits=True).aux_loss
@@ -53,7 +53,7 @@ def test_the_aux_loss_is_found_through_a_wrapper_subclass():
     with collect_router_logits(model) as caught:
         completion_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
                                     "completion_ids": ids[:, 4:]})
-    torch.testing.assert_close(caught.aux_loss(model), model(input_ids=ids, output_router_logits=True).aux_loss)
+    torch.testing.assert_close(caught.aux_loss(), model(input_ids=ids, output_router_logits=True).aux_loss)
 
 
 def test_the_coefficient_defaults_to_the_config_and_is_refused_for_dense_models():
@@ -66,7 +66,7 @@ def test_the_coefficient_defaults_to_the_config_and_is_refused_for_dense_models(
         router_aux_coef(dense, 0.01)
     with collect_router_logits(dense) as caught:  # nothing to catch: no hook, zero loss
         dense(torch.tensor([[3, 4, 5]]))
-    assert float(caught.aux_loss(dense)) == 0.0
+    assert float(caught.aux_loss()) == 0.0
 
 
 @pytest.mark.slow

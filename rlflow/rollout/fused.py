@@ -42,19 +42,13 @@ import torch
 import torch.nn.functional as F
 
 from rlflow.lm_head import is_fp32_head
-from rlflow.lora import fold_problem, linear_weights
+from rlflow.lora import fold_problem, linear_weights, unwrap_peft
 from rlflow.rollout.prepack import PackedWeight, packable
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")  # frequencies that do not depend on the sequence length
-
-
-def _unwrap(model: Any) -> Any:
-    """The transformers model inside a PEFT ``PeftModel`` (whose attributes resolve one level too deep)."""
-    get_base = getattr(type(model), "get_base_model", None)
-    return model.get_base_model() if get_base is not None and hasattr(model, "peft_config") else model
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -187,7 +181,7 @@ class FusedDecoder:
         reason = self.unsupported_reason(model)
         if reason:
             raise ValueError(f"FusedDecoder: {reason}")
-        model = _unwrap(model)
+        model = unwrap_peft(model)
         config, inner = model.config, model.model
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -243,7 +237,7 @@ class FusedDecoder:
     @staticmethod
     def unsupported_reason(model: Any) -> str | None:
         """Why ``model`` cannot be decoded by this class, or None when it can."""
-        model = _unwrap(model)
+        model = unwrap_peft(model)
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
             return f"model type {model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
