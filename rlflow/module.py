@@ -99,7 +99,7 @@ def emulated_bf16(precision: str, device: torch.device) -> str | None:
     """Why ``trainer.precision`` costs time on ``device``, or None: bf16 compute on a CPU that multiplies bf16 in
     software (neither AMX nor AVX512-BF16; a 1024^3 bf16 product ran 4.2x slower than float32 on such a Xeon),
     where a recipe written for one that has them (``configs/smollm2_gsm8k_cpu.yaml``) is better run in 32-true."""
-    from rlflow.rollout.engine import native_bf16
+    from rlflow.rollout.hardware import native_bf16
 
     if not precision.startswith("bf16") or device.type != "cpu" or native_bf16(device):
         return None

@@ -1,6 +1,6 @@
 """The sampler's reused buffers (:mod:`rlflow.rollout.buffers`).
 
-What is checked: :func:`~rlflow.rollout.engine.sample_tokens` with buffers returns exactly the tokens and
+What is checked: :func:`~rlflow.rollout.sampling.sample_tokens` with buffers returns exactly the tokens and
 log-probs it returns without them (float32 and bfloat16 logits; temperature, top-k, top-p, greedy), step after
 step on one set of buffers while the row count shrinks and grows; a buffer is one block of memory reused, not
 allocated anew per call.
@@ -13,7 +13,7 @@ import torch
 
 from rlflow.rollout.base import SamplingParams
 from rlflow.rollout.buffers import VocabBuffers
-from rlflow.rollout.engine import sample_tokens
+from rlflow.rollout.sampling import sample_tokens
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -14,8 +14,9 @@ from multiturn_helpers import tiny_model
 
 from rlflow.rollout.base import SamplingParams
 from rlflow.rollout.draws import RowDraws, stream_key, uniforms
-from rlflow.rollout.engine import EngineRollout, sample_tokens
+from rlflow.rollout.engine import EngineRollout
 from rlflow.rollout.requests import DecodeRequest, ListSource
+from rlflow.rollout.sampling import sample_tokens
 
 # splitmix64 seeded with 1234567: its first five outputs (Rosetta Code, "Pseudo-random numbers/Splitmix64")
 SPLITMIX_1234567 = [6457827717110365317, 3203168211198807973, 9817491932198370423, 4593380528125082431,

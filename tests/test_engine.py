@@ -10,7 +10,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from rlflow import registry
 from rlflow.rollout.base import SamplingParams
-from rlflow.rollout.engine import DecodeState, EngineRollout, cache_kwargs, common_prefix_len
+from rlflow.rollout.decode_state import DecodeState
+from rlflow.rollout.engine import EngineRollout, cache_kwargs, common_prefix_len
 from rlflow.rollout.fused import FusedDecoder
 from rlflow.rollout.hf import HFRollout
 
@@ -322,21 +323,3 @@ def test_a_head_common_to_every_prompt_is_prefilled_once(model, tokenizer, monke
     monkeypatch.setattr(off, "_prefill_head", lambda h, d: heads.append(len(h)) or original_head(h, d))
     off.generate(prompts, SamplingParams(1.0, max_tokens=3), n=2)
     assert heads == []
-
-
-@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.1), (20, 1.0, 0.05), (0, 0.8, 0.2), (30, 0.9, 0.02)])
-def test_truncation_keeps_what_transformers_warpers_keep(top_k, top_p, min_p):
-    """The engine's top-k -> top-p -> min-p against transformers' own warpers, in generate's order."""
-    from transformers import LogitsProcessorList, MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-
-    from rlflow.rollout.engine import truncate
-
-    torch.manual_seed(0)
-    logits = torch.randn(64, 1000) * 3.0
-    warpers = LogitsProcessorList(
-        ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])
-        + [MinPLogitsWarper(min_p)])
-    theirs = torch.isinf(warpers(None, logits.clone()))
-    ours = torch.isinf(truncate(torch.log_softmax(logits, -1), SamplingParams(1.0, top_p, top_k, min_p=min_p)))
-    assert ours.any(dim=-1).all() and (~ours).sum(dim=-1).min() >= 1  # every row drops some, keeps some
-    assert torch.equal(ours, theirs)

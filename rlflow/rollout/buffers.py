@@ -1,7 +1,7 @@
-"""Reused ``[rows, vocabulary]`` buffers for the engine's sampler (:func:`rlflow.rollout.engine.sample_tokens`).
+"""Reused ``[rows, vocabulary]`` buffers for the engine's sampler (:func:`rlflow.rollout.sampling.sample_tokens`).
 
 Why: every decode step turns the logits into float32 logits (of a 16-bit head), log-probs, probabilities and
-their float64 copy (:func:`~rlflow.rollout.engine.inverse_cdf`), each a fresh ``[rows, vocabulary]`` tensor (~6-13
+their float64 copy (:func:`~rlflow.rollout.sampling.inverse_cdf`), each a fresh ``[rows, vocabulary]`` tensor (~6-13
 MB at 32 rows of a 49k vocabulary). Blocks that large come from the C
 allocator's ``mmap``, so every step page-faults them in and unmaps them again; on SmolLM2-135M that is several
 milliseconds of a ~70 ms bfloat16 decode step. Writing the same kernels' results into buffers kept for the

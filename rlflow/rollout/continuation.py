@@ -65,7 +65,7 @@ class SessionCache:
 
 
 def row_caches(state: Any, group: int, fed: list[int]) -> list[Cache]:
-    """The caches of the rows of ``group`` of a :class:`~rlflow.rollout.engine.DecodeState`: row ``s``'s are its
+    """The caches of the rows of ``group`` of a :class:`~rlflow.rollout.decode_state.DecodeState`: row ``s``'s are its
     prompt's real columns, then its first ``fed[s]`` generated-token slots (token-major: column
     ``prompt_width + t * n + s``). One gather per layer for the whole group; each row's cache is a view of it."""
     prompt_cols = torch.nonzero(torch.isfinite(state.prompt_bias[group])).squeeze(1)

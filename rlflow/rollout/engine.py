@@ -8,7 +8,8 @@ every token, keeps finished rows in the batch until the longest one ends, and pa
 * prefills each *distinct* prompt once and keeps one cache per group: its prompt's keys/values followed by the
   ``n`` rows' generated tokens (token-major), so a decode step's attention is one matrix product of the group's
   queries with its cache under a mask built when the group joins, one softmax and one product with the values
-  ("cascade" sharing of the prompt: it is read once per group, not once per completion);
+  ("cascade" sharing of the prompt: it is read once per group, not once per completion;
+  :mod:`rlflow.rollout.decode_state`);
 * runs continuous batching by groups: a finished sequence stops at once, a group's cache is freed when its last
   sequence ends (compaction is lazy and by whole groups, so the batch stays whole groups in order), and waiting
   prompts are prefilled and join the running batch as soon as there is room (``max_batch_size`` sequences);
@@ -23,11 +24,11 @@ every token, keeps finished rows in the batch until the longest one ends, and pa
   Xeons, tensor cores on GPUs). The behaviour log-probs are then the bf16 model's. The fused decoder (its weight
   copies, in whatever dtype) is kept across rollout calls while every parameter keeps its storage, in-place
   version counter and LoRA switches, and dropped by :meth:`EngineRollout.sync_weights` after an optimizer step;
-* samples with temperature / top-k / top-p and returns ``log_softmax(logits / temperature)`` of each taken token
-  (before truncation, as :class:`~rlflow.rollout.base.Completion` specifies), stopping exactly at the first stop
-  token (kept) or at ``max_tokens``; each row's uniform for its ``t``-th token is a pure function of the row's
-  stream key and ``t`` (:mod:`rlflow.rollout.draws`), so a row samples the same tokens whatever rows share its
-  batch and whenever it was admitted;
+* samples (:mod:`rlflow.rollout.sampling`) with temperature / top-k / top-p and returns ``log_softmax(logits /
+  temperature)`` of each taken token (before truncation, as :class:`~rlflow.rollout.base.Completion` specifies),
+  stopping exactly at the first stop token (kept) or at ``max_tokens``; each row's uniform for its ``t``-th token is a
+  pure function of the row's stream key and ``t`` (:mod:`rlflow.rollout.draws`), so a row samples the same tokens
+  whatever rows share its batch and whenever it was admitted;
 * yields each prompt's group as soon as its last completion finishes (:meth:`EngineRollout.stream`), so
   judging can overlap with the rest of the generation.
 * inside :meth:`EngineRollout.keep_caches` (multi-turn rollouts) keeps each finished row's cache and continues
@@ -52,7 +53,6 @@ model (:mod:`rlflow.rollout.engine_support`).
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -61,19 +61,19 @@ from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, DynamicCache
+from transformers import DynamicCache
 
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams, UnsupportedModelError
 from rlflow.rollout.buffers import VocabBuffers
 from rlflow.rollout.continuation import SessionCache, merge_prefills, prefill_on_caches, row_caches
+from rlflow.rollout.decode_state import ATTENTION_NAME, DecodeState, LaneStates
 from rlflow.rollout.draws import CallKeys, RowDraws
 from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder
 from rlflow.rollout.hardware import native_bf16
-from rlflow.rollout.penalty import mark_seen, penalize, seen_tokens
+from rlflow.rollout.penalty import mark_seen, seen_tokens
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource
-
-ATTENTION_NAME = "rlflow_shared_prefix"
+from rlflow.rollout.sampling import sample_tokens
 
 
 @dataclass
@@ -87,273 +87,6 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     alive: bool = True
     versions: list[int] = field(default_factory=list)  # the policy version of each token (when the engine has one)
-
-
-class DecodeState:
-    """The KV cache of a decode batch: one cache per group holding its prompt and its rows' generated tokens.
-
-    It stands in for transformers' ``Cache`` during decode steps (the model calls :meth:`update`) and is passed
-    down to the attention function as ``rlflow_decode_state``, so :func:`shared_prefix_attention` finds everything
-    it needs in one object.
-
-    The batch is whole groups in order (row ``g * n + s`` is sample ``s`` of group ``g``; rows leave by whole
-    groups). Layout, per layer: ``k/v[layer]`` ``[groups, kv_heads, prompt_width + n * capacity, head_dim]``.
-    Columns ``[0, prompt_width)`` hold the group's prompt: the rollout-wide head (``head``, keys/values
-    ``[kv_heads, head_len, head_dim]`` per layer, prefilled once and copied in front of each group's own tokens
-    when the group joins), then the group's padded rest. Column ``prompt_width + t * n + s`` holds row ``s``'s
-    ``t``-th generated token, so the first ``t`` tokens of every row are one contiguous slice and ``capacity``
-    grows by appending. ``bias`` ``[groups, n, columns]`` is 0 where a row may look (the group's real prompt
-    tokens, its own generated slots) and -inf elsewhere, so one matrix product of a group's ``n * rep`` queries
-    with its cache, one softmax and one product with the values make the whole decode attention.
-
-    While every group has fed the same number of tokens (``fed``; the groups admitted together, the usual case)
-    a step writes one slice and needs no mask beyond ``bias``. Groups that join later switch the state to
-    per-group lengths (``group_len``) and a per-step mask of the slots not written yet; compaction that leaves
-    groups of one length switches back. Finished rows of a live group keep decoding into their own slots, which
-    nobody else reads.
-    """
-
-    def __init__(
-        self, n: int, max_tokens: int, head: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-    ) -> None:
-        self.n = n
-        self.head_k, self.head_v = head if head is not None else (None, None)
-        self.max_tokens = max_tokens
-        self.capacity = min(max_tokens, 32)  # generated-token slots per row; grows (doubling) up to max_tokens
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        self.prompt_width = 0
-        self.prompt_bias: torch.Tensor | None = None  # [groups, prompt_width]
-        self.bias: torch.Tensor | None = None  # [groups, n, prompt_width + n * capacity]
-        self.fed: int | None = 0  # tokens fed by every group when all agree (uniform mode), else None
-        self.group_len: torch.Tensor | None = None  # per-group tokens fed (per-group mode only)
-        self.group_prompt: list[int] = []  # prompt index of each group
-        self.step_bias: torch.Tensor | None = None
-        self.step_width = 0
-
-    @property
-    def num_groups(self) -> int:
-        return len(self.group_prompt)
-
-    # -------------------------------------------------------------------- transformers' cache protocol
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Write the step's key/value (``[rows, kv_heads, 1, dim]``) in each row's next generated-token slot."""
-        self.write(layer_idx, key_states[:, :, 0], value_states[:, :, 0])
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        fed = self.fed if self.fed is not None else int(self.group_len.max())
-        return self.prompt_width + fed
-
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        """Store the step's ``key``/``value`` (``[rows, kv_heads, dim]``) in each row's next generated-token slot."""
-        groups, n = self.num_groups, self.n
-        key, value = (t.view(groups, n, *t.shape[1:]).transpose(1, 2) for t in (key, value))  # [groups, kv, n, dim]
-        if self.fed is not None:
-            start = self.prompt_width + self.fed * n
-            self.k[layer][:, :, start: start + n] = key
-            self.v[layer][:, :, start: start + n] = value
-        else:
-            cols = self.prompt_width + self.group_len[:, None] * n + torch.arange(n, device=key.device)  # [groups, n]
-            g = torch.arange(groups, device=key.device)[:, None]
-            self.k[layer][g, :, cols] = key.transpose(1, 2)
-            self.v[layer][g, :, cols] = value.transpose(1, 2)
-
-    # ------------------------------------------------------------------------------- batch bookkeeping
-    def _suffix_bias(self, groups: int, device: torch.device) -> torch.Tensor:
-        """``[groups, n, n * capacity]``: row ``s`` sees the generated-token columns ``t * n + s``."""
-        cols = torch.arange(self.n * self.capacity, device=device)
-        own = (cols[None, :] % self.n) == torch.arange(self.n, device=device)[:, None]
-        bias = torch.zeros(own.shape, dtype=self.prompt_bias.dtype, device=device).masked_fill(~own, float("-inf"))
-        return bias.expand(groups, -1, -1)
-
-    def _rebuild_bias(self) -> None:
-        groups, device = self.num_groups, self.prompt_bias.device
-        prompt = self.prompt_bias[:, None, :].expand(-1, self.n, -1)
-        self.bias = torch.cat([prompt, self._suffix_bias(groups, device)], dim=2).contiguous()
-
-    def _group_cache(
-        self, head: torch.Tensor | None, rest: torch.Tensor, width: int, zero_generated: bool
-    ) -> torch.Tensor:
-        """One layer's cache of new groups: ``head`` (``[kv, head_len, d]``) and ``rest`` (``[g, kv, w, d]``) in the
-        prompt region of ``width`` columns, zeros after them (masked, but finite). The generated region is zeroed
-        only for groups that join behind running ones (their unwritten slots are read, masked); otherwise every
-        slot a step reads was written by that step or an earlier one."""
-        groups, kv_heads, w, dim = rest.shape
-        h = 0 if head is None else head.shape[1]
-        cache = rest.new_empty((groups, kv_heads, width + self.n * self.capacity, dim))
-        if h:
-            cache[:, :, :h] = head
-        cache[:, :, h: h + w] = rest
-        cache[:, :, h + w: None if zero_generated else width].zero_()
-        return cache
-
-    def add_groups(
-        self, prompt_ids: list[int], keys: list[torch.Tensor], values: list[torch.Tensor], mask: torch.Tensor
-    ) -> None:
-        """Add prefilled groups: per-layer ``[groups, kv_heads, width, dim]`` caches (of the prompts after the
-        rollout-wide head, if any) and their 2D ``mask``."""
-        g_new = len(prompt_ids)
-        device = keys[0].device
-        if self.head_k is not None:
-            mask = torch.cat([mask.new_ones((g_new, self.head_k[0].shape[1])), mask], dim=1)
-        width = max(self.prompt_width, mask.shape[1])
-        bias = torch.zeros((g_new, width), dtype=keys[0].dtype, device=device)
-        bias[:, : mask.shape[1]].masked_fill_(mask == 0, float("-inf"))
-        bias[:, mask.shape[1]:] = float("-inf")
-        heads_k = self.head_k if self.head_k is not None else [None] * len(keys)
-        heads_v = self.head_v if self.head_v is not None else [None] * len(values)
-        behind = self.prompt_bias is not None and self.fed != 0  # joining groups that have already decoded
-        new_k = [self._group_cache(h, k, width, behind) for h, k in zip(heads_k, keys)]
-        new_v = [self._group_cache(h, v, width, behind) for h, v in zip(heads_v, values)]
-        if self.prompt_bias is None:
-            self.k, self.v, self.prompt_bias = new_k, new_v, bias
-            self.fed, self.group_len = 0, None
-        else:
-            old = self.prompt_width
-
-            def widen(t: torch.Tensor) -> torch.Tensor:  # a longer prompt joined: more prompt columns
-                if old == width:
-                    return t
-                pad = t.new_zeros(t.shape[:2] + (width - old, t.shape[3]))
-                return torch.cat([t[:, :, :old], pad, t[:, :, old:]], dim=2)
-
-            self.k = [torch.cat([widen(a), b]) for a, b in zip(self.k, new_k)]
-            self.v = [torch.cat([widen(a), b]) for a, b in zip(self.v, new_v)]
-            self.prompt_bias = torch.cat([
-                torch.nn.functional.pad(self.prompt_bias, (0, width - old), value=float("-inf")), bias])
-            if self.fed != 0:  # the new groups start behind the running ones: per-group lengths from now on
-                lens = self.group_len if self.fed is None else torch.full((self.num_groups,), self.fed, device=device)
-                self.group_len, self.fed = torch.cat([lens, lens.new_zeros(g_new)]), None
-        self.prompt_width = width
-        self.group_prompt.extend(prompt_ids)
-        self._rebuild_bias()
-
-    def keep_rows(self, keep: torch.Tensor) -> None:
-        """Keep rows ``keep`` (in order), which must be whole groups; free the caches of the other groups."""
-        n = self.n
-        rows = keep.view(-1, n) if keep.numel() % n == 0 else None
-        whole = rows is not None and torch.equal(rows, rows[:, :1] + torch.arange(n, device=keep.device))
-        if not whole or bool((rows[:, 0] % n).any()):
-            raise ValueError(f"DecodeState.keep_rows keeps whole groups of {n} rows in order; got rows {keep.tolist()}")
-        live = rows[:, 0] // n
-        self.k = [t[live] for t in self.k]
-        self.v = [t[live] for t in self.v]
-        self.prompt_bias = self.prompt_bias[live]
-        self.bias = self.bias[live]
-        self.group_prompt = [self.group_prompt[g] for g in live.tolist()]
-        if self.fed is None:
-            self.group_len = self.group_len[live]
-            if self.group_len.numel() and int(self.group_len.min()) == int(self.group_len.max()):
-                self.fed, self.group_len = int(self.group_len[0]), None  # one length again: uniform mode
-
-    def begin_step(self) -> None:
-        """Size the step's view of the caches (the groups' fed tokens plus the one fed now) and, with per-group
-        lengths, mask the slots a group has not written yet."""
-        fed = self.fed if self.fed is not None else int(self.group_len.max())
-        if fed + 1 > self.capacity:  # grow the generated-token region (appended: token-major columns)
-            grow = min(self.max_tokens, max(fed + 1, 2 * self.capacity)) - self.capacity
-            self.k = [torch.nn.functional.pad(t, (0, 0, 0, grow * self.n)) for t in self.k]
-            self.v = [torch.nn.functional.pad(t, (0, 0, 0, grow * self.n)) for t in self.v]
-            self.capacity += grow
-            self._rebuild_bias()
-        self.step_width = self.prompt_width + (fed + 1) * self.n
-        if self.fed is not None:
-            self.step_bias = None
-            return
-        slot = torch.arange(self.step_width - self.prompt_width, device=self.group_len.device) // self.n
-        unwritten = torch.nn.functional.pad(slot[None, :] > self.group_len[:, None], (self.prompt_width, 0))
-        self.step_bias = torch.zeros(unwritten.shape, dtype=self.bias.dtype, device=unwritten.device).masked_fill(
-            unwritten, float("-inf"))
-
-    def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
-        return attend_cached(self, layer, query, scaling)
-
-    def end_step(self) -> None:
-        if self.fed is not None:
-            self.fed += 1
-        else:  # a group with no live row left (not compacted yet) rewrites its last slot
-            self.group_len = (self.group_len + 1).clamp(max=self.max_tokens - 1)
-
-
-def shared_prefix_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: Any, scaling: float | None = None, rlflow_decode_state: Any = None,
-                            **kwargs: Any):
-    """Decode-step attention over a group's shared prompt cache plus each row's own generated tokens.
-
-    ``query`` is ``[rows, heads, 1, dim]``; the :class:`DecodeState` comes as the ``rlflow_decode_state`` keyword
-    argument (the model's forward passes extra keyword arguments down to its attention function; the attention
-    mask is not used for it, because many models rebuild their mask instead of passing a given one through).
-    Returns ``([rows, 1, heads, dim], None)`` as transformers' attention functions do.
-    """
-    return rlflow_decode_state.attend(module.layer_idx, query, scaling), None
-
-
-def attend_cached(state: DecodeState, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
-    """The maths of :func:`shared_prefix_attention`: ``query`` ``[rows, heads, 1, dim]`` -> ``[rows, 1, heads, dim]``.
-
-    A group's ``n * rep`` queries (``rep`` query heads per key/value head) against its one cache (prompt and
-    generated tokens) in one matrix product, masked by the state's bias, one softmax, one product with values.
-    """
-    rows, heads, _, dim = query.shape
-    cache_k, cache_v = state.k[layer], state.v[layer]
-    groups, kv_heads, _, _ = cache_k.shape
-    rep, n, width = heads // kv_heads, state.n, state.step_width
-    scale = dim ** -0.5 if scaling is None else scaling
-    q = query.reshape(groups, n, kv_heads, rep, dim).transpose(1, 2).reshape(groups, kv_heads, n * rep, dim)
-    keys, values = cache_k[:, :, :width], cache_v[:, :, :width]
-    if cache_k.dtype != torch.float32:  # half-precision caches: one fused kernel (float32 accumulation inside)
-        bias = state.bias[:, None, :, None, :width].expand(groups, 1, n, rep, width).reshape(groups, 1, n * rep, width)
-        if state.step_bias is not None:
-            bias = bias + state.step_bias[:, None, None, :]
-        out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=bias.to(keys.dtype), scale=scale)
-        return out.view(groups, kv_heads, n, rep, dim).transpose(1, 2).reshape(rows, 1, heads, dim).to(query.dtype)
-    if scale != 1.0:
-        q = q * scale
-    scores = torch.matmul(q, keys.transpose(-1, -2))  # [groups, kv, n * rep, width]
-    scores.view(groups, kv_heads, n, rep, width).add_(state.bias[:, None, :, None, :width].float())
-    if state.step_bias is not None:
-        scores.add_(state.step_bias[:, None, None, :].float())
-    out = torch.matmul(torch.softmax(scores, dim=-1), values)  # [groups, kv, n * rep, dim]
-    return out.view(groups, kv_heads, n, rep, dim).transpose(1, 2).reshape(rows, 1, heads, dim).to(query.dtype)
-
-
-AttentionInterface.register(ATTENTION_NAME, shared_prefix_attention)
-
-
-class LaneStates:
-    """Several :class:`DecodeState` s decoded in one forward: their rows one after the other.
-
-    Why: a state holds groups of one size ``n`` (and one shared head); a multi-turn rollout decodes its first turn's
-    groups of ``n`` next to trajectories' later turns (groups of one, continued from kept caches) in the same
-    steps. Each layer's step keys/values and queries are split by rows, each state attends its own rows."""
-
-    def __init__(self, states: list[DecodeState]) -> None:
-        self.states = states
-        self.sizes = [s.num_groups * s.n for s in states]
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.write(layer_idx, key_states[:, :, 0], value_states[:, :, 0])
-        return key_states, value_states
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(s.get_seq_length(layer_idx) for s in self.states)
-
-    def write(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
-        for state, k, v in zip(self.states, key.split(self.sizes), value.split(self.sizes)):
-            state.write(layer, k, v)
-
-    def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
-        return torch.cat([attend_cached(state, layer, q, scaling)
-                          for state, q in zip(self.states, query.split(self.sizes))])
-
-    def begin_step(self) -> None:
-        for state in self.states:
-            state.begin_step()
-
-    def end_step(self) -> None:
-        for state in self.states:
-            state.end_step()
 
 
 @dataclass
@@ -390,110 +123,6 @@ def common_prefix_len(prompts: list[list[int]]) -> int:
     for other in prompts[1:]:
         n = next((i for i in range(n) if other[i] != first[i]), n)
     return n
-
-
-def sample_tokens(
-    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-    uniform: torch.Tensor | None = None, buffers: VocabBuffers | None = None, seen: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of ``logits`` (``[rows, vocab]``); return ``(tokens, logprobs)``.
-
-    The log-probs are ``log_softmax(logits / temperature)`` of the taken tokens (temperature 1 when greedy),
-    with the repetition penalty applied first to the tokens ``seen`` (``[rows, vocab]`` bool; ignored when the
-    penalty is 1) and before top-k/top-p/min-p truncation; sampling itself draws from the truncated, renormalised
-    distribution (top-k keeps ties with the k-th value; top-p keeps the smallest set of best tokens whose mass
-    reaches ``top_p``; min-p then keeps the tokens of probability at least ``min_p`` times the best one's, as
-    transformers' warpers do, in their order). ``uniform`` (``[rows]`` float64 in ``[0, 1)``, e.g. the engine's
-    counter-based draws of :mod:`rlflow.rollout.draws`) gives each row's uniform; without it they are drawn from
-    ``generator`` (torch's global one when None). ``buffers`` (the engine's, per serve call) holds the
-    ``[rows, vocab]`` intermediates (:mod:`rlflow.rollout.buffers`: the same values, without allocating them anew
-    every step).
-    """
-    if buffers is not None and logits.dtype != torch.float32:
-        logits = buffers.get("logits", logits, torch.float32).copy_(logits)
-    logits = logits.float()
-    if seen is not None and params.repetition_penalty != 1.0:
-        logits = penalize(logits, seen, params.repetition_penalty)
-    temperature = params.temperature if not params.greedy else 1.0
-    scaled = logits / temperature if temperature != 1.0 else logits
-    if buffers is None:
-        logp = torch.log_softmax(scaled, dim=-1)
-    else:  # log_softmax's own kernel, into the buffer
-        logp = torch.ops.aten._log_softmax.out(scaled, -1, False, out=buffers.get("logp", scaled))
-    if params.greedy:
-        tokens = logits.argmax(dim=-1)
-    else:
-        filtered = truncate(logp, params)
-        # inverse-CDF sampling: one uniform per row (multinomial draws one exponential per vocabulary entry)
-        probs = filtered.exp() if buffers is None else torch.exp(filtered, out=buffers.get("probs", filtered))
-        if uniform is None:
-            uniform = torch.rand((probs.shape[0], 1), generator=generator, device=probs.device, dtype=torch.float64)
-        else:
-            uniform = uniform.to(device=probs.device, dtype=torch.float64).view(-1, 1)
-        tokens = inverse_cdf(probs, uniform, buffers)
-    return tokens, logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def truncate(logp: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """``logp`` (``[rows, vocab]`` log-probs) with the tokens that top-k, top-p and min-p drop set to ``-inf``, in
-    transformers' warper order: top-k keeps ties with the k-th value; top-p keeps the smallest set of best tokens
-    whose mass (renormalised after top-k) reaches ``top_p``; min-p keeps the tokens whose probability is at least
-    ``min_p`` times the best one's. ``logp`` itself where none applies."""
-    filtered = logp
-    if params.top_k and params.top_k < filtered.shape[-1]:
-        kth = torch.topk(filtered, params.top_k, dim=-1).values[:, -1:]
-        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_lp, order = torch.sort(filtered, dim=-1, descending=True)
-        probs = sorted_lp.softmax(dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # mass of the strictly better tokens
-        drop = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before >= params.top_p)
-        filtered = filtered.masked_fill(drop, float("-inf"))
-    if params.min_p > 0.0:  # p < min_p * p_max, i.e. log p < log p_max + log min_p (normalisation cancels)
-        floor = filtered.amax(dim=-1, keepdim=True) + math.log(params.min_p)
-        filtered = filtered.masked_fill(filtered < floor, float("-inf"))
-    return filtered
-
-
-CDF_BLOCK = 256  # vocabulary entries per block of the two-level CDF
-
-
-def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor, buffers: VocabBuffers | None = None) -> torch.Tensor:
-    """Per row of ``probs`` (``[rows, vocab]``, unnormalised, >= 0, some positive), the first index whose CDF (in
-    float64, so that the tail of a large vocabulary keeps its mass) reaches ``u = (1 - uniform) * total``;
-    ``uniform`` is ``[rows, 1]`` float64 in ``[0, 1)``, so ``u`` is in ``(0, total]`` and the index found has
-    positive mass (a token of zero mass repeats the CDF before it).
-
-    A vocabulary over ``4 * CDF_BLOCK`` entries takes two levels: float64 sums of blocks of :data:`CDF_BLOCK`
-    entries, their cumulative sum (which block ``u`` falls in), then the cumulative sum of that one block, instead
-    of a sequential float64 scan of the whole vocabulary (~3x less time and memory traffic on a 49k vocabulary).
-    The block sums add in another order than the scan, so a boundary of the CDF moves by float64 rounding
-    (~1e-16 relative): the token differs from the whole scan's only when ``u`` lands within that distance of a
-    boundary, or for ``uniform`` exactly 0 (``u`` the total, where tokens whose mass is below the total's last
-    bit leave either CDF flat at different places): probabilities of ~1e-13 and 2**-53 per draw. Where rounding
-    leaves ``u`` just past the chosen block's own scan, the block's last token of positive mass is taken.
-    ``buffers`` holds the float64 copy of ``probs`` the block sums read (allocated per call without it).
-    """
-    rows, vocab = probs.shape
-    if vocab <= 4 * CDF_BLOCK:
-        cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)
-        return torch.searchsorted(cdf, (1.0 - uniform) * cdf[:, -1:]).squeeze(-1)
-    block, full = CDF_BLOCK, vocab // CDF_BLOCK
-    wide = probs.double() if buffers is None else buffers.get("probs64", probs, torch.float64).copy_(probs)
-    sums = wide[:, : full * block].reshape(rows, full, block).sum(-1)
-    if full * block < vocab:
-        sums = torch.cat([sums, wide[:, full * block:].sum(-1, keepdim=True)], dim=1)
-    cum = sums.cumsum_(-1)  # [rows, blocks]
-    u = (1.0 - uniform) * cum[:, -1:]
-    b = torch.searchsorted(cum, u).clamp_(max=cum.shape[1] - 1)  # the block u falls in (it has positive mass)
-    start = cum.gather(1, (b - 1).clamp(min=0)).masked_fill_(b == 0, 0.0)  # the CDF before that block
-    offsets = torch.arange(block, device=probs.device)
-    cols = b * block + offsets  # [rows, block]
-    mass = probs.gather(1, cols.clamp(max=vocab - 1)).masked_fill_(cols >= vocab, 0.0)
-    inner = mass.to(torch.float64).cumsum_(-1).add_(start)
-    j = torch.searchsorted(inner, u).clamp_(max=block - 1)
-    last_positive = torch.where(mass > 0, offsets, -1).cummax(-1).values  # guard: j of zero mass -> the one before
-    return (b * block + last_positive.gather(1, j)).squeeze(-1)
 
 
 class EngineRollout(CallKeys, RolloutBackend):

@@ -2,7 +2,7 @@
 
 Why a probe: the engine's fused forward (:mod:`rlflow.rollout.fused`) covers Qwen2/Qwen3/Llama-style models, and
 every other model is decoded through its own forward with the engine's attention function and cache
-(:func:`rlflow.rollout.engine.shared_prefix_attention`). Whether an architecture's forward honours that protocol
+(:func:`rlflow.rollout.decode_state.shared_prefix_attention`). Whether an architecture's forward honours that protocol
 (attention through transformers' attention interface, extra keyword arguments passed down to it,
 ``cache.update(k, v, layer_idx)`` on the cache it is given) cannot be read from its config, so the engine decodes
 two tiny prompts greedily (through the very path :meth:`EngineRollout.stream` will take) and checks each taken

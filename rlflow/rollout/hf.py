@@ -7,7 +7,7 @@ logits tensor is never built.
 
 Sampling uses rlflow's per-row counter-based draws (:mod:`rlflow.rollout.draws`), not ``generate``'s own sampler:
 :class:`RowDrawsSampler`, a transformers ``LogitsProcessor``, applies temperature, top-k and top-p as the engine's
-:func:`~rlflow.rollout.engine.sample_tokens` does, picks each row's token by inverse CDF from the row's own uniform
+:func:`~rlflow.rollout.sampling.sample_tokens` does, picks each row's token by inverse CDF from the row's own uniform
 and leaves only that token possible, so ``generate`` runs greedy over it. Row ``s`` of prompt ``i`` draws from the
 stream ``(call key, i, s)``, the call key being one draw from torch's global generator (or ``(seed, calls)`` with a
 ``seed``): what a row samples does not depend on which rows share its batch, so :meth:`HFRollout.serve` can batch
@@ -31,6 +31,7 @@ from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingPa
 from rlflow.rollout.draws import CallKeys, RowDraws
 from rlflow.rollout.penalty import mark_seen, penalize, seen_tokens
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource
+from rlflow.rollout.sampling import sample_tokens
 from rlflow.vision import generation_inputs, is_vision_model, placeholder_ids
 
 
@@ -58,7 +59,7 @@ class RowDrawsSampler(LogitsProcessor):
     """Samples each row's next token from its own random stream and leaves only that token possible (0 for it,
     ``-inf`` elsewhere), so ``generate``'s greedy choice takes it: seeded samples then depend on neither the batch
     composition nor torch's global generator. Temperature, top-k and top-p are applied here
-    (:func:`rlflow.rollout.engine.sample_tokens`), so ``generate`` must run with ``do_sample=False``."""
+    (:func:`rlflow.rollout.sampling.sample_tokens`), so ``generate`` must run with ``do_sample=False``."""
 
     def __init__(self, params: SamplingParams, draws: RowDraws | None, starts: list[int] | None = None) -> None:
         """
@@ -70,8 +71,6 @@ class RowDrawsSampler(LogitsProcessor):
         self.params, self.draws, self.starts = params, draws, starts
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        from rlflow.rollout.engine import sample_tokens  # the engine module imports transformers' cache classes
-
         uniform = None if self.draws is None else self.draws.draw(scores.device)
         tokens, _ = sample_tokens(scores, self.params, uniform=uniform, seen=self.seen(input_ids, scores.shape[-1]))
         only = torch.full_like(scores, float("-inf"))

@@ -1,10 +1,11 @@
-"""The engine sampler's two-level inverse CDF (:func:`rlflow.rollout.engine.inverse_cdf`).
+"""The sampler (:mod:`rlflow.rollout.sampling`): its two-level inverse CDF and its top-k/top-p/min-p truncation.
 
 What is checked: on vocabularies large enough for two levels (with and without a short last block) it picks the
 token a plain sequential float64 CDF picks (``torch.cumsum`` + ``searchsorted``, the sampler's former code) for
 every one of thousands of random rows; it never picks a token of zero mass (top-k-like masks, a block of zeros,
 ``uniform`` 0 and just below 1); its picks follow the probabilities (exact counts over evenly spread uniforms, on a
-distribution with a few entries, spread over blocks).
+distribution with a few entries, spread over blocks); top-k -> top-p -> min-p drop exactly what transformers'
+warpers drop.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlflow.rollout.engine import CDF_BLOCK, inverse_cdf
+from rlflow.rollout.base import SamplingParams
+from rlflow.rollout.sampling import CDF_BLOCK, inverse_cdf, truncate
 
 
 def sequential_pick(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
@@ -60,3 +62,19 @@ def test_its_picks_follow_the_probabilities():
     counts = torch.stack([(tokens == w).sum() for w in where])
     assert int(counts.sum()) == 10000
     assert torch.equal(counts, torch.tensor([1000, 2000, 3000, 4000]))
+
+
+@pytest.mark.parametrize("top_k,top_p,min_p", [(0, 1.0, 0.1), (20, 1.0, 0.05), (0, 0.8, 0.2), (30, 0.9, 0.02)])
+def test_truncation_keeps_what_transformers_warpers_keep(top_k, top_p, min_p):
+    """The sampler's top-k -> top-p -> min-p against transformers' own warpers, in generate's order."""
+    from transformers import LogitsProcessorList, MinPLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(0)
+    logits = torch.randn(64, 1000) * 3.0
+    warpers = LogitsProcessorList(
+        ([TopKLogitsWarper(top_k)] if top_k else []) + ([TopPLogitsWarper(top_p)] if top_p < 1.0 else [])
+        + [MinPLogitsWarper(min_p)])
+    theirs = torch.isinf(warpers(None, logits.clone()))
+    ours = torch.isinf(truncate(torch.log_softmax(logits, -1), SamplingParams(1.0, top_p, top_k, min_p=min_p)))
+    assert ours.any(dim=-1).all() and (~ours).sum(dim=-1).min() >= 1  # every row drops some, keeps some
+    assert torch.equal(ours, theirs)
