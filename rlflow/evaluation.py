@@ -5,7 +5,9 @@ As XTuner's evaluator does, every eval prompt is generated (greedily by default,
 reward reaches ``data.eval_pass_threshold``. Reported: ``eval/accuracy`` (the mean over all samples, i.e. the
 unbiased pass@1), ``eval/pass@k`` (the unbiased estimator of Chen et al. 2021, "Evaluating Large Language
 Models Trained on Code": ``1 - C(n - c, k) / C(n, k)`` per prompt with ``n`` samples of which ``c`` are
-correct), ``eval/reward``, ``eval/mean_length``, and ``eval/<data_source>/<metric>`` for every source; and
+correct), ``eval/maj@k`` (self-consistency: the answer most of a prompt's ``k`` samples state, right or wrong; over
+the prompts whose judger states answers, see :func:`majority_correct`), ``eval/reward``, ``eval/mean_length``, and
+``eval/<data_source>/<metric>`` for every source; and
 ``eval/judger_failures``, the samples a judger failed on (raised, timed out: scored without it, so a failing judger
 cannot pass for a drop in accuracy unseen).
 
@@ -39,6 +41,26 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - prob_all_wrong
 
 
+def majority_correct(answers: list[str | None], correct: list[bool]) -> bool:
+    """Whether the majority vote of one prompt's samples is right (self-consistency, Wang et al. 2022).
+
+    ``answers[i]`` is the final answer sample ``i`` states (None: it states none), ``correct[i]`` whether that sample
+    was judged correct. The vote goes to the answer stated most often (a tie to the one stated first); it is right
+    when the first sample stating it was judged correct (samples with one answer are judged alike by an answer
+    judger). No stated answer: wrong. Answers are compared as strings, as the judger states them.
+    """
+    if len(answers) != len(correct):
+        raise ValueError(f"{len(answers)} answers for {len(correct)} samples")
+    counts: dict[str, int] = {}
+    for answer in answers:
+        if answer is not None:
+            counts[answer] = counts.get(answer, 0) + 1
+    if not counts:
+        return False
+    voted = max(counts, key=counts.__getitem__)  # the first of the most stated: dicts keep insertion order
+    return correct[answers.index(voted)]
+
+
 @contextlib.contextmanager
 def isolated_rng(seed: int) -> Iterator[None]:
     """Run a block with every torch generator seeded to ``seed``, then put the previous states back."""
@@ -49,8 +71,8 @@ def isolated_rng(seed: int) -> Iterator[None]:
 
 
 #: Per-prompt states of :class:`EvalMetrics`: source index, samples, correct ones, reward sum, length sum, samples a
-#: judger failed on.
-STATES = ("source", "samples", "correct", "reward", "length", "failed")
+#: judger failed on, and whether its majority vote is right (1/0; NaN where its judgers state no answers).
+STATES = ("source", "samples", "correct", "reward", "length", "failed", "majority")
 
 
 class EvalMetrics(Metric):
@@ -75,12 +97,17 @@ class EvalMetrics(Metric):
             self.add_state(name, default=[], dist_reduce_fx="cat")
 
     def update(self, data_sources: list[str | None], correct: list[list[bool]], rewards: list[list[float]],
-               lengths: list[list[int]], failed: list[list[bool]] | None = None) -> None:
-        """Add one batch: per prompt, its source and the correctness, reward and length of each of its samples, and
-        whether a judger failed on it (``failed``; None: none did)."""
+               lengths: list[list[int]], failed: list[list[bool]] | None = None,
+               answers: list[list[str | None] | None] | None = None) -> None:
+        """Add one batch: per prompt, its source and the correctness, reward and length of each of its samples,
+        whether a judger failed on it (``failed``; None: none did) and the answer each states (``answers``, for
+        ``maj@k``; None, for the batch or a prompt: its judgers state none)."""
         index = {name: i for i, name in enumerate(self.sources)}
         failed = failed if failed is not None else [[]] * len(correct)
-        for source, c, r, n, f in zip(data_sources, correct, rewards, lengths, failed, strict=True):
+        answers = answers if answers is not None else [None] * len(correct)
+        for source, c, r, n, f, a in zip(data_sources, correct, rewards, lengths, failed, answers, strict=True):
+            vote = float("nan") if a is None else float(majority_correct(a, c))
+            self.majority.append(torch.tensor([vote], dtype=torch.float64))
             self.source.append(torch.tensor([index.get(source or "unknown", index["unknown"])]))
             self.samples.append(torch.tensor([len(c)], dtype=torch.float64))
             self.correct.append(torch.tensor([sum(c)], dtype=torch.float64))
@@ -89,8 +116,9 @@ class EvalMetrics(Metric):
             self.failed.append(torch.tensor([sum(f)], dtype=torch.float64))
 
     def compute(self) -> dict[str, float]:
-        """``eval/accuracy``, ``eval/pass@k``, ``eval/reward``, ``eval/mean_length``, overall and per source, and
-        ``eval/judger_failures``: the samples a judger failed on (scored without it, so possibly counted wrong)."""
+        """``eval/accuracy``, ``eval/pass@k``, ``eval/maj@k``, ``eval/reward``, ``eval/mean_length``, overall and per
+        source, and ``eval/judger_failures``: the samples a judger failed on (scored without it, so possibly counted
+        wrong)."""
         if not self.samples:
             return {}
         state = {name: dim_zero_cat(getattr(self, name)) for name in STATES}
@@ -113,6 +141,10 @@ class EvalMetrics(Metric):
         if self.k > 1:
             out[f"{prefix}/pass@{self.k}"] = sum(pass_at_k(int(a), int(b), self.k)
                                                  for a, b in zip(n.tolist(), c.tolist())) / len(n)
+            votes = state["majority"][rows]
+            votes = votes[~votes.isnan()]
+            if len(votes):  # over the prompts whose judgers state answers
+                out[f"{prefix}/maj@{self.k}"] = votes.mean().item()
         return out
 
 

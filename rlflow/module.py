@@ -689,11 +689,12 @@ class GRPOModule(L.LightningModule):
     def validation_step(self, batch: list, batch_idx: int) -> None:
         with full_weights(self.policy if self.experience.reads_policy_weights else None):
             out = self.experience.evaluate(batch, step=self.global_step, batch_idx=batch_idx)
-        self.eval_metrics.update(out["data_sources"], out["correct"], out["rewards"], out["lengths"], out.get("failed"))
+        self.eval_metrics.update(out["data_sources"], out["correct"], out["rewards"], out["lengths"], out.get("failed"),
+                                 out.get("answers"))
 
     def on_validation_epoch_end(self) -> None:
-        """Log ``eval/accuracy``, ``eval/pass@k`` and the rest, overall and per ``data_source``, over every rank's
-        prompts (:class:`rlflow.evaluation.EvalMetrics` gathers them)."""
+        """Log ``eval/accuracy``, ``eval/pass@k``, ``eval/maj@k`` and the rest, overall and per ``data_source``, over
+        every rank's prompts (:class:`rlflow.evaluation.EvalMetrics` gathers them)."""
         metrics = self.eval_metrics.compute() if self.eval_metrics.update_count else {}
         if metrics:
             self.log("eval/accuracy", metrics.pop("eval/accuracy"), on_epoch=True, prog_bar=True, rank_zero_only=True)

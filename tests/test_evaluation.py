@@ -13,7 +13,7 @@ from conftest import fit_args
 
 from rlflow.cli import cli_main
 from rlflow.data.datamodule import RolloutDataModule
-from rlflow.evaluation import EvalMetrics, pass_at_k
+from rlflow.evaluation import EvalMetrics, majority_correct, pass_at_k
 from rlflow.judgers.base import Judger
 
 
@@ -200,3 +200,92 @@ def test_evaluate_flags_the_samples_a_judger_failed_on(tiny_model, tiny_data, tm
     expected = [[t in FAIL_ON] * 2 for t in truths]
     assert out["failed"] == expected and 0 < sum(map(sum, expected)) < 2 * len(truths)
     assert out["rewards"] == [[0.0 if f else 1.0 for f in fs] for fs in expected]  # scored without the failed judger
+
+
+@pytest.mark.parametrize("answers,correct,expected", [
+    (["7", "3", "7", None], [True, False, True, False], True),     # 7 twice: right
+    (["3", "7", "7", "3"], [False, True, True, False], False),    # a tie of 3 and 7: the first stated, 3, wrong
+    (["7", "3", "3", "7"], [True, False, False, True], True),     # the same tie, 7 stated first
+    ([None, None, "3", "3", "7"], [False, False, False, False, True], False),  # 3 beats the single right 7
+    ([None, None], [False, False], False),                        # no answer stated
+    (["5"], [True], True),
+])
+def test_majority_vote_by_hand(answers, correct, expected):
+    assert majority_correct(answers, correct) is expected
+
+
+def test_majority_vote_refuses_mismatched_lengths():
+    with pytest.raises(ValueError, match="2 answers for 3 samples"):
+        majority_correct(["1", "2"], [True, False, True])
+
+
+def test_eval_metrics_maj_at_k_by_hand():
+    """Three prompts of source a (votes right, wrong, no judger answers), two of b (wrong: no answer stated; right),
+    in two batches: maj@3 is 1/2 for a (the prompt without answers left out), 1/2 for b, 2/4 overall."""
+    metrics = EvalMetrics(k=3, sources=["a", "b"])
+    ones = [[1, 1, 1]] * 3
+    metrics.update(["a", "a", "b"], [[True, False, True], [True, False, False], [False, False, True]],
+                   [[1.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]], ones,
+                   answers=[["4", "2", "4"], ["4", "2", "2"], [None, None, None]])
+    metrics.update(["a", "b"], [[True, True, False], [False, True, True]], [[1.0, 1.0, 0.0], [0.0, 1.0, 1.0]],
+                   ones[:2], answers=[None, ["9", "8", "8"]])
+    m = metrics.compute()
+    assert m["eval/maj@3"] == pytest.approx(2 / 4)
+    assert m["eval/a/maj@3"] == pytest.approx(1 / 2) and m["eval/b/maj@3"] == pytest.approx(1 / 2)
+    assert m["eval/accuracy"] == pytest.approx(8 / 15)
+    only_without = EvalMetrics(k=3, sources=["a"])
+    only_without.update(["a"], [[True, True, True]], [[1.0] * 3], ones[:1])  # no answers given at all
+    assert "eval/maj@3" not in only_without.compute()
+
+
+EVAL_SEEN: list[tuple[str, str]] = []
+
+
+def first_char_class(text: str) -> str | None:
+    """What the test's judger states as a completion's answer: the class of its first character."""
+    if not text:
+        return None
+    return "digit" if text[0].isdigit() else "letter" if text[0].isalpha() else "other"
+
+
+class FirstCharJudger(Judger):
+    """Reward 1 when the completion starts with a digit; states the class of its first character as its answer. It
+    records what it scored, so the test can vote on its own."""
+
+    name = "first_char"
+
+    def score(self, completion: str, extra_info=None, **sample) -> float:
+        EVAL_SEEN.append((extra_info["question"], completion))
+        return float(first_char_class(completion) == "digit")
+
+    def answer(self, completion: str) -> str | None:
+        return first_char_class(completion)
+
+
+def test_validate_reports_maj_at_k_as_a_plain_vote_over_the_judged_samples(tiny_model, tiny_data, tmp_path):
+    """``rlflow validate`` with 5 samples per prompt: ``eval/maj@5`` equals a majority vote recomputed here from the
+    completions the judger saw (a plain count, ties to the class seen first)."""
+    write_eval_file(tiny_data, tmp_path / "eval.jsonl")
+    args = fit_args(tiny_model, tiny_data, tmp_path, f"--data.eval_data_path={tmp_path / 'eval.jsonl'}",
+                    '--data.judgers={"*": {"class_path": "test_evaluation.FirstCharJudger"}}', "--data.eval_k=5",
+                    "--data.eval_temperature=1.0", "--data.eval_batch_size=4")
+    args[0] = "validate"
+    args = [a for a in args if not a.startswith("--trainer.max_steps")]
+    EVAL_SEEN.clear()
+    metrics = {k: float(v) for k, v in cli_main(args).trainer.callback_metrics.items()}
+    by_prompt: dict[str, list[str]] = {}
+    for question, text in EVAL_SEEN:
+        by_prompt.setdefault(question, []).append(text)
+    assert len(by_prompt) == 6 and all(len(texts) == 5 for texts in by_prompt.values())
+    votes = []
+    for texts in by_prompt.values():
+        classes = [first_char_class(t) for t in texts]
+        best, best_count = None, 0
+        for c in classes:
+            if c is not None and classes.count(c) > best_count:
+                best, best_count = c, classes.count(c)
+        votes.append(best == "digit")
+    assert metrics["eval/maj@5"] == pytest.approx(sum(votes) / len(votes))
+    accuracy = sum(first_char_class(t) == "digit" for _, t in EVAL_SEEN) / len(EVAL_SEEN)
+    assert metrics["eval/accuracy"] == pytest.approx(accuracy)
+    assert 0 < accuracy < 1  # the samples disagree, so the vote is not the accuracy by construction

@@ -165,3 +165,51 @@ def test_trl_reward_function_from_a_dotted_path_trains(tiny_model, tiny_data, tm
         assert line["reward"] == pytest.approx(expected), line
     means = [sum(l["reward"] for l in lines if l["step"] == s) / 16 for s in (0, 1)]
     assert [r["reward"] for r in rows] == pytest.approx(means)
+
+
+# ------------------------------------------------------------------------------------ stated answers (maj@k)
+def test_math_and_gsm8k_state_the_answer_they_score():
+    """``answer`` (for eval/maj@k) is what ``score`` compares: gsm8k's last ``#### <number>`` without ``,``/``$``;
+    math's parsed form, equal for forms math-verify brings to one."""
+    gsm8k, math = registry.build(GROUP, "gsm8k"), registry.build(GROUP, "math")
+    assert [gsm8k.answer(t) for t in ["so #### 1,234", "#### 3 then #### 5", "no answer", "####7"]] == [
+        "1234", "5", None, None]
+    assert math.answer(r"it is \boxed{\frac{2}{4}}") == math.answer(r"\boxed{\frac{1}{2}}") == "1/2"
+    assert math.answer("#### 72") is None  # not LaTeX: math states no answer, as it scores none
+    assert math.answer(r"\boxed{0.5}") != math.answer(r"\boxed{\frac{1}{2}}")  # left apart (the documented limit)
+
+
+class Shouting:
+    """A judger without ``answer``."""
+
+    def __call__(self, prompts, completions, **kwargs):
+        return [1.0] * len(completions)
+
+
+class Raising:
+    """A judger whose ``answer`` raises on texts holding 'x'."""
+
+    name = "raising"
+
+    def __call__(self, prompts, completions, **kwargs):
+        return [0.0] * len(completions)
+
+    def answer(self, text):
+        if "x" in text:
+            raise RuntimeError("cannot read x")
+        return text[:1]
+
+
+def test_panel_takes_answers_from_the_first_judger_of_a_row_that_states_them(caplog):
+    from rlflow.data.dataset import PromptRecord
+    from rlflow.judgers.panel import JudgePanel
+
+    panel = JudgePanel({"a": [{"class_path": "test_judgers.Shouting"}, "gsm8k"],
+                        "b": [{"class_path": "test_judgers.Raising"}, "gsm8k"],
+                        "c": {"class_path": "test_judgers.Shouting"}}, None, [])
+    records = [PromptRecord("p", {"data_source": s}, f"t.jsonl:{i}") for i, s in enumerate("abc", 1)]
+    texts = ["#### 1", "#### 2", "none", "x #### 1", "y #### 2", "", "#### 1", "#### 2", "#### 3"]
+    with caplog.at_level("WARNING"):
+        answers = panel.answers(records, texts, 3)
+    assert answers == [["1", "2", None], [None, "y", ""], None]  # b: Raising first; its failure is no answer
+    assert sum("Raising.answer raised RuntimeError" in r.message for r in caplog.records) == 1

@@ -49,10 +49,10 @@ def test_the_reference_model_follows_the_losss_kl_coef(tiny_model):
 def test_bf16_precision_on_a_cpu_without_bf16_hardware_is_named(monkeypatch, native):
     import torch
 
-    import rlflow.rollout.engine as engine
+    import rlflow.rollout.hardware as hardware
     from rlflow.module import emulated_bf16
 
-    monkeypatch.setattr(engine, "native_bf16", lambda device: native)
+    monkeypatch.setattr(hardware, "native_bf16", lambda device: native)
     cpu = torch.device("cpu")
     for precision in ("bf16-mixed", "bf16-true"):
         message = emulated_bf16(precision, cpu)

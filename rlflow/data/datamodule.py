@@ -486,17 +486,18 @@ class RolloutDataModule(L.LightningDataModule):
 
         Sampling runs on a forked RNG seeded from (``seed``, ``step``, ``batch_idx``) (see
         :func:`rlflow.evaluation.isolated_rng`), so it never moves the training random stream. Returns per prompt
-        lists of ``eval_k`` rewards, correctness flags, lengths and judger-failure flags, and the prompts' data
-        sources.
+        lists of ``eval_k`` rewards, correctness flags, lengths, judger-failure flags and (``eval_k`` > 1) stated
+        answers (None where no judger states them), and the prompts' data sources.
         """
         assert self.backend is not None, "bind() the policy first"
         k = self.eval_k
         seed = eval_seed(self.seed, step, batch_idx)
         with isolated_rng(seed), isolated_draws(self.backend, seed), self.all_cores():  # a seeded engine's draws too
             groups = self.rollout_backend(batch).generate(self.rollout_prompts(batch), self.eval_sampling, n=k)
-        result, _ = self.judges.judge(batch, [c for group in groups for c in group], k)
+        result, texts = self.judges.judge(batch, [c for group in groups for c in group], k)
         per_prompt = [result.rewards[i * k: (i + 1) * k] for i in range(len(batch))]
         return {
+            "answers": self.judges.answers(batch, texts, k) if k > 1 else None,
             "rewards": per_prompt,
             "correct": [[r >= self.eval_pass_threshold for r in group] for group in per_prompt],
             "lengths": [[c.num_sampled for c in g] for g in groups],

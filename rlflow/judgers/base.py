@@ -15,7 +15,9 @@ a constructor argument ``max_tokens`` (filled from ``data.max_tokens`` when the 
 judgers that fail per sample rather than per call, a ``consume_failed()`` method returning the positions (in its
 last call) of the samples it gave ``None`` because of an error: counted in ``judger/failures`` and named on
 those samples in ``trajectories.jsonl`` (``judgers_failed``). A ``consume_failures()`` method returning only how
-many is counted, not marked per sample.
+many is counted, not marked per sample. An ``answer(completion: str) -> str | None`` method (the final answer a
+completion states, as a string; None when it states none) lets evaluation report ``eval/maj@k``, the majority
+vote over a prompt's samples (``gsm8k`` and ``math`` have one).
 """
 
 from __future__ import annotations

@@ -40,6 +40,10 @@ class GSM8KJudger(Judger):
         self.format_score = float(format_score)
         self.missing_score = float(missing_score)
 
+    def answer(self, completion: str) -> str | None:
+        """The ``#### <number>`` answer the completion states (what :meth:`score` compares), for ``eval/maj@k``."""
+        return extract_answer(completion)
+
     def score(self, completion: str, ground_truth: Any = None, **_: Any) -> float:
         if ground_truth is None:
             raise ValueError("the gsm8k judger needs a 'ground_truth' column (reward_model.ground_truth)")

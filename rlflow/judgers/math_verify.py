@@ -58,25 +58,35 @@ class MathJudger(Judger):
         self.parsing_timeout = parsing_timeout
         self.verify_timeout = verify_timeout
 
+    def _timeouts(self) -> tuple[int | None, int | None]:
+        """math-verify's parsing and verifying timeouts: off outside the main thread (they use ``signal.alarm``)."""
+        if threading.current_thread() is threading.main_thread():
+            return self.parsing_timeout, self.verify_timeout
+        # math-verify warns on every call that its timeout is off; that is intended here
+        logging.getLogger("math_verify.parser").setLevel(logging.ERROR)
+        logging.getLogger("math_verify.grader").setLevel(logging.ERROR)
+        return None, None
+
+    def _extract(self, completion: str, parsing_timeout: int | None) -> list:
+        """math-verify's parse of the completion's answer (``[sympy form, matched string]``; empty: none found)."""
+        return self._parse(completion, extraction_config=self.answer_config, extraction_mode="first_match",
+                           parsing_timeout=parsing_timeout)
+
+    def answer(self, completion: str) -> str | None:
+        """The answer the completion states, as math-verify's parsed form printed (``1/2`` for ``\\frac{1}{2}``), for
+        ``eval/maj@k``; forms math-verify does not bring to one (``0.5`` against ``1/2``) vote apart."""
+        parsed = self._extract(completion, self._timeouts()[0])
+        return str(parsed[0]) if parsed else None
+
     def score(self, completion: str, ground_truth: Any = None, solution: Any = None, **_: Any) -> float | None:
         reference = solution if solution is not None else ground_truth
         if reference is None:
             raise ValueError("the math judger needs a 'solution' or 'ground_truth' column (reward_model.ground_truth)")
-        main = threading.current_thread() is threading.main_thread()
-        parsing_timeout = self.parsing_timeout if main else None
-        verify_timeout = self.verify_timeout if main else None
-        if not main:  # math-verify warns on every call that its timeout is off; that is intended here
-            logging.getLogger("math_verify.parser").setLevel(logging.ERROR)
-            logging.getLogger("math_verify.grader").setLevel(logging.ERROR)
+        parsing_timeout, verify_timeout = self._timeouts()
         references = reference if isinstance(reference, (list, tuple)) else [reference]  # acceptable answers
         golds = [g for g in (self._parse(str(r), parsing_timeout=parsing_timeout) for r in references) if g]
         if not golds:
             return None
-        answer = self._parse(
-            completion,
-            extraction_config=self.answer_config,
-            extraction_mode="first_match",
-            parsing_timeout=parsing_timeout,
-        )
+        answer = self._extract(completion, parsing_timeout)
         correct = any(self._verify(gold, answer, timeout_seconds=verify_timeout) for gold in golds)
         return self.correct_score if correct else self.wrong_score

@@ -8,12 +8,16 @@ judges sampled completions in TRL's layout (chat completions for chat prompts).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from rlflow.data.dataset import DataError, PromptRecord
 from rlflow.data.sources import DataSource
 from rlflow.judgers.runner import JudgeResult, JudgerRunner, judge_metrics
+
+log = logging.getLogger(__name__)
 
 
 class SourceJudgers:
@@ -144,6 +148,18 @@ class JudgePanel:
             raise DataError(f"{count} {split} row(s) cannot be judged; fix them (or data.judgers) before training:\n  "
                             + "\n  ".join(problems) + more)
 
+    def answers(self, records: list[PromptRecord], texts: list[str], k: int) -> list[list[str | None] | None]:
+        """Per record, the final answer each of its ``k`` completions (``texts``, record-major) states, by the first
+        of the record's judgers with an ``answer`` method (:mod:`rlflow.judgers.base`), for ``eval/maj@k``; None for a
+        record none of whose judgers states answers. An ``answer`` that raises counts as no answer stated."""
+        out: list[list[str | None] | None] = []
+        for i, record in enumerate(records):
+            runner = self.runner_for(record)
+            judger = next((runner.judgers[name] for name in runner.route(record.data_source)
+                           if callable(getattr(runner.judgers[name], "answer", None))), None)
+            out.append(None if judger is None else [_stated(judger, t) for t in texts[i * k:(i + 1) * k]])
+        return out
+
     def judge(self, records: list[PromptRecord], completions: list[Any], k: int) -> tuple[JudgeResult, list[str]]:
         """Decode and judge ``k`` completions per record: the :class:`JudgeResult` and the decoded texts."""
         if self.tokenizer is None:
@@ -166,3 +182,17 @@ class JudgePanel:
         result = self.routing.judge([r.origin for r in reps], [r.prompt for r in reps], shaped, ids, columns,
                                     default=self.default)
         return result, texts
+
+
+def _stated(judger: Any, text: str) -> str | None:
+    """``judger.answer(text)`` as a string, or None where it states none or raises (logged once per judger)."""
+    try:
+        answer = judger.answer(text)
+    except Exception as exc:  # noqa: BLE001 - a judger's bug must not stop the evaluation
+        if not getattr(judger, "_rlflow_answer_warned", False):
+            log.warning("%s.answer raised %s: %s; its samples count as stating no answer in eval/maj@k",
+                        type(judger).__name__, type(exc).__name__, exc)
+            with contextlib.suppress(AttributeError, TypeError):
+                judger._rlflow_answer_warned = True
+        return None
+    return None if answer is None else str(answer)
