@@ -19,7 +19,7 @@ The step's samples and metrics come from the :class:`~rlflow.data.experience.Rol
   (``rlflow fit --print_config``'s output) to every logger, so a W&B run shows it under *Config*.
 
 Simplifications: the rollout bar is drawn on rank 0 only, and only beside Lightning's own bars; the
-samples table shows the first ``num_samples`` samples of rank 0's rollout step.
+samples table shows the first ``num_samples`` samples (or prompts) of rank 0's rollout step.
 """
 
 from __future__ import annotations
@@ -51,6 +51,23 @@ def _samples(pl_module: Any) -> list[dict]:
     """The latest rollout step's sample rows (none before the first step)."""
     rollout = getattr(pl_module, "last_rollout", None)
     return rollout.samples if rollout is not None else []
+
+
+def table_samples(samples: list[dict], num_samples: int, unique_prompts: bool = False) -> list[dict]:
+    """The first ``num_samples`` of a step's samples; with ``unique_prompts``, of those whose prompt (and data source)
+    has not been shown yet, i.e. each prompt's first completion."""
+    if not unique_prompts:
+        return samples[:num_samples]
+    seen: set[tuple[Any, str]] = set()
+    out = []
+    for sample in samples:
+        key = (sample.get("data_source"), json.dumps(sample.get("prompt"), sort_keys=True, default=str))
+        if key not in seen:
+            seen.add(key)
+            out.append(sample)
+            if len(out) == num_samples:
+                break
+    return out
 
 
 def _say(trainer: Any, line: str) -> None:
@@ -195,11 +212,13 @@ class StepSummary(L.Callback):
 class SampleTable(L.Callback):
     """Every ``every_n_steps`` rollout steps, logs a W&B table ``samples`` of completions with their rewards."""
 
-    def __init__(self, every_n_steps: int = 10, num_samples: int = 16) -> None:
+    def __init__(self, every_n_steps: int = 10, num_samples: int = 16, unique_prompts: bool = False) -> None:
         """
         Args:
             every_n_steps: Rollout steps between two tables (0 disables them); the first step always logs one.
             num_samples: Rows per table (the first samples of the step, whole groups first).
+            unique_prompts: One row per prompt, its first completion (TRL's ``log_unique_prompts``), so a table
+                shows ``num_samples`` different prompts instead of a few groups.
         """
         if every_n_steps < 0 or num_samples < 1:
             raise ValueError(
@@ -208,6 +227,7 @@ class SampleTable(L.Callback):
             )
         self.every_n_steps = every_n_steps
         self.num_samples = num_samples
+        self.unique_prompts = unique_prompts
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self.every_n_steps or not trainer.is_global_zero:
@@ -216,7 +236,7 @@ class SampleTable(L.Callback):
             return
         from lightning.pytorch.loggers import WandbLogger
 
-        samples = _samples(pl_module)[: self.num_samples]
+        samples = table_samples(_samples(pl_module), self.num_samples, self.unique_prompts)
         loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
         if not samples or not loggers:
             return

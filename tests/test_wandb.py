@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import fit_args
 
-from rlflow.callbacks import SAMPLE_COLUMNS, RolloutProgressBar
+from rlflow.callbacks import SAMPLE_COLUMNS, RolloutProgressBar, table_samples
 from rlflow.cli import cli_main, expand_logger_aliases
 
 pytestmark = pytest.mark.slow
@@ -79,7 +79,7 @@ def test_wandb_offline_records_metrics_config_and_sample_tables(tiny_model, tiny
     monkeypatch.setenv("WANDB_SILENT", "true")
     args = [a for a in fit_args(tiny_model, tiny_data, tmp_path, steps=3) if not a.startswith("--trainer.logger")]
     cli = cli_main([*args, "--trainer.logger", "wandb", "--samples.every_n_steps=2", "--samples.num_samples=6",
-                    "--model.export_hf=false"])
+                    "--samples.unique_prompts=true", "--model.export_hf=false"])
     logger = cli.trainer.logger
     assert type(logger).__name__ == "WandbLogger" and logger.name == "rlflow"
     logger.experiment.finish()
@@ -107,13 +107,25 @@ def test_wandb_offline_records_metrics_config_and_sample_tables(tiny_model, tiny
     tables = [h for h in history if "samples" in h]
     assert [h["trainer/global_step"] for h in tables] == [0, 2]  # the first step, then every 2nd
     table = json.loads((run_dir / "files" / tables[-1]["samples"]["path"]).read_text())
-    assert table["columns"] == SAMPLE_COLUMNS and len(table["data"]) == 6
+    assert table["columns"] == SAMPLE_COLUMNS and len(table["data"]) == 4  # unique prompts: 4 groups of 4
     trajectories = [json.loads(l) for l in (tmp_path / "trajectories.jsonl").read_text().splitlines()]
-    step2 = [t for t in trajectories if t["step"] == 2][:6]
+    step2 = [t for t in trajectories if t["step"] == 2][::4]  # each group's first completion
     col = {c: i for i, c in enumerate(SAMPLE_COLUMNS)}
     assert [row[col["reward"]] for row in table["data"]] == [t["reward"] for t in step2]
     assert [row[col["completion"]] for row in table["data"]] == [t["completion"] for t in step2]
-    assert [row[col["judgers_failed"]] for row in table["data"]] == [""] * 6  # no judger failed in this run
+    assert [row[col["judgers_failed"]] for row in table["data"]] == [""] * 4  # no judger failed in this run
+    assert len({json.dumps(row[col["prompt"]]) for row in table["data"]}) == 4
+
+
+def test_sample_table_rows_by_hand():
+    """The first ``num_samples`` samples; with ``unique_prompts``, each prompt's first completion (a prompt repeated
+    under another data source is another prompt)."""
+    samples = [{"prompt": p, "data_source": d, "completion": c} for p, d, c in [
+        ("a", "x", 0), ("a", "x", 1), ([{"role": "user", "content": "b"}], "x", 2), ("a", "x", 3),
+        ([{"role": "user", "content": "b"}], "x", 4), ("a", "y", 5), ("c", "x", 6)]]
+    assert [s["completion"] for s in table_samples(samples, 3)] == [0, 1, 2]
+    assert [s["completion"] for s in table_samples(samples, 3, unique_prompts=True)] == [0, 2, 5]
+    assert [s["completion"] for s in table_samples(samples, 10, unique_prompts=True)] == [0, 2, 5, 6]
 
 
 def test_tensorboard_logger_still_works(tiny_model, tiny_data, tmp_path):
