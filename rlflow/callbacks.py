@@ -6,6 +6,8 @@
 * :class:`StepSummary`: one line per rollout step: reward, accuracy (share of completions whose reward reaches
   ``data.eval_pass_threshold``, logged as ``train/accuracy``), completion lengths, the clipped share and the step
   time.
+* :class:`NoSignalWarning`: a warning when, for several steps in a row, every group's rewards were equal (zero
+  advantages: the rewards train nothing), with the figures that usually explain it.
 * :class:`SampleTable`: every N steps, a W&B table of sample completions with their prompts, rewards and
   advantages (only for a ``WandbLogger``; the CSV and TensorBoard loggers have ``trajectories.jsonl`` instead).
 * :class:`TrajectoryWriter`: every rollout step's samples appended to ``<log_dir>/trajectories.jsonl`` (one file
@@ -207,6 +209,45 @@ class StepSummary(L.Callback):
             f"| {g('step_time'):.2f} s/step (rollout {g('rollout/time'):.2f} s, {g('rollout/tokens_per_s'):.0f} tok/s) "
             f"| loss {g('loss'):.4f}"
         ))
+
+
+class NoSignalWarning(L.Callback):
+    """Warns when, for ``patience`` rollout steps in a row, every group's completions got equal rewards.
+
+    Why: GRPO's advantages are then all zero, so the rewards teach the policy nothing (only a KL or entropy term
+    acts) while the run looks healthy: loss near 0, steps on time. The usual causes are a judger that cannot read the
+    completions (answer format), completions cut at ``data.max_tokens``, or a failing judger; the warning names
+    those figures. It warns once per such stretch and again if a later one follows a step with signal.
+    """
+
+    def __init__(self, patience: int = 5) -> None:
+        """
+        Args:
+            patience: Rollout steps in a row without any group whose rewards differ before warning (0 disables it).
+        """
+        if patience < 0:
+            raise ValueError(f"no_signal.patience must be >= 0 (0 disables it), got {patience}")
+        self.patience = patience
+        self.streak = 0
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        m = getattr(pl_module, "last_metrics", None) or {}
+        if not self.patience or "frac_reward_zero_std" not in m:
+            return
+        self.streak = self.streak + 1 if m["frac_reward_zero_std"] >= 1.0 - 1e-9 else 0
+        if self.streak != self.patience:
+            return
+        from rlflow.log import warn
+
+        def g(key: str) -> float:
+            return float(m.get(key, 0.0))
+
+        warn(f"no learning signal for {self.patience} rollout steps: in every group all completions got the same "
+             f"reward (mean reward {g('reward'):.3f}), so every advantage is 0 and the rewards train nothing. "
+             f"Last step: {100 * g('completions/clipped_ratio'):.0f}% of completions cut at data.max_tokens, "
+             f"judger/failures {g('judger/failures'):.0f}, judger/unscored {g('judger/unscored'):.0f}. Check that "
+             "the judger can read the completions' answers (trajectories.jsonl shows them), raise data.max_tokens, "
+             "or start from a model that solves some prompts (--no_signal.patience 0 silences this)")
 
 
 class SampleTable(L.Callback):

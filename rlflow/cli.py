@@ -4,9 +4,9 @@
 :class:`RolloutDataModule` and a ``Trainer`` from jsonargparse configs (``--print_config`` shows the resolved
 one). The tokenizer, temperature and completion budget are linked from one place to where they are needed.
 
-rlflow adds to Lightning's CLI: ``--checkpoint.*`` (an atomic ``ModelCheckpoint`` writing ``last.ckpt`` every
-step, so ``--ckpt_path last`` resumes after a kill), ``--evaluate_every_n_steps N`` (Lightning's
-``val_check_interval`` counted in rollout steps across epochs), ``--summary.*``, ``--rollout_progress.*``,
+rlflow adds to Lightning's CLI: ``--checkpoint.*`` (an atomic ``ModelCheckpoint`` writing ``last.ckpt`` every step,
+so ``--ckpt_path last`` resumes after a kill), ``--evaluate_every_n_steps N`` (Lightning's ``val_check_interval``
+counted in rollout steps across epochs), ``--summary.*``, ``--no_signal.*``, ``--rollout_progress.*``,
 ``--samples.*`` and ``--trajectories.*`` (see :mod:`rlflow.callbacks`), the logger short names ``--trainer.logger
 wandb|csv|tensorboard``, and the full resolved config logged to every logger. Errors a user can fix (an invalid
 value, bad data, a missing model, a full disk, a diverged run) end the command with one ``rlflow: error:`` line
@@ -35,6 +35,7 @@ from lightning.pytorch.cli import LightningCLI
 from rlflow import registry
 from rlflow.callbacks import (
     LoggerSaveConfigCallback,
+    NoSignalWarning,
     RolloutProgressBar,
     SampleTable,
     StepSummary,
@@ -153,6 +154,7 @@ class RLFlowCLI(LightningCLI):
         parser.link_arguments("data.max_tokens", "model.max_tokens")
         parser.add_lightning_class_args(RLFlowCheckpoint, "checkpoint")
         parser.add_lightning_class_args(StepSummary, "summary")
+        parser.add_lightning_class_args(NoSignalWarning, "no_signal")
         parser.add_lightning_class_args(RolloutProgressBar, "rollout_progress")
         parser.add_lightning_class_args(SampleTable, "samples")
         parser.add_lightning_class_args(TrajectoryWriter, "trajectories")
