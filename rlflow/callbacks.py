@@ -40,6 +40,8 @@ from lightning.pytorch.cli import SaveConfigCallback
 
 SAMPLE_COLUMNS = ["step", "data_source", "prompt", "completion", "ground_truth", "reward", "advantage", "num_tokens",
                   "finish_reason", "judgers_failed"]
+EVAL_SAMPLE_COLUMNS = ["trained_steps", "data_source", "prompt", "sample", "completion", "ground_truth", "answer",
+                       "reward", "correct", "num_tokens", "finish_reason", "judgers_failed"]
 
 
 def _cell(sample: dict, column: str) -> Any:
@@ -53,6 +55,11 @@ def _samples(pl_module: Any) -> list[dict]:
     """The latest rollout step's sample rows (none before the first step)."""
     rollout = getattr(pl_module, "last_rollout", None)
     return rollout.samples if rollout is not None else []
+
+
+def _eval_samples(outputs: Any) -> list[dict]:
+    """The sample rows a validation step returned (none where it returned none)."""
+    return outputs.get("samples", []) if isinstance(outputs, dict) else []
 
 
 def table_samples(samples: list[dict], num_samples: int, unique_prompts: bool = False) -> list[dict]:
@@ -251,7 +258,8 @@ class NoSignalWarning(L.Callback):
 
 
 class SampleTable(L.Callback):
-    """Every ``every_n_steps`` rollout steps, logs a W&B table ``samples`` of completions with their rewards."""
+    """Every ``every_n_steps`` rollout steps, logs a W&B table ``samples`` of completions with their rewards, and
+    after every evaluation an ``eval_samples`` table of its completions with their rewards, correctness and answers."""
 
     def __init__(self, every_n_steps: int = 10, num_samples: int = 16, unique_prompts: bool = False) -> None:
         """
@@ -269,6 +277,7 @@ class SampleTable(L.Callback):
         self.every_n_steps = every_n_steps
         self.num_samples = num_samples
         self.unique_prompts = unique_prompts
+        self.eval_rows: list[dict] = []  # the current evaluation's table rows (on_validation_batch_end)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if not self.every_n_steps or not trainer.is_global_zero:
@@ -286,25 +295,60 @@ class SampleTable(L.Callback):
         for logger in loggers:
             logger.log_table(key="samples", columns=SAMPLE_COLUMNS, data=rows, step=step)
 
+    def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        self.eval_rows = []
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        if trainer.sanity_checking:
+            return
+        # the table's rows so far: the first rows (or prompts) of what came, so memory stays num_samples rows
+        self.eval_rows = table_samples(self.eval_rows + _eval_samples(outputs), self.num_samples, self.unique_prompts)
+
+    def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        """An ``eval_samples`` table of the evaluation's first ``num_samples`` samples (or prompts), rank 0's."""
+        from lightning.pytorch.loggers import WandbLogger
+
+        samples, self.eval_rows = self.eval_rows, []
+        loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+        if not self.every_n_steps or not trainer.is_global_zero or not samples or not loggers:
+            return
+        rows = [[_cell(s, c) for c in EVAL_SAMPLE_COLUMNS] for s in samples]
+        for logger in loggers:
+            logger.log_table(key="eval_samples", columns=EVAL_SAMPLE_COLUMNS, data=rows,
+                             step=max(trainer.global_step - 1, 0))  # where Lightning logs the eval metrics
+
 
 class TrajectoryWriter(L.Callback):
     """Appends every rollout step's samples (prompt, completion, reward, advantage, ...) to
-    ``<log_dir>/trajectories.jsonl`` (rank r > 0 writes ``trajectories.rank<r>.jsonl``)."""
+    ``<log_dir>/trajectories.jsonl`` and every evaluation's (prompt, completion, reward, correct, answer, ...) to
+    ``<log_dir>/eval_trajectories.jsonl`` (rank r > 0 writes ``trajectories.rank<r>.jsonl``, ...)."""
 
-    def __init__(self, enabled: bool = True) -> None:
+    def __init__(self, enabled: bool = True, eval: bool = True) -> None:
         """
         Args:
-            enabled: Write the file.
+            enabled: Write the files.
+            eval: Write the evaluations' samples too (``eval_trajectories.jsonl``; ``trained_steps`` says after how
+                many rollout steps each was sampled).
         """
         self.enabled = enabled
+        self.eval = eval
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        rows = _samples(pl_module)
+        self.append(trainer, "trajectories", _samples(pl_module))
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
+                                dataloader_idx: int = 0) -> None:
+        if self.eval and not trainer.sanity_checking:
+            self.append(trainer, "eval_trajectories", _eval_samples(outputs))
+
+    def append(self, trainer: Any, name: str, rows: list[dict]) -> None:
+        """Append ``rows`` to this rank's ``<log_dir>/<name>.jsonl``."""
         log_dir = trainer.log_dir
         if not self.enabled or not rows or not log_dir:
             return
         rank = trainer.global_rank
-        path = Path(log_dir) / ("trajectories.jsonl" if rank == 0 else f"trajectories.rank{rank}.jsonl")
+        path = Path(log_dir) / (f"{name}.jsonl" if rank == 0 else f"{name}.rank{rank}.jsonl")
         path.parent.mkdir(parents=True, exist_ok=True)
         with path.open("a", encoding="utf-8") as f:
             for row in rows:

@@ -686,11 +686,14 @@ class GRPOModule(L.LightningModule):
     def on_validation_epoch_start(self) -> None:
         self.eval_metrics = EvalMetrics(self.experience.eval_k, self.experience.eval_data_sources).to(self.device)
 
-    def validation_step(self, batch: list, batch_idx: int) -> None:
+    def validation_step(self, batch: list, batch_idx: int) -> dict[str, Any]:
+        """Generate and judge the batch's eval samples, add them to the eval metrics, and return their rows
+        (``{"samples": [...]}``, which :class:`rlflow.callbacks.TrajectoryWriter` and ``SampleTable`` read)."""
         with full_weights(self.policy if self.experience.reads_policy_weights else None):
             out = self.experience.evaluate(batch, step=self.global_step, batch_idx=batch_idx)
         self.eval_metrics.update(out["data_sources"], out["correct"], out["rewards"], out["lengths"], out.get("failed"),
                                  out.get("answers"))
+        return {"samples": out.get("samples", [])}
 
     def on_validation_epoch_end(self) -> None:
         """Log ``eval/accuracy``, ``eval/pass@k``, ``eval/maj@k`` and the rest, overall and per ``data_source``, over

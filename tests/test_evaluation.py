@@ -289,3 +289,27 @@ def test_validate_reports_maj_at_k_as_a_plain_vote_over_the_judged_samples(tiny_
     accuracy = sum(first_char_class(t) == "digit" for _, t in EVAL_SEEN) / len(EVAL_SEEN)
     assert metrics["eval/accuracy"] == pytest.approx(accuracy)
     assert 0 < accuracy < 1  # the samples disagree, so the vote is not the accuracy by construction
+
+
+def test_eval_trajectories_hold_every_eval_sample_and_agree_with_the_metrics(tiny_model, tiny_data, tmp_path):
+    """``eval_trajectories.jsonl`` gets one row per eval sample at each evaluation; per evaluation its rewards and
+    correct flags average to the logged ``eval/reward`` and ``eval/accuracy``, and each row's reward is the judger's
+    on the row's own completion (recomputed here)."""
+    write_eval_file(tiny_data, tmp_path / "eval.jsonl")
+    args = fit_args(tiny_model, tiny_data, tmp_path, f"--data.eval_data_path={tmp_path / 'eval.jsonl'}",
+                    '--data.judgers={"*": {"class_path": "test_evaluation.DigitJudger"}}', "--data.eval_k=2",
+                    "--data.eval_temperature=1.0", "--evaluate_every_n_steps=2", "--model.export_hf=false", steps=4)
+    cli = cli_main(args)
+    log_dir = Path(cli.trainer.log_dir)
+    rows = [json.loads(line) for line in (log_dir / "eval_trajectories.jsonl").read_text().splitlines()]
+    with open(log_dir / "metrics.csv") as f:
+        evals = [row for row in csv.DictReader(f) if row.get("eval/accuracy")]
+    assert sorted({r["trained_steps"] for r in rows}) == [2, 4] and len(rows) == 2 * 6 * 2
+    for trained, logged in zip([2, 4], evals):
+        mine = [r for r in rows if r["trained_steps"] == trained]
+        assert sorted((r["prompt"], r["sample"]) for r in mine) == sorted(
+            (p, s) for p in {r["prompt"] for r in mine} for s in range(2))  # every prompt, both samples
+        assert float(logged["eval/reward"]) == pytest.approx(sum(r["reward"] for r in mine) / len(mine))
+        assert float(logged["eval/accuracy"]) == pytest.approx(sum(r["correct"] for r in mine) / len(mine))
+    assert all(r["reward"] == float(any(ch.isdigit() for ch in r["completion"])) for r in rows)
+    assert 0 < sum(r["reward"] for r in rows) < len(rows)  # both kinds of sample, so a mix-up would show

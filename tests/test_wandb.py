@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import fit_args
 
-from rlflow.callbacks import SAMPLE_COLUMNS, RolloutProgressBar, table_samples
+from rlflow.callbacks import EVAL_SAMPLE_COLUMNS, SAMPLE_COLUMNS, RolloutProgressBar, table_samples
 from rlflow.cli import cli_main, expand_logger_aliases
 
 pytestmark = pytest.mark.slow
@@ -60,7 +60,7 @@ def history_row(record) -> dict:
     row: dict = {}
     for item in record.history.item:
         path = [item.key] if item.key else list(item.nested_key)
-        if len(path) == 1 or path[0] not in ("samples",):
+        if len(path) == 1 or path[0] not in ("samples", "eval_samples"):
             row["/".join(path)] = json.loads(item.value_json)
         else:
             row.setdefault(path[0], {})["/".join(path[1:])] = json.loads(item.value_json)
@@ -79,7 +79,8 @@ def test_wandb_offline_records_metrics_config_and_sample_tables(tiny_model, tiny
     monkeypatch.setenv("WANDB_SILENT", "true")
     args = [a for a in fit_args(tiny_model, tiny_data, tmp_path, steps=3) if not a.startswith("--trainer.logger")]
     cli = cli_main([*args, "--trainer.logger", "wandb", "--samples.every_n_steps=2", "--samples.num_samples=6",
-                    "--samples.unique_prompts=true", "--model.export_hf=false"])
+                    "--samples.unique_prompts=true", "--model.export_hf=false", "--evaluate_every_n_steps=2",
+                    f"--data.eval_data_path={tiny_data / 'val.jsonl'}"])
     logger = cli.trainer.logger
     assert type(logger).__name__ == "WandbLogger" and logger.name == "rlflow"
     logger.experiment.finish()
@@ -115,6 +116,15 @@ def test_wandb_offline_records_metrics_config_and_sample_tables(tiny_model, tiny
     assert [row[col["completion"]] for row in table["data"]] == [t["completion"] for t in step2]
     assert [row[col["judgers_failed"]] for row in table["data"]] == [""] * 4  # no judger failed in this run
     assert len({json.dumps(row[col["prompt"]]) for row in table["data"]}) == 4
+
+    eval_tables = [h for h in history if "eval_samples" in h]  # one evaluation, after rollout step 2
+    assert len(eval_tables) == 1
+    table = json.loads((run_dir / "files" / eval_tables[0]["eval_samples"]["path"]).read_text())
+    assert table["columns"] == EVAL_SAMPLE_COLUMNS and len(table["data"]) == 6
+    eval_rows = [json.loads(l) for l in (tmp_path / "eval_trajectories.jsonl").read_text().splitlines()][:6]
+    col = {c: i for i, c in enumerate(EVAL_SAMPLE_COLUMNS)}
+    for name in ("trained_steps", "prompt", "completion", "reward", "correct"):
+        assert [row[col[name]] for row in table["data"]] == [r[name] for r in eval_rows], name
 
 
 def test_sample_table_rows_by_hand():
