@@ -272,7 +272,10 @@ def test_validate_reports_maj_at_k_as_a_plain_vote_over_the_judged_samples(tiny_
     args[0] = "validate"
     args = [a for a in args if not a.startswith("--trainer.max_steps")]
     EVAL_SEEN.clear()
-    metrics = {k: float(v) for k, v in cli_main(args).trainer.callback_metrics.items()}
+    cli = cli_main(args)
+    metrics = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
+    rows = [json.loads(line) for line in (Path(cli.trainer.log_dir) / "eval_trajectories.jsonl").open()]
+    assert len(rows) == 30 and all(r.get("answer") == first_char_class(r["completion"]) for r in rows)
     by_prompt: dict[str, list[str]] = {}
     for question, text in EVAL_SEEN:
         by_prompt.setdefault(question, []).append(text)

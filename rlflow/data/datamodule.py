@@ -486,8 +486,8 @@ class RolloutDataModule(L.LightningDataModule):
 
         Sampling runs on a forked RNG seeded from (``seed``, ``step``, ``batch_idx``) (see
         :func:`rlflow.evaluation.isolated_rng`), so it never moves the training random stream. Returns per prompt
-        lists of ``eval_k`` rewards, correctness flags, lengths, judger-failure flags and (``eval_k`` > 1) stated
-        answers (None where no judger states them), the prompts' data sources, and ``samples``: one plain row per
+        lists of ``eval_k`` rewards, correctness flags, lengths, judger-failure flags and stated answers (None where
+        no judger states them), the prompts' data sources, and ``samples``: one plain row per
         sample (``eval_trajectories.jsonl``'s, with ``trained_steps`` = ``step``, the rollout steps trained so far).
         """
         assert self.backend is not None, "bind() the policy first"
@@ -498,14 +498,14 @@ class RolloutDataModule(L.LightningDataModule):
         completions = [c for group in groups for c in group]
         result, texts = self.judges.judge(batch, completions, k)
         per_prompt = [result.rewards[i * k: (i + 1) * k] for i in range(len(batch))]
-        answers = self.judges.answers(batch, texts, k) if k > 1 else None
+        answers = self.judges.answers(batch, texts, k)  # for maj@k, and the rows' ``answer``
         samples = [{
             "trained_steps": step, "rank": self.rank, "batch": batch_idx, "data_source": batch[i // k].data_source,
             "prompt": batch[i // k].prompt_text, "sample": i % k, "completion": text,
             "ground_truth": batch[i // k].columns.get("ground_truth"), "reward": result.rewards[i],
             "correct": result.rewards[i] >= self.eval_pass_threshold, "finish_reason": c.finish_reason,
             "num_tokens": c.num_sampled,
-            **({"answer": answers[i // k][i % k]} if answers is not None and answers[i // k] is not None else {}),
+            **({"answer": answers[i // k][i % k]} if answers[i // k] is not None else {}),
             **({"judgers_failed": list(result.failed_at(i))} if result.failed_at(i) else {}),
         } for i, (text, c) in enumerate(zip(texts, completions))]
         return {
