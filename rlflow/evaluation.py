@@ -3,13 +3,13 @@
 As XTuner's evaluator does, every eval prompt is generated (greedily by default, or ``k`` samples at
 ``data.eval_temperature``), judged by the same judgers as training, and a completion counts as correct when its
 reward reaches ``data.eval_pass_threshold``. Reported: ``eval/accuracy`` (the mean over all samples, i.e. the
-unbiased pass@1), ``eval/pass@k`` (the unbiased estimator of Chen et al. 2021, "Evaluating Large Language
-Models Trained on Code": ``1 - C(n - c, k) / C(n, k)`` per prompt with ``n`` samples of which ``c`` are
-correct), ``eval/maj@k`` (self-consistency: the answer most of a prompt's ``k`` samples state, right or wrong; over
-the prompts whose judger states answers, see :func:`majority_correct`), ``eval/reward``, ``eval/mean_length``, and
-``eval/<data_source>/<metric>`` for every source; and
-``eval/judger_failures``, the samples a judger failed on (raised, timed out: scored without it, so a failing judger
-cannot pass for a drop in accuracy unseen).
+unbiased pass@1), ``eval/pass@k`` (the unbiased estimator of Chen et al. 2021, "Evaluating Large Language Models
+Trained on Code": ``1 - C(n - c, k) / C(n, k)`` per prompt with ``n`` samples of which ``c`` are correct; also
+``eval/pass@j`` for the powers of two ``j`` below ``k``), ``eval/maj@k`` (self-consistency: the answer most of a
+prompt's ``k`` samples state, right or wrong; over the prompts whose judger states answers, see
+:func:`majority_correct`), ``eval/reward``, ``eval/mean_length``, and ``eval/<data_source>/<metric>`` for every
+source; and ``eval/judger_failures``, the samples a judger failed on (raised, timed out: scored without it, so a
+failing judger cannot pass for a drop in accuracy unseen).
 
 Evaluation sampling runs under its own seed, on a forked RNG, so evaluating never changes the random stream of
 training: a run with evaluation resumes exactly, and the same weights always get the same score.
@@ -39,6 +39,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     for i in range(n - c + 1, n + 1):  # C(n-c, k) / C(n, k) as a running product, numerically stable
         prob_all_wrong *= 1.0 - k / i
     return 1.0 - prob_all_wrong
+
+
+def pass_ks(k: int) -> list[int]:
+    """The ``j`` of the ``pass@j`` reported with ``k`` samples per prompt: the powers of two from 2 below ``k``, and
+    ``k`` (as verl reports ``@2, @4, ..., @N``); none for ``k`` = 1 (``accuracy`` is pass@1)."""
+    return [j for j in (2 ** e for e in range(1, k.bit_length())) if j < k] + ([k] if k > 1 else [])
 
 
 def majority_correct(answers: list[str | None], correct: list[bool]) -> bool:
@@ -138,9 +144,10 @@ class EvalMetrics(Metric):
             f"{prefix}/reward": state["reward"][rows].sum().item() / total,
             f"{prefix}/mean_length": state["length"][rows].sum().item() / total,
         }
+        for j in pass_ks(self.k):
+            per_prompt = [pass_at_k(int(a), int(b), j) for a, b in zip(n.tolist(), c.tolist())]
+            out[f"{prefix}/pass@{j}"] = sum(per_prompt) / len(per_prompt)
         if self.k > 1:
-            out[f"{prefix}/pass@{self.k}"] = sum(pass_at_k(int(a), int(b), self.k)
-                                                 for a, b in zip(n.tolist(), c.tolist())) / len(n)
             votes = state["majority"][rows]
             votes = votes[~votes.isnan()]
             if len(votes):  # over the prompts whose judgers state answers

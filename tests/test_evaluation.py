@@ -13,7 +13,7 @@ from conftest import fit_args
 
 from rlflow.cli import cli_main
 from rlflow.data.datamodule import RolloutDataModule
-from rlflow.evaluation import EvalMetrics, majority_correct, pass_at_k
+from rlflow.evaluation import EvalMetrics, majority_correct, pass_at_k, pass_ks
 from rlflow.judgers.base import Judger
 
 
@@ -54,6 +54,17 @@ def test_pass_at_k_matches_binomial_formula(n):
     assert pass_at_k(4, 1, 1) == 0.25 and pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 1, 4) == 1.0
     with pytest.raises(ValueError):
         pass_at_k(3, 4, 1)
+
+
+def test_pass_at_j_for_the_powers_of_two_below_k_by_hand():
+    assert [pass_ks(k) for k in (1, 2, 3, 4, 5, 8, 12)] == [
+        [], [2], [2, 3], [2, 4], [2, 4, 5], [2, 4, 8], [2, 4, 8, 12]]
+    metrics = EvalMetrics(k=5, sources=["a"])
+    metrics.update(["a", "a"], [[True, False, False, False, False], [False] * 5], [[1.0] + [0.0] * 4, [0.0] * 5],
+                   [[1] * 5] * 2)
+    m = metrics.compute()  # one prompt with 1 of 5 right: pass@j = j / 5; the other: 0
+    assert m["eval/pass@2"] == pytest.approx(0.2) and m["eval/pass@4"] == pytest.approx(0.4)
+    assert m["eval/pass@5"] == pytest.approx(0.5) and "eval/pass@8" not in m and "eval/pass@3" not in m
 
 
 def by_hand_batches() -> list[tuple]:
