@@ -27,13 +27,14 @@ class TableRecorder(WandbLogger):
     def __init__(self, save_dir: str) -> None:
         super().__init__(offline=True, save_dir=save_dir)
         self.table_steps: list[int] = []
+        self.eval_table_steps: list[int] = []
 
     @property
     def experiment(self) -> None:  # Lightning's setup reads it, which would start the run
         return None
 
     def log_table(self, key, columns=None, data=None, dataframe=None, step=None) -> None:
-        self.table_steps.append(step)
+        (self.table_steps if key == "samples" else self.eval_table_steps).append(step)
 
     def log_hyperparams(self, params, *args, **kwargs) -> None:
         pass
@@ -87,6 +88,7 @@ def test_every_step_count_is_in_rollout_steps(tiny_model, small_data, tmp_path, 
         assert row["lr"] == pytest.approx(1e-3 * (1 - 4 * (step + 1) / 84), rel=1e-5), step
     assert trainer.optimizers[0].param_groups[0]["lr"] == 0.0
     assert sorted(metrics_by_step(tmp_path, "eval/accuracy")) == [9, 19]  # logged with the step just finished
+    assert trainer.loggers[1].eval_table_steps == [9, 19]  # the eval_samples tables beside those metrics
     rows = (tmp_path / "lightning_logs" / "version_0" / "trajectories.jsonl").read_text().splitlines()
     assert sorted({json.loads(row)["step"] for row in rows}) == list(range(21))
 
