@@ -19,6 +19,18 @@ from rlflow.judgers.base import Judger
 TIMINGS = {"step_time", "rollout/time", "rollout/tokens_per_s", "rollout/wait_time"}
 
 
+class AdditionSolvedJudger(Judger):
+    """Reward 1.0 for every completion of an addition prompt (so its group is solved, ``data.skip_solved``), else the
+    share of digits in the completion over 100 (below 1: never solved, and groups differ)."""
+
+    name = "addition_solved"
+
+    def score(self, completion: str, extra_info=None, **sample) -> float:
+        if "+" in extra_info["question"]:
+            return 1.0
+        return sum(ch.isdigit() for ch in completion) / 100
+
+
 class DigitJudger(Judger):
     """A graded reward: the share of digits in the completion (so groups have different rewards).
 

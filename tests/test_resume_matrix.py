@@ -23,6 +23,7 @@ EVAL = ["--evaluate_every_n_steps=2", "--data.eval_data_path={data}/val.jsonl", 
 SOURCES = '--data.train_data_path=[{"path": "{data}/a.jsonl", "weight": 3}, {"path": "{data}/b.jsonl", "weight": 1}]'
 BINARY_REWARD = ('--data.judgers={"openai/gsm8k": {"class_path": "resume_helpers.DigitJudger", '
                  '"init_args": {"binary": true}}}')
+SOLVED_REWARD = '--data.judgers={"openai/gsm8k": {"class_path": "resume_helpers.AdditionSolvedJudger"}}'
 CASES = {  # id: (extra arguments, the steps the chain stops at, steps in all)
     # (a) + (c): a finished run extended, twice: its last.ckpt comes from the end-of-run save (every_n_train_steps
     # never fires), first mid-epoch, then right after the last batch of epoch 0
@@ -44,6 +45,9 @@ CASES = {  # id: (extra arguments, the steps the chain stops at, steps in all)
     # holds the moved one (the loaded weights would give step 3 another KL)
     "reference-sync": (["--model.kl_coef=0.05", "--model.ref_model_sync_steps=2", "--model.ref_model_mixup_alpha=0.5"],
                        (3,), 4),
+    # (j) solved prompts left out of later epochs: the solved set and each epoch's left-out set are checkpointed
+    # (stopping at 3: inside the second shortened epoch)
+    "skip-solved": (["--data.skip_solved=true", SOLVED_REWARD], (3,), 5),
 }
 
 

@@ -87,6 +87,7 @@ class RolloutDataModule(L.LightningDataModule):
         judger_timeout: float | None = 60.0,
         advantage: str | AdvantageEstimator = "grpo",
         dynamic_sampling: bool = False,
+        skip_solved: bool = False,
         max_sampling_rounds: int = 3,
         rollout: str | RolloutBackend = "auto",
         system_prompt: str | None = None,
@@ -144,6 +145,9 @@ class RolloutDataModule(L.LightningDataModule):
                 ``class_path``/``init_args`` (``--data.advantage.help grpo`` lists its options).
             dynamic_sampling: DAPO's dynamic sampling: drop groups whose rewards all agree (no learning signal) and
                 sample more prompts until the batch is full again.
+            skip_solved: Leave out of later epochs the prompts whose last group was solved (every completion's
+                reward at least ``eval_pass_threshold``), as Skywork-OR1 and POLARIS filter by pass rate: such a group
+                has zero advantages and costs a rollout. One training source only (not a weighted mix).
             max_sampling_rounds: With dynamic sampling, most generation rounds per rollout step (the first included);
                 a batch still short after them is topped up with dropped groups (advantage 0).
             rollout: Rollout backend: ``auto`` (the default: the ``engine`` backend where it can run the model,
@@ -252,6 +256,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.eval_pass_threshold = eval_pass_threshold
         self.eval_k = eval_k
         self.seed = seed
+        self.skip_solved = skip_solved
+        self._record_index: dict[int, int] | None = None  # id(train record) -> its index (skip_solved)
         self.overlap_judging = overlap_judging
         self.max_staleness = max_staleness
         self.pipeline = make_pipeline(max_staleness, stale_policy, generator_threads, seed, dynamic_sampling,
@@ -320,6 +326,11 @@ class RolloutDataModule(L.LightningDataModule):
                 raise ValueError(f"data.global_batch_size={self.global_batch_size} must be a multiple of the "
                                  f"{self.world_size} ranks")
             self.sampler = self.train_prompts.sampler(self.global_batch_size, self.seed)
+            if self.skip_solved:
+                if not isinstance(self.sampler, PromptBatchSampler):
+                    raise ConfigError("data.skip_solved works with one training source; a weighted mix of sources "
+                                      "is not filtered (set data.skip_solved=false)")
+                self.sampler.skip_solved = True
         if stage in ("fit", "validate") and self.eval_prompts.sources and not self.eval_records:
             self.judges.check_rows(self.eval_prompts.load(tokenizer, self.processor), "eval")
 
@@ -430,9 +441,33 @@ class RolloutDataModule(L.LightningDataModule):
         metrics.update(multiturn_metrics(chosen.completions))
         metrics.update(pipelined)
         metrics["data/dropped_prompts"] = float(self.train_prompts.dropped)
+        if self.skip_solved:
+            metrics.update(self.record_solved(chosen.records, chosen.rewards))
         sources = [r.data_source or r.origin for r in chosen.records for _ in range(k)]
         metrics.update(per_source_means(sources, chosen.rewards, "reward"))
         return RolloutStep(experiences, metrics, self.sample_rows(step, chosen.records, chosen.texts, experiences))
+
+    def record_solved(self, records: list[PromptRecord], rewards: list[float]) -> dict[str, float]:
+        """``skip_solved``: tell the sampler which of every rank's groups were solved (all ``k`` rewards at least
+        ``eval_pass_threshold``); returns ``data/solved_prompts`` (marked so far) and ``data/skipped_prompts``
+        (left out of this epoch)."""
+        if self._record_index is None:
+            self._record_index = {id(r): i for i, r in enumerate(self.train_records)}
+        k = self.prompt_repeat_k
+        pairs = torch.tensor([[self._record_index[id(r)], all(x >= self.eval_pass_threshold
+                                                                for x in rewards[g * k:(g + 1) * k])]
+                              for g, r in enumerate(records)], dtype=torch.long).reshape(-1, 2)
+        if self.world_size > 1:  # every rank's sampler must leave out the same prompts
+            strategy = self.trainer.strategy
+            counts = strategy.all_gather(torch.tensor([len(pairs)], device=strategy.root_device)).flatten().tolist()
+            padded = torch.full((max(counts), 2), -1, dtype=torch.long)
+            padded[: len(pairs)] = pairs
+            gathered = strategy.all_gather(padded.to(strategy.root_device)).cpu()
+            pairs = torch.cat([gathered[r, :n] for r, n in enumerate(counts)])
+        for index, solved in pairs.tolist():
+            self.sampler.record(index, bool(solved))
+        return {"data/solved_prompts": float(len(self.sampler.solved)),
+                "data/skipped_prompts": float(len(self.sampler.left_out(self.sampler.epoch)))}
 
     def rollout_backend(self, records: list[PromptRecord]) -> RolloutBackend:
         """The backend that generates ``records``: the configured one, or its multi-turn view."""

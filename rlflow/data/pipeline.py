@@ -90,7 +90,8 @@ def peek_next_batch(sampler: Any) -> list[int]:
     """The prompt indices the sampler will yield after the batches consumed so far, without moving it.
 
     A copy of the sampler restarted from its own checkpointed position (``state_dict``: the consumed batches)
-    yields them; at the end of an epoch, the first batch of the next (``set_epoch(epoch + 1)``).
+    yields them; at the end of an epoch, the first batch of the next (``set_epoch(epoch + 1)``), whose set of
+    solved prompts left out (``data.skip_solved``) is then fixed in ``sampler`` too.
     """
     clone = copy.deepcopy(sampler)
     clone.load_state_dict(sampler.state_dict())
@@ -98,6 +99,8 @@ def peek_next_batch(sampler: Any) -> list[int]:
         return list(batch)
     clone.set_epoch(clone.epoch + 1)
     for batch in clone:
+        if getattr(sampler, "skip_solved", False):  # the next epoch's left-out set is fixed now, for both
+            sampler.excluded.update(clone.excluded)
         return list(batch)
     raise RuntimeError("the prompt sampler yields no batch")
 
