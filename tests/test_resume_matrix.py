@@ -48,6 +48,9 @@ CASES = {  # id: (extra arguments, the steps the chain stops at, steps in all)
     # (j) solved prompts left out of later epochs: the solved set and each epoch's left-out set are checkpointed
     # (stopping at 3: inside the second shortened epoch)
     "skip-solved": (["--data.skip_solved=true", SOLVED_REWARD], (3,), 5),
+    # (k) the same pipelined, stopped at the end of epoch 0: the generator's look-ahead fixed epoch 1's set then, and
+    # its job in flight is the first batch of the shortened epoch 1
+    "skip-solved-pipelined": (["--data.skip_solved=true", SOLVED_REWARD, "--data.max_staleness=1"], (2,), 5),
 }
 
 
