@@ -161,7 +161,8 @@ class RolloutDataModule(L.LightningDataModule):
             eval_batch_size: Prompts per evaluation batch.
             eval_pass_threshold: An evaluation completion counts as correct when its reward is at least this.
             eval_k: Completions per eval prompt: 1 (greedy by default) reports ``eval/accuracy``; k > 1 samples at
-                ``eval_temperature`` (which must then be > 0) and also reports ``eval/pass@k``.
+                ``eval_temperature`` (which must then be > 0) and also reports ``eval/pass@k`` (and ``pass@2``,
+                ``@4``, ... below k) and ``eval/maj@k`` (majority vote, from judgers that state answers).
             seed: Seed of the prompt order (each epoch uses ``seed + epoch``).
             overlap_judging: With a backend that streams finished groups (``engine``), judge them in a background
                 thread while the rest of the batch is still generating (same rewards and metrics as judging the
