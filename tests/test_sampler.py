@@ -14,7 +14,7 @@ import re
 
 import pytest
 import torch
-from resume_helpers import run_args
+from resume_helpers import metrics_by_step, run_args
 
 from rlflow.cli import cli_main
 from rlflow.data.pipeline import peek_next_batch
@@ -123,3 +123,17 @@ def test_skip_solved_refuses_a_weighted_mix(tiny_model, small_data, tmp_path):
            f'{{"path": "{tmp_path / "b.jsonl"}", "weight": 1}}]')
     with pytest.raises(Exception, match="data.skip_solved works with one training source"):
         cli_main(run_args(tiny_model, small_data, tmp_path, "--data.skip_solved=true", mix, steps=1))
+
+
+def test_with_dynamic_sampling_the_solved_groups_it_drops_are_still_marked(tiny_model, small_data, tmp_path,
+                                                                           one_thread):
+    """Dynamic sampling drops the solved groups (equal rewards) before training; the step's own prompts are marked
+    from their first judging, so later epochs still leave every addition out."""
+    solved = additions(small_data)
+    args = run_args(tiny_model, small_data, tmp_path, "--data.skip_solved=true", "--data.dynamic_sampling=true",
+                    '--data.judgers={"openai/gsm8k": {"class_path": "resume_helpers.AdditionSolvedJudger"}}',
+                    steps=3)
+    cli = cli_main(args)
+    assert cli.model.last_metrics["data/solved_prompts"] == len(solved)
+    assert cli.model.last_metrics["data/skipped_prompts"] == len(solved)
+    assert sum(row["sampling/groups_dropped"] for row in metrics_by_step(tmp_path).values()) > 0  # it dropped some

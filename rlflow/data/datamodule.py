@@ -442,8 +442,8 @@ class RolloutDataModule(L.LightningDataModule):
         metrics.update(multiturn_metrics(chosen.completions))
         metrics.update(pipelined)
         metrics["data/dropped_prompts"] = float(self.train_prompts.dropped)
-        if self.skip_solved:
-            metrics.update(self.record_solved(chosen.records, chosen.rewards))
+        if self.skip_solved:  # the step's own prompts as first judged (dynamic sampling drops solved groups)
+            metrics.update(self.record_solved(records, judged.rewards))
         sources = [r.data_source or r.origin for r in chosen.records for _ in range(k)]
         metrics.update(per_source_means(sources, chosen.rewards, "reward"))
         return RolloutStep(experiences, metrics, self.sample_rows(step, chosen.records, chosen.texts, experiences))
