@@ -62,6 +62,13 @@ def _eval_samples(outputs: Any) -> list[dict]:
     return outputs.get("samples", []) if isinstance(outputs, dict) else []
 
 
+def _wandb_loggers(trainer: Any) -> list[Any]:
+    """The trainer's W&B loggers (the only ones that take tables)."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    return [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+
+
 def table_samples(samples: list[dict], num_samples: int, unique_prompts: bool = False) -> list[dict]:
     """The first ``num_samples`` of a step's samples; with ``unique_prompts``, of those whose prompt (and data source)
     has not been shown yet, i.e. each prompt's first completion."""
@@ -284,10 +291,8 @@ class SampleTable(L.Callback):
             return
         if (trainer.global_step - 1) % self.every_n_steps:  # the first step, then every n-th
             return
-        from lightning.pytorch.loggers import WandbLogger
-
         samples = table_samples(_samples(pl_module), self.num_samples, self.unique_prompts)
-        loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+        loggers = _wandb_loggers(trainer)
         if not samples or not loggers:
             return
         step = samples[0]["step"]  # the rollout step's index, as its metrics and trajectories.jsonl count it
@@ -307,10 +312,8 @@ class SampleTable(L.Callback):
 
     def on_validation_epoch_end(self, trainer: Any, pl_module: Any) -> None:
         """An ``eval_samples`` table of the evaluation's first ``num_samples`` samples (or prompts), rank 0's."""
-        from lightning.pytorch.loggers import WandbLogger
-
         samples, self.eval_rows = self.eval_rows, []
-        loggers = [lg for lg in trainer.loggers if isinstance(lg, WandbLogger)]
+        loggers = _wandb_loggers(trainer)
         if not self.every_n_steps or not trainer.is_global_zero or not samples or not loggers:
             return
         rows = [[_cell(s, c) for c in EVAL_SAMPLE_COLUMNS] for s in samples]

@@ -186,26 +186,18 @@ def _sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> 
         mine = estimate_global(gdpo, torch.zeros(8), 4, components=(comp[8 * rank: 8 * rank + 8], weights))
         whole = estimate(gdpo, torch.zeros(16), 4, components=(comp, weights))
         results["gdpo_err"] = float((mine - whole[8 * rank: 8 * rank + 8]).abs().max())
-        # data.skip_solved: each rank's solved groups (rank 0 judged 2 prompts, rank 1 one) reach both samplers
+        # data.skip_solved: each rank's solved groups (its share of the batch) reach both samplers
         from types import SimpleNamespace
 
         from rlflow.data.datamodule import RolloutDataModule
         from rlflow.data.sampler import PromptBatchSampler
 
-        class GlooStrategy:  # Lightning's strategy.all_gather: the ranks' tensors stacked
-            root_device = torch.device("cpu")
-
-            def all_gather(self, tensor):
-                out = [torch.empty_like(tensor) for _ in range(2)]
-                dist.all_gather(out, tensor)
-                return torch.stack(out)
-
         records = [SimpleNamespace(i=i) for i in range(6)]
         dm = SimpleNamespace(train_records=records, _record_index=None, prompt_repeat_k=2, eval_pass_threshold=1.0,
-                             world_size=2, trainer=SimpleNamespace(strategy=GlooStrategy()),
                              sampler=PromptBatchSampler(6, 2, skip_solved=True))
         dm.sampler.record(3, True)  # solved before, judged unsolved now on rank 1
-        mine, rewards = ([records[0], records[1]], [1.0, 1.0, 1.0, 0.0]) if rank == 0 else ([records[3]], [0.5, 1.0])
+        mine, rewards = (([records[0], records[1]], [1.0, 1.0, 1.0, 0.0]) if rank == 0
+                         else ([records[3], records[5]], [0.5, 1.0, 1.0, 1.0]))
         results["solved_metrics"] = RolloutDataModule.record_solved(dm, mine, rewards)
         results["solved"] = sorted(dm.sampler.solved)
         # the export gathers full weights on rank 0 only
@@ -236,7 +228,7 @@ def test_sharded_generation_logprobs_grads_and_export_on_two_gloo_ranks(tiny_mod
         assert r["logprob_err"] < 1e-5 and r["entropy_err"] < 1e-4
         assert r["grad_err"] < 1e-5
         assert r["gdpo_err"] < 1e-6  # batch statistics over both ranks' rewards
-        assert r["solved"] == [0] and r["solved_metrics"]["data/solved_prompts"] == 1.0  # both ranks' groups
+        assert r["solved"] == [0, 5] and r["solved_metrics"]["data/solved_prompts"] == 2.0  # both ranks' groups
     assert r0["full_equal"] and r0["full_keys"] > 0
     assert r1["full_keys"] == 0  # full weights are assembled on rank 0 only
 

@@ -48,6 +48,7 @@ from rlflow.data.replay_buffer import ReplayBuffer
 from rlflow.data.rollout_metrics import rollout_metrics
 from rlflow.data.sampler import PromptBatchSampler, PromptLoader
 from rlflow.data.sources import parse_sources, per_source_means
+from rlflow.distributed import all_gather
 from rlflow.evaluation import eval_seed, isolated_rng
 from rlflow.judgers.base import Judger
 from rlflow.judgers.overlap import generate_and_judge
@@ -326,12 +327,7 @@ class RolloutDataModule(L.LightningDataModule):
             if self.global_batch_size % self.world_size:
                 raise ValueError(f"data.global_batch_size={self.global_batch_size} must be a multiple of the "
                                  f"{self.world_size} ranks")
-            self.sampler = self.train_prompts.sampler(self.global_batch_size, self.seed)
-            if self.skip_solved:
-                if not isinstance(self.sampler, PromptBatchSampler):
-                    raise ConfigError("data.skip_solved works with one training source; a weighted mix of sources "
-                                      "is not filtered (set data.skip_solved=false)")
-                self.sampler.skip_solved = True
+            self.sampler = self.train_prompts.sampler(self.global_batch_size, self.seed, self.skip_solved)
         if stage in ("fit", "validate") and self.eval_prompts.sources and not self.eval_records:
             self.judges.check_rows(self.eval_prompts.load(tokenizer, self.processor), "eval")
 
@@ -450,22 +446,16 @@ class RolloutDataModule(L.LightningDataModule):
 
     def record_solved(self, records: list[PromptRecord], rewards: list[float]) -> dict[str, float]:
         """``skip_solved``: tell the sampler which of every rank's groups were solved (all ``k`` rewards at least
-        ``eval_pass_threshold``); returns ``data/solved_prompts`` (marked so far) and ``data/skipped_prompts``
-        (left out of this epoch)."""
+        ``eval_pass_threshold``; ``records`` is this rank's share of the batch, a collective); returns
+        ``data/solved_prompts`` (marked so far) and ``data/skipped_prompts`` (left out of this epoch)."""
         if self._record_index is None:
             self._record_index = {id(r): i for i, r in enumerate(self.train_records)}
         k = self.prompt_repeat_k
         pairs = torch.tensor([[self._record_index[id(r)], all(x >= self.eval_pass_threshold
                                                                 for x in rewards[g * k:(g + 1) * k])]
                               for g, r in enumerate(records)], dtype=torch.long).reshape(-1, 2)
-        if self.world_size > 1:  # every rank's sampler must leave out the same prompts
-            strategy = self.trainer.strategy
-            counts = strategy.all_gather(torch.tensor([len(pairs)], device=strategy.root_device)).flatten().tolist()
-            padded = torch.full((max(counts), 2), -1, dtype=torch.long)
-            padded[: len(pairs)] = pairs
-            gathered = strategy.all_gather(padded.to(strategy.root_device)).cpu()
-            pairs = torch.cat([gathered[r, :n] for r, n in enumerate(counts)])
-        for index, solved in pairs.tolist():
+        # every rank's groups (equal shares of the batch: rank_share), so all samplers leave out the same prompts
+        for index, solved in all_gather(pairs).tolist():
             self.sampler.record(index, bool(solved))
         return {"data/solved_prompts": float(len(self.sampler.solved)),
                 "data/skipped_prompts": float(len(self.sampler.left_out(self.sampler.epoch)))}
@@ -534,12 +524,13 @@ class RolloutDataModule(L.LightningDataModule):
         completions = [c for group in groups for c in group]
         result, texts = self.judges.judge(batch, completions, k)
         per_prompt = [result.rewards[i * k: (i + 1) * k] for i in range(len(batch))]
+        correct = [[r >= self.eval_pass_threshold for r in group] for group in per_prompt]
         answers = self.judges.answers(batch, texts, k)  # for maj@k, and the rows' ``answer``
         samples = [{
             "trained_steps": step, "rank": self.rank, "batch": batch_idx, "data_source": batch[i // k].data_source,
             "prompt": batch[i // k].prompt_text, "sample": i % k, "completion": text,
             "ground_truth": batch[i // k].columns.get("ground_truth"), "reward": result.rewards[i],
-            "correct": result.rewards[i] >= self.eval_pass_threshold, "finish_reason": c.finish_reason,
+            "correct": correct[i // k][i % k], "finish_reason": c.finish_reason,
             "num_tokens": c.num_sampled,
             **({"answer": answers[i // k][i % k]} if answers[i // k] is not None else {}),
             **({"judgers_failed": list(result.failed_at(i))} if result.failed_at(i) else {}),
@@ -547,7 +538,7 @@ class RolloutDataModule(L.LightningDataModule):
         return {
             "answers": answers,
             "rewards": per_prompt,
-            "correct": [[r >= self.eval_pass_threshold for r in group] for group in per_prompt],
+            "correct": correct,
             "lengths": [[c.num_sampled for c in g] for g in groups],
             "failed": [[bool(result.failed_at(i * k + j)) for j in range(k)] for i in range(len(batch))],
             "data_sources": [r.data_source for r in batch],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rlflow.config_error import ConfigError
 from rlflow.data.dataset import DataError, PromptFormat, PromptRecord
 from rlflow.data.images import has_images
 from rlflow.data.mix import MixBatchSampler
@@ -96,9 +97,14 @@ class PromptSet:
         self.records = kept
         return kept
 
-    def sampler(self, global_batch_size: int, seed: int) -> PromptBatchSampler | MixBatchSampler:
-        """The seeded batch sampler over :attr:`records`: one batch of prompt indices per rollout step."""
+    def sampler(self, global_batch_size: int, seed: int,
+                skip_solved: bool = False) -> PromptBatchSampler | MixBatchSampler:
+        """The seeded batch sampler over :attr:`records`: one batch of prompt indices per rollout step
+        (``skip_solved``: leaving solved prompts out of later epochs, one source only)."""
         if len(self.sources) > 1:  # several sources: each gets its weight's share of every batch
+            if skip_solved:
+                raise ConfigError("data.skip_solved works with one training source; a weighted mix of sources "
+                                  "is not filtered (set data.skip_solved=false)")
             return MixBatchSampler([self.sizes[s.name] for s in self.sources], [s.weight for s in self.sources],
                                    global_batch_size, seed=seed, names=[s.name for s in self.sources])
-        return PromptBatchSampler(len(self.records), global_batch_size, seed=seed)
+        return PromptBatchSampler(len(self.records), global_batch_size, seed=seed, skip_solved=skip_solved)
