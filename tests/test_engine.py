@@ -323,3 +323,52 @@ def test_a_head_common_to_every_prompt_is_prefilled_once(model, tokenizer, monke
     monkeypatch.setattr(off, "_prefill_head", lambda h, d: heads.append(len(h)) or original_head(h, d))
     off.generate(prompts, SamplingParams(1.0, max_tokens=3), n=2)
     assert heads == []
+
+
+def _modes() -> tuple[bool, bool]:
+    return torch.is_inference_mode_enabled(), torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("gloo", [False, True])
+def test_decoding_runs_in_inference_mode_and_the_caller_keeps_its_own_between_groups(model, tokenizer, tmp_path, gloo):
+    """The decode loop runs in ``torch.inference_mode`` (no autograd view or version tracking), entered at every
+    resume of the stream and left at every yield; under a gloo process group, whose threads do not carry inference
+    mode (pytorch#86830), in ``no_grad``."""
+    import torch.distributed as dist
+
+    e = engine(model, tokenizer, seed=0, max_batch_size=4, prefill_batch_size=1)
+    inside, between = [], []
+    e.step_hook = lambda iteration: inside.append(_modes()) or False
+    if gloo:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with torch.enable_grad():
+            for _, group in e.stream(prompts_of([7, 9, 11, 13, 15], seed=6), SamplingParams(1.0, max_tokens=5), n=2):
+                between.append(_modes())
+                assert all(isinstance(x, float) for c in group for x in c.logprobs)  # numbers, not inference tensors
+    finally:
+        if gloo:
+            dist.destroy_process_group()
+    assert inside and set(inside) == {(False, False) if gloo else (True, False)}
+    assert len(between) == 5 and set(between) == {(False, True)}
+
+
+def test_an_fsdp_sharded_model_decodes_in_no_grad(tmp_path, monkeypatch):
+    """FSDP2's unsharded weights and hooks stay in the mode FSDP2 is tested in: ``no_grad``, also where the
+    backend is not gloo (a GPU's nccl, stood in for here); a plain model decodes in inference mode."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from rlflow.rollout.hardware import inference_context
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        plain, sharded = torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.nn.Sequential(torch.nn.Linear(4, 4))
+        fully_shard(sharded[0])
+        assert isinstance(inference_context(plain), torch.no_grad)  # gloo
+        monkeypatch.setattr(dist, "get_backend", lambda *args, **kwargs: "nccl")
+        assert isinstance(inference_context(plain), torch.inference_mode)
+        assert isinstance(inference_context(sharded), torch.no_grad)
+    finally:
+        monkeypatch.undo()
+        dist.destroy_process_group()

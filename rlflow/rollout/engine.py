@@ -70,7 +70,7 @@ from rlflow.rollout.decode_state import ATTENTION_NAME, DecodeState, LaneStates
 from rlflow.rollout.draws import CallKeys, RowDraws
 from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder
-from rlflow.rollout.hardware import native_bf16
+from rlflow.rollout.hardware import inference_context, native_bf16
 from rlflow.rollout.penalty import mark_seen, seen_tokens
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource
 from rlflow.rollout.sampling import sample_tokens
@@ -368,7 +368,6 @@ class EngineRollout(CallKeys, RolloutBackend):
         for request, group in self.serve(ListSource(self.prompt_requests(prompts, params.greedy, n)), params, progress):
             yield request.tag, group
 
-    @torch.no_grad()
     def serve(self, source: RequestSource, params: SamplingParams,
               progress: Progress | None = None) -> Iterator[tuple[DecodeRequest, list[Completion]]]:
         """Decode the requests ``source`` hands over, admitting each as soon as there is room (also while others
@@ -379,7 +378,13 @@ class EngineRollout(CallKeys, RolloutBackend):
         Requests are prefilled in batches of ``prefill_batch_size`` (on top of their kept caches inside
         :meth:`keep_caches`) and decoded in lanes by group size (:class:`LaneStates`); the prefix common to the
         first requests is prefilled once when none of them continues a kept cache, and later requests that start
-        with it share it too."""
+        with it share it too. The loop runs in inference mode (:func:`~rlflow.rollout.hardware.inference_context`:
+        ``no_grad`` under gloo or FSDP), entered on every resume of the generator and left at every ``yield``, so
+        the caller's code between two groups runs in its own mode."""
+        return inference_context(self.model)(self._serve)(source, params, progress)
+
+    def _serve(self, source: RequestSource, params: SamplingParams,
+               progress: Progress | None = None) -> Iterator[tuple[DecodeRequest, list[Completion]]]:
         model = self.model
         device = next(model.parameters()).device
         was_training = model.training
