@@ -95,6 +95,15 @@ def load_causal_lm(
     return model_auto_class(path).from_pretrained(path, **kwargs)
 
 
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each decoder layer's activations in the backward pass (``model.gradient_checkpointing``):
+    transformers' ``activation_checkpointing_enable``, or ``gradient_checkpointing_enable`` (its deprecated name,
+    the only one before transformers 5.x), and no KV cache, which checkpointed layers cannot fill."""
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    model.config.use_cache = False
+
+
 def emulated_bf16(precision: str, device: torch.device) -> str | None:
     """Why ``trainer.precision`` costs time on ``device``, or None: bf16 compute on a CPU that multiplies bf16 in
     software (neither AMX nor AVX512-BF16; a 1024^3 bf16 product ran 4.2x slower than float32 on such a Xeon),
@@ -312,8 +321,7 @@ class GRPOModule(L.LightningModule):
                      f"({', '.join(switched[:3])}{', ...' if len(switched) > 3 else ''})")
         self.setup_vision()
         if hp.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
-            self.policy.config.use_cache = False
+            enable_activation_checkpointing(self.policy)
         if self.lora is not None:  # adapters injected in place: self.policy stays the model that runs
             from rlflow.lora import apply_lora
 
@@ -589,7 +597,7 @@ class GRPOModule(L.LightningModule):
             if caught is not None:
                 aux = caught.aux_loss()
                 loss = loss + self.router_aux * aux.to(loss.device)
-                loss_metrics["aux_loss"] = float(aux)
+                loss_metrics["aux_loss"] = float(aux.detach())
             if getattr(self.loss_fn, "mask_truncated_completions", False):  # the weight counts the loss's tokens
                 mask = mask & ~batch["truncated"].unsqueeze(1)
             weight = self.loss_fn.micro_batch_weight(mask, ctx)

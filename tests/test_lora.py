@@ -18,6 +18,7 @@ from tiny_archs import IdTokenizer, tiny_causal_lm
 
 from rlflow.config_error import ConfigError
 from rlflow.lora import LoraSettings, apply_lora, linear_weights, merge_lora_tensors
+from rlflow.module import enable_activation_checkpointing
 
 peft = pytest.importorskip("peft", reason="LoRA needs PEFT: pip install 'rlflow[lora]'")
 
@@ -370,8 +371,7 @@ def test_gradient_checkpointing_keeps_the_adapters_gradients():
     for checkpointing in (False, True):
         model = tiny_causal_lm("qwen3")
         if checkpointing:
-            model.gradient_checkpointing_enable()
-            model.config.use_cache = False
+            enable_activation_checkpointing(model)  # as model.gradient_checkpointing does
         random_lora(model)
         model.train()
         ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))

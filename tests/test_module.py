@@ -61,3 +61,30 @@ def test_bf16_precision_on_a_cpu_without_bf16_hardware_is_named(monkeypatch, nat
             assert f"trainer.precision={precision}" in message and "--trainer.precision 32-true" in message
     assert emulated_bf16("32-true", cpu) is None and emulated_bf16("16-mixed", cpu) is None
     assert emulated_bf16("bf16-mixed", torch.device("meta")) is None  # not a CPU: not this check's business
+
+
+@pytest.mark.slow
+def test_gradient_checkpointing_trains_the_same_steps(tiny_model, tiny_data, tmp_path):
+    """``model.gradient_checkpointing: true`` (every shipped GPU recipe) recomputes activations in the backward
+    pass: the same losses and gradient norms as without it, with the layers checkpointed and no KV cache."""
+    import csv
+    from pathlib import Path
+
+    import torch
+    from conftest import fit_args
+
+    from rlflow.cli import cli_main
+
+    runs = {}
+    for on in (False, True):
+        cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path / str(on), f"--model.gradient_checkpointing={on}",
+                                "--seed_everything=0", steps=2))
+        policy = cli.model.policy
+        checkpointing = getattr(policy, "is_activation_checkpointing", None)
+        if checkpointing is None:
+            checkpointing = policy.is_gradient_checkpointing
+        assert checkpointing == on and policy.config.use_cache is not on
+        (metrics,) = Path(cli.trainer.log_dir).glob("metrics.csv")
+        runs[on] = [(float(r["loss"]), float(r["grad_norm"])) for r in csv.DictReader(metrics.open()) if r.get("loss")]
+    assert len(runs[True]) == 2
+    assert torch.allclose(torch.tensor(runs[True]), torch.tensor(runs[False]), rtol=1e-5, atol=1e-7), runs
