@@ -234,6 +234,35 @@ def test_an_async_judger_that_blocks_its_loop_times_out_batch_after_batch(caplog
     assert [r for r in caplog.records if "'blocking_async'" in r.getMessage() and "new loop" in r.getMessage()]
 
 
+def test_a_runner_whose_abandoned_loop_has_closed_is_collected_quietly(monkeypatch):
+    """A blocked async judger's loop is abandoned; once the blocking call returns it stops and closes. Collecting
+    the runner later runs its finalizers (stop every loop it made) on that closed loop too, without an error (an
+    "Exception ignored ... Event loop is closed" traceback before)."""
+    import gc
+    import sys
+    import weakref
+
+    BLOCKED.clear()
+    runner = JudgerRunner({"a": [blocking_async, ok_judger]}, timeout=0.5)
+    try:
+        runner.judge(*batch(1, sources=("a",)))  # times out; the call keeps blocking its loop
+        abandoned = runner._judger_loops["blocking_async"]
+        runner.judge(*batch(1, sources=("a",)))  # a new loop for the judger; the old one is told to stop
+    finally:
+        BLOCKED.set()  # the blocking calls return: the abandoned loop stops and closes
+    deadline = time.monotonic() + 10
+    while not abandoned.is_closed() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert abandoned.is_closed()
+    unraisable = []
+    monkeypatch.setattr(sys, "unraisablehook", unraisable.append)
+    alive = weakref.ref(runner)
+    del runner
+    gc.collect()
+    assert alive() is None  # the finalizers ran
+    assert unraisable == [], [u.exc_value for u in unraisable]
+
+
 def test_an_async_judger_keeps_its_event_loop_across_batches():
     seen = []
 

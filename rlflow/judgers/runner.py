@@ -136,6 +136,15 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
     loop.close()
 
 
+def _stop(loop: asyncio.AbstractEventLoop) -> None:
+    """Ask ``loop`` (running in its own thread) to stop, which also closes it (:func:`_serve`); nothing if it has
+    stopped and closed already (an abandoned loop whose blocking call returned), which a finalizer may meet."""
+    try:
+        loop.call_soon_threadsafe(loop.stop)
+    except RuntimeError:  # closed: its thread has ended
+        pass
+
+
 def _loop_in_thread(name: str) -> asyncio.AbstractEventLoop:
     """A new event loop running in a daemon thread called ``name``."""
     loop = asyncio.new_event_loop()
@@ -232,7 +241,7 @@ class JudgerRunner:
         with self._loop_lock:
             if self._loop is None or self._loop.is_closed():
                 loop = _loop_in_thread("rlflow-judger-loop")
-                weakref.finalize(self, loop.call_soon_threadsafe, loop.stop)  # the runner is gone: end the thread
+                weakref.finalize(self, _stop, loop)  # the runner is gone: end the thread
                 self._loop = loop
             return self._loop
 
@@ -248,9 +257,9 @@ class JudgerRunner:
                     "async judger %r still blocks its event loop after its timeout (a blocking call inside "
                     "'async def'?); it gets a new loop (logged once per judger)", name)
                 self.blocked_once.add(name)
-                loop.call_soon_threadsafe(loop.stop)  # runs once (if ever) the blocking call returns
+                _stop(loop)  # runs once (if ever) the blocking call returns
             loop = _loop_in_thread(f"rlflow-judger-{name}")
-            weakref.finalize(self, loop.call_soon_threadsafe, loop.stop)
+            weakref.finalize(self, _stop, loop)
             self._judger_loops[name] = loop
         return loop
 
