@@ -2,8 +2,7 @@
 whether decoding may run in ``torch.inference_mode``.
 
 Its own module because both the engine (``dtype: auto``) and the CPU weight packing (:mod:`rlflow.rollout.prepack`)
-ask, and the engine imports the packing; it imports neither Lightning nor transformers, so the generator process
-(:mod:`rlflow.rollout.worker`) loads it cheaply.
+ask, and the engine imports the packing.
 """
 
 from __future__ import annotations
@@ -33,13 +32,8 @@ def inference_context(model: torch.nn.Module | None = None) -> Any:
     evaluation makes the same exception), and for a ``model`` with FSDP-sharded modules, whose unsharded weights
     and hooks are left to the mode FSDP2 is tested in. Tensors made inside cannot be saved for a backward pass, so
     it suits code whose results leave as numbers (the engine's token ids and log-probs)."""
+    from rlflow.distributed import fsdp_modules  # here: it imports Lightning's strategies
+
     gloo = dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
-    return torch.no_grad() if gloo or _fsdp_sharded(model) else torch.inference_mode()
-
-
-def _fsdp_sharded(model: torch.nn.Module | None) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return False
-    return model is not None and any(isinstance(m, FSDPModule) for m in model.modules())
+    sharded = model is not None and bool(fsdp_modules(model))
+    return torch.no_grad() if gloo or sharded else torch.inference_mode()
