@@ -74,16 +74,14 @@ def test_gradient_checkpointing_trains_the_same_steps(tiny_model, tiny_data, tmp
     from conftest import fit_args
 
     from rlflow.cli import cli_main
+    from rlflow.data.packing import is_checkpointing
 
     runs = {}
     for on in (False, True):
         cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path / str(on), f"--model.gradient_checkpointing={on}",
                                 "--seed_everything=0", steps=2))
         policy = cli.model.policy
-        checkpointing = getattr(policy, "is_activation_checkpointing", None)
-        if checkpointing is None:
-            checkpointing = policy.is_gradient_checkpointing
-        assert checkpointing == on and policy.config.use_cache is not on
+        assert is_checkpointing(policy) == on and policy.config.use_cache is not on
         (metrics,) = Path(cli.trainer.log_dir).glob("metrics.csv")
         runs[on] = [(float(r["loss"]), float(r["grad_norm"])) for r in csv.DictReader(metrics.open()) if r.get("loss")]
     assert len(runs[True]) == 2

@@ -147,12 +147,18 @@ def varlen_sdpa_attention(
 AttentionInterface.register(ATTENTION_NAME, varlen_sdpa_attention)
 
 
-def varlen_supported(model: torch.nn.Module) -> bool:
-    """Whether packed forwards of ``model`` run :func:`varlen_sdpa_attention` (and so may share prompts)."""
+def is_checkpointing(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s layers recompute their activations in the backward pass (transformers'
+    ``is_activation_checkpointing``; ``is_gradient_checkpointing``, its deprecated name, before 5.x)."""
     checkpointing = getattr(model, "is_activation_checkpointing", None)
     if checkpointing is None:
         checkpointing = getattr(model, "is_gradient_checkpointing", False)
-    return getattr(model.config, "_attn_implementation", None) in ("sdpa", "eager") and not checkpointing
+    return bool(checkpointing)
+
+
+def varlen_supported(model: torch.nn.Module) -> bool:
+    """Whether packed forwards of ``model`` run :func:`varlen_sdpa_attention` (and so may share prompts)."""
+    return getattr(model.config, "_attn_implementation", None) in ("sdpa", "eager") and not is_checkpointing(model)
 
 
 @contextlib.contextmanager
