@@ -4,7 +4,9 @@ What is checked: the copies are exactly the bf16 casts of the live weights, refr
 (and reused while the weights are unchanged; switching LoRA adapters off counts as a change); the bf16 engine's
 log-probs agree with the model's own bf16 forward to within bf16 rounding, a bound measured in the test itself
 (how far the model's bf16 forward lies from its float32 forward on the same tokens), in one-turn rollouts and in
-multi-turn continuations on kept bf16 caches; the float32 paths stay exact; ``auto`` and bad values.
+multi-turn continuations on kept bf16 caches; the float32 paths stay exact; ``auto`` and bad values. The ``norm``
+option: ``F.rms_norm`` against a float64 formula rounded once, where each decoder path uses it, and bf16 rollouts
+with it within the same measured bound.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from test_engine import assert_logprobs_match_a_full_forward, prompts_of
 from tiny_archs import IdTokenizer, tiny_causal_lm
 
+from rlflow.rollout import fused
 from rlflow.rollout.base import SamplingParams
 from rlflow.rollout.engine import EngineRollout, decode_dtype, native_bf16
 
@@ -53,18 +56,23 @@ def test_the_decoder_holds_exact_bf16_casts_of_the_live_weights(name):
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the master weights are untouched
 
 
-@pytest.mark.parametrize("name,source", [("llama", "copies"), ("qwen3", "copies"), ("qwen3", "bf16 model")])
-def test_bf16_engine_logprobs_agree_with_a_bf16_forward_to_bf16_rounding(name, source):
+@pytest.mark.parametrize("name,source,norm", [("llama", "copies", "auto"), ("qwen3", "copies", "auto"),
+                                              ("qwen3", "bf16 model", "auto"), ("llama", "copies", "torch"),
+                                              ("qwen3", "copies", "torch"), ("qwen3", "bf16 model", "torch")])
+def test_bf16_engine_logprobs_agree_with_a_bf16_forward_to_bf16_rounding(name, source, norm):
     """bf16 arithmetic of one function in two orders of operations differs by rounding, not by a fixed amount, so
     the bound is measured here: the model's own bf16 forward against its float32 forward on the same tokens.
     The engine's bf16 log-probs (bf16 copies of float32 weights, or a model loaded in bf16: both decode with bf16
     caches and SDPA attention) must lie as close to the bf16 forward as that (a factor 2 for the engine's other
-    order of operations), and must differ from the float32 ones (it really decoded in bf16)."""
+    order of operations), and must differ from the float32 ones (it really decoded in bf16). With ``norm:
+    torch`` (``F.rms_norm``, which rounds once where the model rounds twice) the same bound holds; ``auto`` keeps
+    the model's formula on a CPU."""
     model = tiny_causal_lm(name, seed=1)
     half = copy.deepcopy(model).to(torch.bfloat16)
     prompts = prompts_of([11, 17, 8], seed=2)
-    engine = bound_engine(model, dtype="bfloat16") if source == "copies" else bound_engine(half)
+    engine = bound_engine(model, dtype="bfloat16", norm=norm) if source == "copies" else bound_engine(half, norm=norm)
     groups = engine.generate(prompts, SamplingParams(1.0, max_tokens=12), n=3)
+    assert engine._kept_decoder[1].rms_norm is (fused._torch_rms_norm if norm == "torch" else fused._rms_norm)
     engine_vs_half, float_vs_half, engine_vs_float = [], [], []
     for prompt, group in zip(prompts, groups):
         for c in group:
@@ -129,6 +137,43 @@ def test_auto_and_bad_values():
     assert decode_dtype("model", cpu) is None and decode_dtype("bfloat16", cpu) == torch.bfloat16
     with pytest.raises(ValueError, match="engine dtype must be one of model, float32, bfloat16, float16, auto"):
         EngineRollout(dtype="bf16")
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (5, 4, 32)])
+def test_torch_norm_rounds_once_like_a_float64_formula(shape):
+    """``_torch_rms_norm`` in bf16 against weight * x / sqrt(mean(x^2) + eps) computed in float64 and rounded to
+    bf16 once: within one bf16 step everywhere and equal almost everywhere (its float32 arithmetic may land on
+    the other side of a rounding boundary). The model's formula rounds twice (the normed values, then their
+    product with the weight), so it is equal less often. A stacked per-head weight (Qwen3's q/k norms) is applied
+    after the norm, as the model does."""
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(shape, generator=g) * 3).to(torch.bfloat16)
+    weight = (1 + torch.randn(shape[-1] if len(shape) == 2 else shape[1:], generator=g) / 2).to(torch.bfloat16)
+    eps = 1e-6
+    x64 = x.double()
+    normed64 = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
+    got = fused._torch_rms_norm(x, weight, eps)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    if weight.dim() == 1:
+        want = (normed64 * weight.double()).to(torch.bfloat16)
+        model_way = fused._rms_norm(x, weight, eps)
+        same, model_same = (got == want).double().mean(), (model_way == want).double().mean()
+        assert same >= 0.99 and same > model_same
+    else:  # the model's order: normed rounded to bf16, then the bf16 product with the weight
+        want = (weight.double() * normed64.to(torch.bfloat16).double()).to(torch.bfloat16)
+        assert (got == want).double().mean() >= 0.99
+    step = want.double().abs().clamp_min(1e-30) * 2.0 ** -7  # one bf16 step (8 significant bits)
+    assert ((got.double() - want.double()).abs() <= step).all()
+
+
+def test_the_norm_option_resolves_by_device_and_dtype():
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert fused.torch_norm_for("auto", torch.bfloat16, cuda) and fused.torch_norm_for("auto", torch.float16, cuda)
+    assert not fused.torch_norm_for("auto", torch.float32, cuda)  # float32 decoding stays exact
+    assert not fused.torch_norm_for("auto", torch.bfloat16, cpu)  # a composite on a CPU: slower, no gain
+    assert fused.torch_norm_for("torch", torch.float32, cpu) and not fused.torch_norm_for("model", torch.bfloat16, cuda)
+    with pytest.raises(ValueError, match="engine norm must be one of auto, model, torch; got 'fused'"):
+        EngineRollout(norm="fused")
 
 
 @pytest.fixture(scope="module")

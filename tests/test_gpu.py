@@ -5,8 +5,9 @@ Every test here is marked ``gpu`` and skipped where CUDA is absent (CI's machine
 a CPU test:
 
 * the fused engine's log-probs on CUDA equal one full forward of the model on CUDA (``test_engine.py``);
-* ``dtype: auto`` decodes in bf16 on a GPU, within bf16 rounding of the model's own bf16 forward. The bound is
-  measured in the test, as in ``test_engine_dtype.py``;
+* ``dtype: auto`` decodes in bf16 on a GPU, within bf16 rounding of the model's own bf16 forward, with the RMS
+  norms through ``F.rms_norm`` (``norm: auto``) and through the model's formula. The bound is measured in the
+  test, as in ``test_engine_dtype.py``;
 * rlflow's var-len attention gives packed log-probs equal to padded ones on CUDA, in float32 and bf16
   (``test_packing_support.py``);
 * a few ``rlflow fit`` steps run under ``fsdp2_bf16`` (one rank) and under ``bf16-mixed``, with the KL term's
@@ -33,6 +34,7 @@ from conftest import ROOT, fit_args
 from test_engine import prompts_of
 from tiny_archs import IdTokenizer, tiny_causal_lm
 
+from rlflow.rollout import fused
 from rlflow.rollout.base import SamplingParams
 from rlflow.rollout.engine import EngineRollout
 
@@ -64,16 +66,19 @@ def test_fused_engine_on_cuda_matches_a_full_forward(name):
             torch.testing.assert_close(got, forward_logprobs(model, prompt, c.token_ids, 0.8), atol=1e-4, rtol=0)
 
 
-def test_auto_dtype_decodes_in_bf16_on_cuda_within_bf16_rounding():
+@pytest.mark.parametrize("norm", ["auto", "model"])
+def test_auto_dtype_decodes_in_bf16_on_cuda_within_bf16_rounding(norm):
     """The bound is the model's own bf16 forward against its float32 forward on the same tokens; the engine's
-    bf16 log-probs lie as close to the bf16 forward (a factor 2: another order of operations)."""
+    bf16 log-probs lie as close to the bf16 forward (a factor 2: another order of operations), with the RMS norms
+    through ``F.rms_norm`` (``norm: auto`` on a GPU in bf16) and through the model's formula."""
     model = tiny_causal_lm("qwen3", seed=1).cuda()
     half = copy.deepcopy(model).to(torch.bfloat16)
-    engine = EngineRollout(seed=0, dtype="auto")
+    engine = EngineRollout(seed=0, dtype="auto", norm=norm)
     engine.bind(model, IdTokenizer())
     prompts = prompts_of([11, 17, 8], seed=2)
     groups = engine.generate(prompts, SamplingParams(1.0, max_tokens=12), n=3)
     assert engine._kept_decoder[1].dtype == torch.bfloat16
+    assert engine._kept_decoder[1].rms_norm is (fused._torch_rms_norm if norm == "auto" else fused._rms_norm)
     engine_vs_half, float_vs_half = [], []
     for prompt, group in zip(prompts, groups):
         for c in group:

@@ -20,7 +20,8 @@ weights, as vLLM and lmdeploy decode), with the model's own order of operations 
 those of the model cast to ``dtype`` up to rounding (no folds: they would round differently from that model).
 The engine's KV caches are then in that dtype too (half the bytes a decode step's attention reads). An
 :class:`~rlflow.lm_head.FP32Linear` head (``model.cast_lm_head_to_fp32``) keeps a float32 copy and its product in
-float32 whatever ``dtype`` is.
+float32 whatever ``dtype`` is. With ``norm`` (the engine's ``norm`` option; by default on a CUDA GPU in 16 bits) the
+RMS norms run as ``F.rms_norm``, one kernel instead of seven launches, rounding once where the model rounds twice.
 
 LoRA (PEFT) projections are folded: each one's weight copy is its base weight plus the adapters' delta
 (:func:`rlflow.lora.linear_weights`), computed when the decoder is built, so a rollout samples from the adapted
@@ -59,6 +60,32 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
     if weight is None:
         return normed
     return weight * normed.to(x.dtype)
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The same norm through ``F.rms_norm``: one kernel on a CUDA GPU, where the formula above is five kernels plus
+    two casts, each a launch in a launch-bound decode step. Its statistics are float32 as above, but it applies the
+    weight before its one rounding to ``x``'s dtype, where the model rounds twice (the normed values, then their
+    product with the weight): in 16 bits its output differs from the model's forward by rounding. Qwen3's stacked
+    q/k norm weights (one row per head) are applied after it, as the model does."""
+    if weight is not None and weight.dim() > 1:
+        return weight * F.rms_norm(x, (x.shape[-1],), None, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+NORMS = ("auto", "model", "torch")
+
+
+def torch_norm_for(choice: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the decoder's RMS norms go through ``F.rms_norm`` for the engine's ``norm`` option: ``auto`` where
+    the decoder computes in 16 bits on a CUDA GPU (there the fused kernel decoded the Qwen3-0.6B shape 1.65x
+    faster on an H100; in float32 the model's formula keeps the logits exact, and on a CPU ``F.rms_norm`` is a
+    composite of the same operators, 11% slower)."""
+    if choice not in NORMS:
+        raise ValueError(f"engine norm must be one of {', '.join(NORMS)}; got {choice!r}")
+    if choice == "auto":
+        return device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+    return choice == "torch"
 
 
 def _linear(x: torch.Tensor, weight_t: torch.Tensor | PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -172,11 +199,13 @@ class FusedDecoder:
     """The decode-step forward of a supported decoder over its live weights (see the module docstring)."""
 
     @torch.no_grad()
-    def __init__(self, model: Any, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model: Any, dtype: torch.dtype | None = None, norm: str = "model") -> None:
         """
         Args:
             model: The live model (a supported decoder, optionally under PEFT LoRA).
             dtype: Dtype of the decoder's weight copies and arithmetic; None: the model's own.
+            norm: RMS norms by the model's formula (``model``), through ``F.rms_norm`` (``torch``), or ``auto``
+                (:func:`torch_norm_for`).
         """
         reason = self.unsupported_reason(model)
         if reason:
@@ -197,6 +226,7 @@ class FusedDecoder:
         self.head_fp32 = is_fp32_head(model.lm_head)  # model.cast_lm_head_to_fp32: the product in float32
         head_cast = torch.float32 if self.head_fp32 else cast
         self.lm_head_w, self.lm_head_b = model.lm_head.weight, _cast(model.lm_head.bias, head_cast)
+        self.rms_norm = _torch_rms_norm if torch_norm_for(norm, self.dtype, self.embed.device) else _rms_norm
         if fold:
             self.lm_head_w, self.norm_w = self.lm_head_w * self.norm_w, None
         self.norm_w = _cast(self.norm_w, cast)
@@ -296,19 +326,19 @@ class FusedDecoder:
         h = F.embedding(tokens, self.embed).to(self.dtype)
         cos, sin = self._rope(h, positions)  # [rows, 1, dim]
         for idx, layer in enumerate(self.layers):
-            x = _rms_norm(h, layer.ln1_w, layer.ln1_eps)
+            x = self.rms_norm(h, layer.ln1_w, layer.ln1_eps)
             qkv = _linear(x, layer.qkv_w, layer.qkv_b)
             qk = qkv[:, : layer.q_size + layer.kv_size].view(rows, heads + kv_heads, dim)
             v = qkv[:, layer.q_size + layer.kv_size:].view(rows, kv_heads, 1, dim)
             if layer.qk_norm is not None:
-                qk = _rms_norm(qk, *layer.qk_norm)
+                qk = self.rms_norm(qk, *layer.qk_norm)
             qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)[:, :, None]  # RoPE on q and k at once
             out = attend(idx, qk[:, :heads], qk[:, heads:], v, layer.scaling)
             h = _residual(h, out, layer.o_w, layer.o_b)
-            x = _rms_norm(h, layer.ln2_w, layer.ln2_eps)
+            x = self.rms_norm(h, layer.ln2_w, layer.ln2_eps)
             gate, up = _linear(x, layer.gate_up_w, layer.gate_up_b).split(layer.inter, dim=-1)
             h = _residual(h, layer.act(gate) * up, layer.down_w, layer.down_b)
         if select is not None:
             h = h[select]
-        h = _rms_norm(h, self.norm_w, self.norm_eps)
+        h = self.rms_norm(h, self.norm_w, self.norm_eps)
         return _linear(h.float() if self.head_fp32 else h, self.lm_head_w, self.lm_head_b)
