@@ -1,20 +1,20 @@
 #!/usr/bin/env bash
 # The GPU checks, in one run on a lent GPU machine (issue "A real pretrained model end to end, and speed at real
 # scale", point 6): the gpu-marked tests, the engine against model.generate on CUDA in float32 and bf16 (the tiny
-# model and a random-init model of Qwen3-0.6B's shape), achieved FLOP/s against the GPU's matmul peak, and rlflow
-# fit steps under FSDP2 on the GPU. Everything it prints also goes to $OUT/gpu_check.log, and each run's
-# metrics.csv to $OUT.
+# model and a random-init model of Qwen3-0.6B's shape), the engine's RMS-norm option, achieved FLOP/s against the
+# GPU's matmul peak, and rlflow fit steps on the GPU (under FSDP2, bf16-mixed, pipelined, and with gradient
+# checkpointing). Everything it prints also goes to $OUT/gpu_check.log, and each run's metrics.csv to $OUT.
 #
 # The machine has no package index. Prepare it here, then start it through the device tool:
 #   bash tools/gpu_wheels.sh          # jsonargparse, transformers, ... as wheels in .whl/
 #   bash tools/demo.sh                # (or make_tiny_model.py) so checkpoints/tiny-qwen3 and checkpoints/arith exist
 #   device run: command "bash tools/gpu_check.sh", carry [".whl", "checkpoints/tiny-qwen3", "checkpoints/arith",
 #               "rlflow.egg-info"], timeout_s 560
-# It took 8.5 minutes on an H100 (2026-11-26; starting the machine added ~30 s of device time; its log is
-# docs/gpu/2026-11-26-h100.log); since then the FLOP/s bench repeats twice and the 0.6B fit makes 64 tokens, to
-# pay for the full-size rollout warm-ups and stay inside 560 s. RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2 runs the
-# same steps on a CPU, smaller (a dry run of the script itself); a step that fails is reported and the rest still
-# run; the exit status is 1 if any failed.
+# It took 8.5 minutes on an H100 (2026-11-26, docs/gpu/2026-11-26-h100.log) and, with SKIP_FLOPS=1 and before the
+# norm bench was added, 5.6 minutes (2026-11-27, docs/gpu/2026-11-27-h100.log); starting the machine adds ~30 s of
+# device time. RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2 runs the same steps on a CPU, smaller (a dry run of the
+# script itself); SKIP_FLOPS=1 leaves out the FLOP/s bench. A step that fails is reported and the rest still run;
+# the exit status is 1 if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
@@ -76,9 +76,15 @@ step "rollout: engine vs model.generate, Qwen3-0.6B shape, float32 and bf16"
 run "$PY" tools/bench_rollout.py --device "$DEVICE" --dtype both --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
   --max-tokens "$TOKENS" --repeats 3 --rollouts 1 --full-warmup
 
+step "the engine's RMS norms in bf16: F.rms_norm (norm: torch, the default on a GPU) against the model's formula"
+run "$PY" tools/bench_norm.py --device "$DEVICE" --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
+  --max-tokens "$TOKENS" --repeats 3
+
+if [ -z "${SKIP_FLOPS:-}" ]; then
 step "achieved FLOP/s against the matmul peak, Qwen3-0.6B shape, bf16"
 run "$PY" tools/bench_flops.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --seqs "$PROMPTS" \
   --prompts "$PROMPTS" --n 8 --completion "$TOKENS" --repeats 2
+fi
 
 fit() {  # fit NAME STEPS ARGS...: an rlflow fit run on the demo config, its metrics.csv copied to $OUT/NAME.csv
   local name=$1 steps=$2; shift 2
@@ -97,9 +103,12 @@ step "rlflow fit: the demo config, bf16-mixed without FSDP (the engine decodes i
 fit demo_bf16 "$STEPS" --trainer.precision=bf16-mixed --data.rollout=engine \
   --data.rollout.init_args.dtype=auto
 
-step "rlflow fit: Qwen3-0.6B shape under FSDP2, $FIT_TOKENS new tokens, a dense reward"
+step "rlflow fit: the demo config pipelined (max_staleness 1): a CUDA trainer, the generator process on CPU cores"
+fit demo_pipelined "$STEPS" --data.max_staleness=1 --data.generator_threads=4
+
+step "rlflow fit: Qwen3-0.6B shape under FSDP2 with gradient checkpointing, $FIT_TOKENS new tokens, a dense reward"
 fit shape_fsdp2 "$SHAPE_STEPS" --model.model_path="$SHAPE" --trainer.strategy=fsdp2_bf16 \
-  --trainer.precision=32-true --data.max_tokens="$FIT_TOKENS" --data.eval_data_path=null --model.lr=1e-6 \
+  --trainer.precision=32-true --model.gradient_checkpointing=true --data.max_tokens="$FIT_TOKENS" --data.eval_data_path=null --model.lr=1e-6 \
   '--data.judgers={"*": "test_gpu:even_id_share"}'
 
 step "done"
