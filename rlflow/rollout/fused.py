@@ -21,7 +21,7 @@ those of the model cast to ``dtype`` up to rounding (no folds: they would round 
 The engine's KV caches are then in that dtype too (half the bytes a decode step's attention reads). An
 :class:`~rlflow.lm_head.FP32Linear` head (``model.cast_lm_head_to_fp32``) keeps a float32 copy and its product in
 float32 whatever ``dtype`` is. With ``norm`` (the engine's ``norm`` option; by default on a CUDA GPU in 16 bits) the
-RMS norms run as ``F.rms_norm``, one kernel instead of seven launches, rounding once where the model rounds twice.
+RMS norms run as ``F.rms_norm``, one kernel instead of eight, rounding once where the model rounds twice.
 
 LoRA (PEFT) projections are folded: each one's weight copy is its base weight plus the adapters' delta
 (:func:`rlflow.lora.linear_weights`), computed when the decoder is built, so a rollout samples from the adapted
@@ -63,7 +63,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch
 
 
 def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """The same norm through ``F.rms_norm``: one kernel on a CUDA GPU, where the formula above is five kernels plus
+    """The same norm through ``F.rms_norm``: one kernel on a CUDA GPU, where the formula above is six kernels plus
     two casts, each a launch in a launch-bound decode step. Its statistics are float32 as above, but it applies the
     weight before its one rounding to ``x``'s dtype, where the model rounds twice (the normed values, then their
     product with the weight): in 16 bits its output differs from the model's forward by rounding. Qwen3's stacked
@@ -78,7 +78,7 @@ NORMS = ("auto", "model", "torch")
 
 def torch_norm_for(choice: str, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the decoder's RMS norms go through ``F.rms_norm`` for the engine's ``norm`` option: ``auto`` where
-    the decoder computes in 16 bits on a CUDA GPU (there the fused kernel decoded the Qwen3-0.6B shape 1.65x
+    the decoder computes in 16 bits on a CUDA GPU (there the fused kernel decoded the Qwen3-0.6B shape 1.46x
     faster on an H100; in float32 the model's formula keeps the logits exact, and on a CPU ``F.rms_norm`` is a
     composite of the same operators, 11% slower)."""
     if choice not in NORMS:
