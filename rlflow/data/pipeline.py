@@ -219,8 +219,16 @@ class RolloutPipeline:
         """On a CPU, leave the generator process its ``data.generator_threads`` cores: the trainer's torch threads
         are cut to the rest (at least 1) for the run when the two would oversubscribe the cores this process may
         use (threads of two busy processes spinning on the same cores slow both far more than they gain), and
-        restored by :meth:`close`."""
-        if self.trainer_threads is not None or next(policy.parameters()).device.type != "cpu":
+        restored by :meth:`close`. A policy on a GPU keeps the trainer's threads; the generator process still
+        decodes on CPU cores (its copy of the weights is in shared CPU memory), which is said once."""
+        device = next(policy.parameters()).device
+        if self.trainer_threads is not None:
+            return
+        if device.type != "cpu":
+            info(f"data.max_staleness={self.gate.max_staleness}: the policy is on {device}; the generator process "
+                 f"decodes on CPU cores ({self.threads} torch threads, data.generator_threads) from a CPU copy of "
+                 "its weights refreshed every rollout step. That pays for small models; generation on GPUs is the "
+                 "lmdeploy backend's (servers that keep generating while the trainer steps)")
             return
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = torch.get_num_threads()
