@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_rollout import load_prompts
+from bench_rollout import add_model_args, load_prompts
 
 
 def linear_weights(model: torch.nn.Module) -> int:
@@ -115,11 +115,8 @@ def training_batch(prompts: list[list[int]], completion: int, vocab: int, pad_id
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="checkpoints/tiny-qwen3", help="Hugging Face model directory")
-    ap.add_argument("--data", default="checkpoints/arith/train.jsonl", help="jsonl with a 'prompt' field")
+    add_model_args(ap, prompts=4)
     ap.add_argument("--seqs", type=int, default=8, help="sequences in the training pass")
-    ap.add_argument("--prompts", type=int, default=4, help="prompts per rollout")
-    ap.add_argument("--n", type=int, default=8, help="completions per prompt")
     ap.add_argument("--completion", type=int, default=48, help="completion tokens (training) / most new tokens")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--peak-size", type=int, default=2048)

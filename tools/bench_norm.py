@@ -21,7 +21,7 @@ import statistics
 import time
 
 import torch
-from bench_rollout import load_prompts
+from bench_rollout import add_model_args, load_prompts
 
 
 @torch.no_grad()
@@ -34,10 +34,7 @@ def forward_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tenso
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="checkpoints/tiny-qwen3", help="Hugging Face model directory")
-    ap.add_argument("--data", default="checkpoints/arith/train.jsonl", help="jsonl with a 'prompt' field")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--n", type=int, default=8, help="completions per prompt")
+    add_model_args(ap)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3, help="timed rollouts of each engine (alternating)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

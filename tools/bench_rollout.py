@@ -55,6 +55,15 @@ def load_prompts(path: str, tokenizer, count: int) -> list[list[int]]:
     return prompts
 
 
+def add_model_args(ap: argparse.ArgumentParser, prompts: int = 16) -> None:
+    """The model, the prompts' jsonl file, how many of its prompts, and completions per prompt: what every
+    rollout benchmark here takes (``bench_rollout``, ``bench_flops``, ``bench_norm``)."""
+    ap.add_argument("--model", default="checkpoints/tiny-qwen3", help="Hugging Face model directory")
+    ap.add_argument("--data", default="checkpoints/arith/train.jsonl", help="jsonl with a 'prompt' field")
+    ap.add_argument("--prompts", type=int, default=prompts, help="prompts per rollout")
+    ap.add_argument("--n", type=int, default=8, help="completions per prompt (the GRPO group size)")
+
+
 def run_once(backend, prompts, params, n, rollouts: int = 1) -> tuple[float, int, list[int]]:
     """``rollouts`` back-to-back rollouts of ``prompts`` x ``n``: seconds, completion tokens, their lengths."""
     lengths: list[int] = []
@@ -67,10 +76,7 @@ def run_once(backend, prompts, params, n, rollouts: int = 1) -> tuple[float, int
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="checkpoints/tiny-qwen3", help="Hugging Face model directory")
-    ap.add_argument("--data", default="checkpoints/arith/train.jsonl", help="jsonl with a 'prompt' field")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--n", type=int, default=8, help="completions per prompt (the GRPO group size)")
+    add_model_args(ap)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-p", type=float, default=1.0)
