@@ -319,7 +319,6 @@ def test_pipelining_refuses_an_lmdeploy_engine_that_sleeps_during_training():
     generator.close()
 
 
-
 def test_a_policy_off_the_cpu_keeps_the_trainers_threads_and_says_where_generation_runs(caplog):
     """On a GPU (here the meta device stands in) the trainer's threads are not cut for the generator process,
     which still decodes on CPU cores: a user who set max_staleness on a GPU is told so, and what to use instead."""
@@ -332,6 +331,7 @@ def test_a_policy_off_the_cpu_keeps_the_trainers_threads_and_says_where_generati
     assert torch.get_num_threads() == threads and pipeline.trainer_threads is None
     assert "the policy is on meta; the generator process decodes on CPU cores (3 torch threads" in caplog.text
     assert "lmdeploy" in caplog.text
+
 
 # ------------------------------------------------------------------------------------ two FSDP ranks
 class SlowGeneratorOnRank(L.Callback):

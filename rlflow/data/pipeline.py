@@ -221,9 +221,9 @@ class RolloutPipeline:
         use (threads of two busy processes spinning on the same cores slow both far more than they gain), and
         restored by :meth:`close`. A policy on a GPU keeps the trainer's threads; the generator process still
         decodes on CPU cores (its copy of the weights is in shared CPU memory), which is said once."""
-        device = next(policy.parameters()).device
         if self.trainer_threads is not None:
             return
+        device = next(policy.parameters()).device
         if device.type != "cpu":
             info(f"data.max_staleness={self.gate.max_staleness}: the policy is on {device}; the generator process "
                  f"decodes on CPU cores ({self.threads} torch threads, data.generator_threads) from a CPU copy of "
