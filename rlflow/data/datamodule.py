@@ -42,21 +42,24 @@ from rlflow.data.dataset import PromptRecord
 from rlflow.data.dynamic_sampling import DynamicSampling, Groups
 from rlflow.data.experience import Experience, RolloutStep
 from rlflow.data.mix import MixBatchSampler
-from rlflow.data.pipeline import make_pipeline
+from rlflow.data.pipeline import make_pipeline, worker_spec
 from rlflow.data.prompts import PromptSet
 from rlflow.data.replay_buffer import ReplayBuffer
 from rlflow.data.rollout_metrics import rollout_metrics
 from rlflow.data.sampler import PromptBatchSampler, PromptLoader
 from rlflow.data.sources import parse_sources, per_source_means
+from rlflow.data.split import SplitRollout, split_problem
 from rlflow.distributed import all_gather
 from rlflow.evaluation import eval_seed, isolated_rng
 from rlflow.judgers.base import Judger
 from rlflow.judgers.overlap import generate_and_judge
 from rlflow.judgers.panel import JudgePanel
+from rlflow.log import info
 from rlflow.rollout import prestart
 from rlflow.rollout.base import RolloutBackend, SamplingParams, pad_with_eos, stop_token_ids
 from rlflow.rollout.draws import isolated_draws
 from rlflow.rollout.multiturn import MultiTurn, RecordsRollout, multiturn_metrics
+from rlflow.rollout.process import GeneratorProcess
 from rlflow.rollout.select import resolve_backend
 from rlflow.vision import ImageInputs, any_images, check_backend_accepts_images, load_processor, rollout_prompts
 
@@ -111,6 +114,7 @@ class RolloutDataModule(L.LightningDataModule):
         partial_rollouts: bool = False,
         partial_swap_step: int = 0,
         lend_cores: bool = True,
+        split_rollout: bool = False,
     ) -> None:
         """
         Args:
@@ -198,6 +202,11 @@ class RolloutDataModule(L.LightningDataModule):
                 waits between two decode iterations (engine backend). Faster where training is the larger part of a
                 step (the demo); ``false`` where generation is (longer completions, bigger models). Either way
                 the threads depend on the phase, not on timing, so runs stay reproducible.
+            split_rollout: With ``max_staleness: 0``, the engine backend and a policy on a CPU (one process): the
+                generator process (``generator_threads``) decodes the second half of each rollout's prompts while
+                the trainer decodes the first half on the other cores, both from the trainer's random streams, so
+                the completions are those of one process (see :mod:`rlflow.data.split`). Faster where a decode
+                step's small operators leave a second core idle (small models); the generator idles meanwhile.
         """
         check_data_args(locals())  # every invalid value is one ConfigError naming its option
         super().__init__()
@@ -262,6 +271,16 @@ class RolloutDataModule(L.LightningDataModule):
         self._record_index: dict[int, int] | None = None  # id(train record) -> its index (skip_solved)
         self.overlap_judging = overlap_judging
         self.max_staleness = max_staleness
+        if split_rollout and max_staleness:
+            raise ConfigError(f"data.split_rollout shares the on-policy rollout with the generator process; with "
+                              f"data.max_staleness={max_staleness} that process generates ahead instead: set one "
+                              "of them")
+        if split_rollout and (tools or environment is not None):
+            raise ConfigError("multi-turn rollouts (data.tools, data.environment) are not split: set "
+                              "data.split_rollout=false")
+        self.split_rollout, self.generator_threads = split_rollout, generator_threads
+        self.split: SplitRollout | None = None  # data.split_rollout: the backend of fit's rollouts (bind)
+        self._split_generator: GeneratorProcess | None = None  # started in setup("fit"), attached in bind
         self.pipeline = make_pipeline(max_staleness, stale_policy, generator_threads, seed, dynamic_sampling,
                                       multiturn=bool(tools) or environment is not None,
                                       partial_rollouts=partial_rollouts, partial_swap_step=partial_swap_step,
@@ -315,8 +334,10 @@ class RolloutDataModule(L.LightningDataModule):
         return self.pipeline.all_cores() if self.pipeline is not None else contextlib.nullcontext()
 
     def setup(self, stage: str) -> None:
-        if self.pipeline is None:  # `rlflow fit` predicted a pipelined run from the command line; it is not one
-            prestart.discard()
+        if self.pipeline is None and not (self.split_rollout and stage == "fit"):
+            prestart.discard()  # `rlflow fit` predicted a run with a generator process; it is not one
+        if stage == "fit" and self.split_rollout and self._split_generator is None and self.split is None:
+            self._split_generator = GeneratorProcess(self.generator_threads, tokenizer_path=self.tokenizer_path)
         if stage == "fit" and self.sampler is None and self.pipeline is not None:
             # data.max_staleness > 0: the generator process starts first, so that its imports and tokenizer
             # overlap everything the trainer loads before the first step
@@ -364,6 +385,21 @@ class RolloutDataModule(L.LightningDataModule):
             self.backend.bind(policy, self.load_tokenizer())
         if self.pipeline is not None and self.trainer is not None and self.trainer.state.fn == "fit":
             self.pipeline.start(self)  # data.max_staleness > 0: the generator starts up alongside the trainer
+        if self.split_rollout and self.split is None and self.trainer is not None and self.trainer.state.fn == "fit":
+            problem = split_problem(self.backend, self.world_size, self.generator_threads)
+            if problem:
+                info(f"data.split_rollout is off for this run: {problem}")
+                self.split_rollout = False
+                if self._split_generator is not None:
+                    self._split_generator.close()
+                    self._split_generator = None
+            else:
+                self.split = SplitRollout(self.backend, self.generator_threads, self._split_generator)
+                self._split_generator = None
+                self.split.attach(self.tokenizer_path, worker_spec(self))
+                info(f"data.split_rollout: the generator process decodes half of each rollout's prompts on "
+                     f"{self.generator_threads} torch thread(s), the trainer the other half on "
+                     f"{self.split.local_threads}")
         return self.backend
 
     def rollout_prompts(self, records: list[PromptRecord]) -> list[list[int]]:
@@ -463,7 +499,7 @@ class RolloutDataModule(L.LightningDataModule):
     def rollout_backend(self, records: list[PromptRecord]) -> RolloutBackend:
         """The backend that generates ``records``: the configured one, or its multi-turn view."""
         if self.multiturn is None:
-            return self.backend
+            return self.split if self.split is not None else self.backend
         return RecordsRollout(self.multiturn, self.backend, records)
 
     def rank_share(self, batch: list[PromptRecord]) -> list[PromptRecord]:
@@ -571,3 +607,8 @@ class RolloutDataModule(L.LightningDataModule):
     def teardown(self, stage: str) -> None:
         if self.pipeline is not None and stage == "fit":
             self.pipeline.close()  # the generator process
+        if stage == "fit":
+            for split in (self.split, self._split_generator):
+                if split is not None:
+                    split.close()
+            self.split = self._split_generator = None

@@ -210,7 +210,7 @@ class RolloutPipeline:
                 self.generator = ThreadGenerator(dm.backend)
             return
         self.prestart()
-        self.generator.attach(dm.backend.model, dm.tokenizer_path, _worker_spec(dm))
+        self.generator.attach(dm.backend.model, dm.tokenizer_path, worker_spec(dm))
         self.share_cores(dm.backend.model)
         # the worker runs the trainer's backend class: the engine can be held between decode iterations
         self.lends_cores = self.lend_cores and hasattr(dm.backend, "step_hook")
@@ -380,7 +380,7 @@ def check_partial(dm: Any) -> None:
                           "data.partial_rollouts=false")
 
 
-def _worker_spec(dm: Any) -> Any:
+def worker_spec(dm: Any) -> Any:
     """What the generator process builds its backend from: ``data.rollout`` when it is a name or mapping, else
     the class of the trainer's backend."""
     spec = dm.rollout_spec

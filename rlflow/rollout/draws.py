@@ -80,6 +80,13 @@ def call_key(seed: int | None, calls: int) -> int:
     return int(torch.randint(0, 2 ** 62, (1,)).item())
 
 
+def keyed_requests(prompts: list[list[int]], key: int, n: int, first: int = 0) -> list[DecodeRequest]:
+    """One request of ``n`` rows per prompt, tagged with its index in ``prompts``; sample ``s`` of prompt ``i`` draws
+    from the stream ``(key, first + i, s)``: prompts ``first, first + 1, ...`` of a call of key ``key``, so a share
+    of a call decoded elsewhere (:mod:`rlflow.data.split`) samples what the whole call would."""
+    return [DecodeRequest(p, [stream_key(key, first + i, s) for s in range(n)], tag=i) for i, p in enumerate(prompts)]
+
+
 class CallKeys:
     """The call keys of a backend that samples with per-row draws (the ``engine`` and ``hf`` backends): ``seed``
     and ``calls``, the count of seeded calls, are its whole random state, which the data module checkpoints
@@ -98,8 +105,7 @@ class CallKeys:
     def prompt_requests(self, prompts: list[list[int]], greedy: bool, n: int) -> list[DecodeRequest]:
         """One request of ``n`` rows per prompt (tagged with its index), sample ``s`` of prompt ``i`` drawing from the
         stream ``(call key, i, s)``; a greedy call uses no draws and leaves the random state where it is."""
-        key = 0 if greedy else self.next_call_key()
-        return [DecodeRequest(p, [stream_key(key, i, s) for s in range(n)], tag=i) for i, p in enumerate(prompts)]
+        return keyed_requests(prompts, 0 if greedy else self.next_call_key(), n)
 
     def reseed(self, seed: int) -> None:
         """Restart a seeded backend's draws from ``seed``; without a seed the call keys keep coming from torch's

@@ -1,18 +1,20 @@
-"""Start the pipelined generator process before the trainer imports Lightning (``rlflow fit`` only).
+"""Start the generator process before the trainer imports Lightning (``rlflow fit`` only).
 
 A pipelined run (``data.max_staleness > 0``) generates in a second process (:mod:`rlflow.rollout.process`) that
 imports torch, transformers and rlflow before its first job: ~3 s on 2 idle cores, about as long as the trainer's
 own imports. Started from the data module's ``setup("fit")``, the earliest point that knows the config, that
 start-up shows up as the trainer's wait for step 1's completions. So the ``rlflow`` console script reads
 ``data.max_staleness`` from the command line before it imports anything heavy and, when it is above 0, starts
-the worker at once (:func:`from_argv`): its imports run beside the trainer's, and
+the worker at once (:func:`from_argv`; also for ``data.split_rollout: true``, whose on-policy rollouts the worker
+shares, :mod:`rlflow.data.split`): its imports run beside the trainer's, and
 :class:`~rlflow.rollout.process.GeneratorProcess` adopts it (:func:`adopt`) instead of starting another.
 
 This module and :mod:`rlflow.rollout.worker` import only the standard library and PyYAML (the worker imports
 torch when it starts), so that the start is not delayed.
 
 Simplifications: a prediction from plain YAML, not jsonargparse's parse: the ``--config``/``-c`` files (later ones
-win) and ``--data.max_staleness``, ``--data.generator_threads`` and ``--data.rollout`` given on the command line;
+win) and ``--data.max_staleness``, ``--data.generator_threads``, ``--data.split_rollout`` and ``--data.rollout``
+given on the command line;
 anything else (a ``--data`` file, a value that is not a plain number) predicts nothing, and the run starts its
 worker at ``setup("fit")`` as before. A prediction that the parsed config overrules costs a process that stops
 at ``setup`` (:func:`discard`) or with the trainer (it is a daemon). ``data.rollout: lmdeploy`` needs no process
@@ -82,7 +84,8 @@ def _stop(process: Any, jobs: Any) -> None:
 
 def predict(argv: list[str]) -> tuple[int, int] | None:
     """``(data.max_staleness, data.generator_threads)`` as ``argv`` (after ``fit``) sets them, or None when it
-    cannot tell or the run does not need a generator process (see the module doc)."""
+    cannot tell or the run does not need a generator process (see the module doc): it needs one when pipelined, or
+    on-policy with ``data.split_rollout: true`` (:mod:`rlflow.data.split`)."""
     import yaml
 
     data: dict[str, Any] = {}
@@ -110,7 +113,9 @@ def predict(argv: list[str]) -> tuple[int, int] | None:
             except yaml.YAMLError:
                 return None
     staleness, threads = data.get("max_staleness", 0), data.get("generator_threads", 1)
-    if not (isinstance(staleness, int) and isinstance(threads, int)) or staleness <= 0 or threads < 1:
+    if not (isinstance(staleness, int) and isinstance(threads, int)) or staleness < 0 or threads < 1:
+        return None
+    if staleness == 0 and data.get("split_rollout") is not True:  # on-policy without a split: no process
         return None
     if "lmdeploy" in str(data.get("rollout", "")).lower():
         return None

@@ -37,6 +37,8 @@ class Job:
     n: int
     delay: float = 0.0  # seconds to sleep before generating (tests: an adversarially slow generator)
     swap_at: int | None = None  # partial rollouts: the decode iteration before which new weights come in
+    call_key: int | None = None  # a share of the trainer's sampling call (rlflow.data.split): its key...
+    first: int = 0  # ...and the call's index of this job's first prompt
 
 
 @dataclass
@@ -155,7 +157,8 @@ def run_job(job: Job, backend: Any, jobs: Any = None, results: Any = None, paren
         backend.min_shared_prefix = 0
     start = time.perf_counter()
     try:
-        groups = backend.generate(job.prompts, job.params, n=job.n)
+        groups = share_of_call(backend, job) if job.call_key is not None else \
+            backend.generate(job.prompts, job.params, n=job.n)
     finally:
         if pausable or partial:
             backend.step_hook = None
@@ -164,6 +167,19 @@ def run_job(job: Job, backend: Any, jobs: Any = None, results: Any = None, paren
     seconds = time.perf_counter() - start
     return JobResult(job.step, job.version, job.prompts, plain_groups(groups), seconds,
                      swapped[0] if swapped else None)
+
+
+def share_of_call(backend: Any, job: Job) -> list[list[Completion]]:
+    """The job's prompts sampled as prompts ``job.first, ...`` of the trainer's call of key ``job.call_key``
+    (:func:`rlflow.rollout.draws.keyed_requests`): what the trainer's engine would sample for them."""
+    from rlflow.rollout.draws import keyed_requests
+    from rlflow.rollout.requests import ListSource
+
+    groups: list[Any] = [None] * len(job.prompts)
+    requests = keyed_requests(job.prompts, job.call_key, job.n, job.first)
+    for request, group in backend.serve(ListSource(requests), job.params):
+        groups[request.tag] = group
+    return groups
 
 
 def _load_tokenizer(path: str) -> Any:
