@@ -64,6 +64,7 @@ from rlflow.model_path import check_model_path
 from rlflow.moe import collect_router_logits, router_aux_coef
 from rlflow.optim import UpdateFraction, build_lr_scheduler, build_optimizer, check_optimizer, rebuild_lr_scheduler
 from rlflow.reference import check_same_layout, check_sync, sync_reference
+from rlflow.rms_norm import use_fast_rms_norm
 from rlflow.step_unit import count_rollout_step, optimizer_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -169,6 +170,7 @@ class GRPOModule(L.LightningModule):
         dtype: str = "float32",
         attn_implementation: str | None = None,
         gradient_checkpointing: bool = False,
+        fast_rms_norm: bool = True,
         disable_dropout: bool = True,
         cast_lm_head_to_fp32: bool = False,
         router_aux_loss_coef: float | None = None,
@@ -232,6 +234,9 @@ class GRPOModule(L.LightningModule):
                 the share of weights each step changed).
             attn_implementation: transformers attention implementation (``sdpa``, ``eager``, ``flash_attention_2``...).
             gradient_checkpointing: Recompute activations in the backward pass to save memory.
+            fast_rms_norm: Give the policy's RMSNorm modules a hand-written backward pass (:mod:`rlflow.rms_norm`:
+                the model's own forward, bit for bit; gradients equal to float32 rounding, in fewer passes over
+                memory). Float32 training only; other calls run the module's own forward.
             disable_dropout: Set the policy's dropout probabilities to 0 (TRL's ``disable_dropout``): with dropout
                 the training forward's log-probs differ from the sampler's, the old policy's and the reference's
                 for the same tokens, noise the ratio and the KL read as a policy change (:mod:`rlflow.dropout`).
@@ -320,6 +325,8 @@ class GRPOModule(L.LightningModule):
                 info(f"model.disable_dropout: set {len(switched)} dropout probabilities of the policy to 0 "
                      f"({', '.join(switched[:3])}{', ...' if len(switched) > 3 else ''})")
         self.setup_vision()
+        if hp.get("fast_rms_norm", True):
+            use_fast_rms_norm(self.policy)
         if hp.gradient_checkpointing:
             enable_activation_checkpointing(self.policy)
         if self.lora is not None:  # adapters injected in place: self.policy stays the model that runs
