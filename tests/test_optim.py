@@ -15,7 +15,7 @@ import torch
 from conftest import ROOT, fit_args
 
 from rlflow.config_error import ConfigError
-from rlflow.optim import LostUpdatesWarning, UpdateFraction, build_optimizer, check_optimizer
+from rlflow.optim import LostUpdatesWarning, UpdateFraction, build_optimizer, check_optimizer, fused_supported
 
 HAVE = {"adamw": True, "adamw_kahan": importlib.util.find_spec("optimi") is not None,
         "adamw_bf16_sr": importlib.util.find_spec("torchao") is not None}
@@ -251,3 +251,32 @@ def test_a_rebuilt_schedule_continues_as_a_run_of_the_new_length(schedule):
         long_sched.step()
         resumed.step()
     assert resumed.state_dict() == long_sched.state_dict()
+
+
+def test_adamw_takes_torchs_fused_kernel_where_the_parameters_allow_and_steps_as_the_formula():
+    """``adamw`` on plain CPU tensors is the fused kernel (the Hugging Face Trainer's default); its steps are
+    AdamW's formula, written out here in float64."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(7, 5)), torch.nn.Parameter(torch.randn(11))]
+    lr, (b1, b2), wd, eps = 1e-2, (0.9, 0.99), 0.1, 1e-8
+    opt = build_optimizer("adamw", params, lr, (b1, b2), wd)
+    assert opt.defaults["fused"] is True
+    start = [p.detach().double().clone() for p in params]
+    m = [torch.zeros_like(s) for s in start]
+    v = [torch.zeros_like(s) for s in start]
+    for t in range(1, 4):
+        grads = [torch.randn_like(p) for p in params]
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()
+        for i, g in enumerate(grads):
+            g = g.double()
+            start[i] *= 1 - lr * wd
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            start[i] -= lr * (m[i] / (1 - b1 ** t)) / ((v[i] / (1 - b2 ** t)).sqrt() + eps)
+    for p, want in zip(params, start):
+        assert torch.allclose(p.detach().double(), want, rtol=0, atol=1e-6)
+    assert not fused_supported([torch.zeros(3, dtype=torch.long)])  # not floating point
+    assert not fused_supported([torch.zeros(3, device="meta")])
+    assert fused_supported([{"params": [torch.zeros(3)]}])  # parameter groups too
