@@ -16,7 +16,6 @@ from conftest import fit_args
 from resume_helpers import metrics_by_step, run_args, trajectories
 
 from rlflow.cli import cli_main
-from rlflow.config_error import ConfigError
 from rlflow.data.split import SplitRollout, split_problem, torch_threads
 from rlflow.rollout import prestart
 from rlflow.rollout.base import SamplingParams
@@ -139,13 +138,16 @@ def test_split_problems_name_the_reason(policy):
         assert "meta" in split_problem(meta, 1, 1)
 
 
-@pytest.mark.parametrize("extra, match", [
-    (["--data.max_staleness=1"], "set one of them"),
+@pytest.mark.parametrize("extra, why", [
+    (["--data.max_staleness=1"], "data.max_staleness=1: the generator process generates ahead instead"),
     (["--data.tools=[calculator]"], "multi-turn rollouts"),
 ])
-def test_the_split_refuses_what_it_cannot_share(tiny_model, small_data, tmp_path, extra, match):
-    with pytest.raises(ConfigError, match=match):
-        cli_main(fit_args(tiny_model, small_data, tmp_path, "--data.split_rollout=true", *extra)[1:], run=False)
+def test_pipelined_or_multi_turn_runs_leave_the_split_off_and_say_so(tiny_model, small_data, tmp_path, extra, why,
+                                                                     caplog):
+    with caplog.at_level(logging.INFO, logger="rlflow"):
+        cli = cli_main(fit_args(tiny_model, small_data, tmp_path, "--data.split_rollout=true", *extra)[1:], run=False)
+    assert not cli.datamodule.split_rollout
+    assert f"data.split_rollout is off for this run: {why}" in caplog.text
 
 
 def test_rlflow_fit_starts_the_generator_early_for_a_split(tmp_path):

@@ -202,7 +202,8 @@ class RolloutDataModule(L.LightningDataModule):
                 waits between two decode iterations (engine backend). Faster where training is the larger part of a
                 step (the demo); ``false`` where generation is (longer completions, bigger models). Either way
                 the threads depend on the phase, not on timing, so runs stay reproducible.
-            split_rollout: With ``max_staleness: 0``, the engine backend and a policy on a CPU (one process): the
+            split_rollout: With ``max_staleness: 0`` (ignored, with a log line, when pipelined or multi-turn), the
+                engine backend and a policy on a CPU (one process, more than ``generator_threads`` torch threads): the
                 generator process (``generator_threads``) decodes the second half of each rollout's prompts while
                 the trainer decodes the first half on the other cores, both from the trainer's random streams, so
                 the completions are those of one process (see :mod:`rlflow.data.split`). Faster where a decode
@@ -271,13 +272,11 @@ class RolloutDataModule(L.LightningDataModule):
         self._record_index: dict[int, int] | None = None  # id(train record) -> its index (skip_solved)
         self.overlap_judging = overlap_judging
         self.max_staleness = max_staleness
-        if split_rollout and max_staleness:
-            raise ConfigError(f"data.split_rollout shares the on-policy rollout with the generator process; with "
-                              f"data.max_staleness={max_staleness} that process generates ahead instead: set one "
-                              "of them")
-        if split_rollout and (tools or environment is not None):
-            raise ConfigError("multi-turn rollouts (data.tools, data.environment) are not split: set "
-                              "data.split_rollout=false")
+        if split_rollout and (max_staleness or tools or environment is not None):
+            why = f"data.max_staleness={max_staleness}: the generator process generates ahead instead" \
+                if max_staleness else "multi-turn rollouts (data.tools, data.environment) are not split"
+            info(f"data.split_rollout is off for this run: {why}")
+            split_rollout = False
         self.split_rollout, self.generator_threads = split_rollout, generator_threads
         self.split: SplitRollout | None = None  # data.split_rollout: the backend of fit's rollouts (bind)
         self._split_generator: GeneratorProcess | None = None  # started in setup("fit"), attached in bind
