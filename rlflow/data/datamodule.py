@@ -171,7 +171,9 @@ class RolloutDataModule(L.LightningDataModule):
             seed: Seed of the prompt order (each epoch uses ``seed + epoch``).
             overlap_judging: With a backend that streams finished groups (``engine``), judge them in a background
                 thread while the rest of the batch is still generating (same rewards and metrics as judging the
-                whole batch at once); see :mod:`rlflow.judgers.overlap`.
+                whole batch at once); see :mod:`rlflow.judgers.overlap`. Pays for slow judgers (remote, math
+                verification); a judger of a few microseconds a sample is faster after generation, since its thread
+                contends with the decode loop for the GIL (the CPU demo: ~4% of a step; it sets ``false``).
             tools: Tools the policy may call, each an import path (``my_pkg.tools:search``, a TRL-style typed function
                 with a Google docstring) or a short name of the ``rlflow.tools`` group (``calculator``, ``python``);
                 from Python, the functions themselves.
