@@ -207,9 +207,10 @@ class RolloutDataModule(L.LightningDataModule):
             split_rollout: With ``max_staleness: 0`` (ignored, with a log line, when pipelined or multi-turn), the
                 engine backend and a policy on a CPU (one process, more than ``generator_threads`` torch threads): the
                 generator process (``generator_threads``) decodes the second half of each rollout's prompts while
-                the trainer decodes the first half on the other cores, both from the trainer's random streams, so
-                the completions are those of one process (see :mod:`rlflow.data.split`). Faster where a decode
-                step's small operators leave a second core idle (small models); the generator idles meanwhile.
+                the trainer decodes the first half on the rest of its threads, both from the trainer's random
+                streams, so the completions are those of one process (see :mod:`rlflow.data.split`). Faster where a
+                decode step's small operators leave a second core idle (small models); the generator idles
+                meanwhile.
         """
         check_data_args(locals())  # every invalid value is one ConfigError naming its option
         super().__init__()
@@ -335,9 +336,12 @@ class RolloutDataModule(L.LightningDataModule):
         return self.pipeline.all_cores() if self.pipeline is not None else contextlib.nullcontext()
 
     def setup(self, stage: str) -> None:
-        if self.pipeline is None and not (self.split_rollout and stage == "fit"):
+        # data.split_rollout: its generator process starts now (bind() says why where the split cannot run); one
+        # torch thread leaves none to share, so no process for it
+        split = stage == "fit" and self.split_rollout and torch.get_num_threads() > self.generator_threads
+        if self.pipeline is None and not split:
             prestart.discard()  # `rlflow fit` predicted a run with a generator process; it is not one
-        if stage == "fit" and self.split_rollout and self._split_generator is None and self.split is None:
+        if split and self._split_generator is None and self.split is None:
             self._split_generator = GeneratorProcess(self.generator_threads, tokenizer_path=self.tokenizer_path)
         if stage == "fit" and self.sampler is None and self.pipeline is not None:
             # data.max_staleness > 0: the generator process starts first, so that its imports and tokenizer
