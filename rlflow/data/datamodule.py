@@ -336,9 +336,11 @@ class RolloutDataModule(L.LightningDataModule):
         return self.pipeline.all_cores() if self.pipeline is not None else contextlib.nullcontext()
 
     def setup(self, stage: str) -> None:
-        # data.split_rollout: its generator process starts now (bind() says why where the split cannot run); one
-        # torch thread leaves none to share, so no process for it
-        split = stage == "fit" and self.split_rollout and torch.get_num_threads() > self.generator_threads
+        # data.split_rollout: its generator process starts now (bind() says why where the split cannot run); none
+        # where it surely cannot: one torch thread (none to share), several ranks, a device other than the CPU
+        device = self.trainer.strategy.root_device.type if self.trainer is not None else "cpu"
+        split = stage == "fit" and self.split_rollout and torch.get_num_threads() > self.generator_threads and \
+            self.world_size == 1 and device == "cpu"
         if self.pipeline is None and not split:
             prestart.discard()  # `rlflow fit` predicted a run with a generator process; it is not one
         if split and self._split_generator is None and self.split is None:
