@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 from conftest import fit_args
-from resume_helpers import metrics_by_step, run_args, trajectories
+from resume_helpers import assert_same_final_state, assert_same_run, run_args
 
 from rlflow.cli import cli_main
 from rlflow.data.split import SplitRollout, split_problem, torch_threads
@@ -101,19 +101,16 @@ def test_a_failing_share_in_the_trainer_still_collects_the_generators(policy, ti
         split.close()
 
 
-def test_a_split_fit_logs_what_the_plain_fit_logs(tiny_model, small_data, tmp_path, two_threads):
-    runs = {}
-    for name, flag in (("plain", "false"), ("split", "true")):
-        root = tmp_path / name
-        cli_main(run_args(tiny_model, small_data, root, f"--data.split_rollout={flag}", "--seed_everything=5",
-                          steps=3))
-        runs[name] = (metrics_by_step(root), trajectories(root))
-    (plain, plain_traj), (split, split_traj) = runs["plain"], runs["split"]
-    assert sorted(plain) == sorted(split) == [0, 1, 2]
-    for step in plain:
-        for key in ("reward", "loss", "completions/mean_length", "entropy", "grad_norm"):
-            assert split[step][key] == plain[step][key], (step, key)
-    assert [t["completion"] for t in split_traj] == [t["completion"] for t in plain_traj]
+def test_a_split_fit_logs_what_the_plain_fit_logs_and_continues_exactly(tiny_model, small_data, tmp_path, two_threads):
+    plain, split, continued = tmp_path / "plain", tmp_path / "split", tmp_path / "continued"
+    cli_main(run_args(tiny_model, small_data, plain, "--data.split_rollout=false", steps=4))
+    cli = cli_main(run_args(tiny_model, small_data, split, "--data.split_rollout=true", steps=4))
+    assert cli.datamodule.split is None  # torn down with the fit
+    assert_same_run(plain, split, 4)  # every metric but timings, the evaluations and every trajectory
+    cli_main(run_args(tiny_model, small_data, continued, "--data.split_rollout=true", steps=2))
+    cli_main(run_args(tiny_model, small_data, continued, "--data.split_rollout=true", "--ckpt_path=last", steps=4))
+    assert_same_run(split, continued, 4)  # a finished run continued: the call keys go on where they were
+    assert_same_final_state(split, continued, 4)
 
 
 def test_the_split_goes_off_with_a_reason_where_it_cannot_run(tiny_model, small_data, tmp_path, caplog):
