@@ -18,8 +18,9 @@ instance ``forward``: no transformers class or function is patched, so other mod
 
 Simplifications: float32 inputs and weights with gradients enabled only (the forward of any other call, bf16
 under FSDP's mixed precision or a no-grad pass, is the module's own); RMSNorm modules are recognised by a class
-name ending in ``RMSNorm`` with ``weight`` and ``variance_epsilon`` attributes (Llama, Qwen2, Qwen3, Mistral and
-their relatives: ``weight * normed``, not Gemma's ``(1 + weight) * normed``, which is refused by name).
+name ending in ``RMSNorm`` with ``weight`` and ``variance_epsilon`` attributes whose forward gives the same bits on
+a random input (:func:`is_rms_norm`: Llama, Qwen2, Qwen3, Mistral and their relatives; not a ``(1 + weight) *
+normed`` variant).
 """
 
 from __future__ import annotations
@@ -60,18 +61,37 @@ def fast_forward(self: torch.nn.Module, hidden_states: torch.Tensor) -> torch.Te
 
 
 def is_rms_norm(module: torch.nn.Module) -> bool:
-    """Whether ``module`` is an RMSNorm whose forward is ``weight * x * rsqrt(mean(x^2) + eps)`` (see the module
-    docstring)."""
+    """Whether ``module`` is an RMSNorm whose forward is ``weight * x * rsqrt(mean(x^2) + eps)``: a class name
+    ending in ``RMSNorm`` with ``weight`` and ``variance_epsilon``, whose own forward gives, on a random float32
+    input, exactly what :class:`RMSNormFunction` gives (a variant such as ``(1 + weight) * normed`` fails it; checked
+    once per class)."""
     name = type(module).__name__
-    return (name.endswith("RMSNorm") and not name.startswith("Gemma") and isinstance(
-        getattr(module, "weight", None), torch.Tensor) and isinstance(getattr(module, "variance_epsilon", None), float))
+    if not (name.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor)
+            and isinstance(getattr(module, "variance_epsilon", None), float)):
+        return False
+    if type(module) not in _CHECKED:
+        _CHECKED[type(module)] = _same_forward(module)
+    return _CHECKED[type(module)]
+
+
+_CHECKED: dict[type, bool] = {}
+
+
+@torch.no_grad()
+def _same_forward(module: torch.nn.Module) -> bool:
+    weight = module.weight
+    if weight.device.type == "meta" or weight.dtype != torch.float32:
+        return not type(module).__name__.startswith("Gemma")  # nothing to run: the name rule alone
+    x = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight.device)
+    mine = RMSNormFunction.apply(x, weight, module.variance_epsilon)
+    return torch.equal(type(module).forward(module, x), mine)
 
 
 def use_fast_rms_norm(model: torch.nn.Module) -> int:
     """Give every RMSNorm module of ``model`` :func:`fast_forward`; returns how many."""
     count = 0
     for module in model.modules():
-        if is_rms_norm(module) and "forward" not in module.__dict__:
+        if "forward" not in module.__dict__ and is_rms_norm(module):
             module.forward = types.MethodType(fast_forward, module)
             count += 1
     return count

@@ -97,3 +97,18 @@ def test_a_model_gets_it_on_every_rms_norm_and_trains_the_same(tiny_model):
     assert torch.equal(grads[0][0], grads[1][0])  # the forward, bit for bit
     for name, g in grads[0][1].items():
         assert torch.allclose(grads[1][1][name], g, rtol=1e-5, atol=1e-7), name
+
+
+def test_a_variant_with_another_formula_keeps_its_own_forward():
+    class ZeroCenteredRMSNorm(torch.nn.Module):  # Gemma's and Qwen3-Next's form, under an ordinary name
+        def __init__(self, dim):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(dim))
+            self.variance_epsilon = 1e-6
+
+        def forward(self, x):
+            return (1 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    model = torch.nn.Sequential(ZeroCenteredRMSNorm(8), Qwen3RMSNorm(8))
+    assert use_fast_rms_norm(model) == 1
+    assert "forward" not in model[0].__dict__ and "forward" in model[1].__dict__
