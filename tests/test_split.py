@@ -120,6 +120,17 @@ def test_the_split_goes_off_with_a_reason_where_it_cannot_run(tiny_model, small_
     assert "data.split_rollout is off for this run: the trainer has 1 torch thread(s)" in caplog.text
 
 
+def test_an_fsdp2_run_leaves_the_split_off_and_starts_no_process(tiny_model, small_data, tmp_path, caplog, two_threads,
+                                                                  monkeypatch):
+    started = []
+    monkeypatch.setattr("rlflow.data.datamodule.GeneratorProcess", lambda *a, **k: started.append(a))
+    with caplog.at_level(logging.INFO, logger="rlflow"):
+        cli = cli_main(fit_args(tiny_model, small_data, tmp_path, "--data.split_rollout=true",
+                                "--trainer.strategy=fsdp", steps=1))
+    assert cli.trainer.global_step == 1 and cli.datamodule.split is None and started == []
+    assert "data.split_rollout is off for this run: the policy is sharded (FSDP2)" in caplog.text
+
+
 def test_split_problems_name_the_reason(policy):
     model, tokenizer = policy
     engine = EngineRollout()

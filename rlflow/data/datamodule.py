@@ -49,7 +49,7 @@ from rlflow.data.rollout_metrics import rollout_metrics
 from rlflow.data.sampler import PromptBatchSampler, PromptLoader
 from rlflow.data.sources import parse_sources, per_source_means
 from rlflow.data.split import SplitRollout, split_problem
-from rlflow.distributed import all_gather
+from rlflow.distributed import all_gather, is_sharded
 from rlflow.evaluation import eval_seed, isolated_rng
 from rlflow.judgers.base import Judger
 from rlflow.judgers.overlap import generate_and_judge
@@ -337,10 +337,11 @@ class RolloutDataModule(L.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         # data.split_rollout: its generator process starts now (bind() says why where the split cannot run); none
-        # where it surely cannot: one torch thread (none to share), several ranks, a device other than the CPU
+        # where it surely cannot: one torch thread (none to share), several ranks or FSDP2, a device but the CPU
         device = self.trainer.strategy.root_device.type if self.trainer is not None else "cpu"
+        sharded = self.trainer is not None and is_sharded(self.trainer.strategy)
         split = stage == "fit" and self.split_rollout and torch.get_num_threads() > self.generator_threads and \
-            self.world_size == 1 and device == "cpu"
+            self.world_size == 1 and device == "cpu" and not sharded
         if self.pipeline is None and not split:
             prestart.discard()  # `rlflow fit` predicted a run with a generator process; it is not one
         if split and self._split_generator is None and self.split is None:
@@ -394,6 +395,8 @@ class RolloutDataModule(L.LightningDataModule):
             self.pipeline.start(self)  # data.max_staleness > 0: the generator starts up alongside the trainer
         if self.split_rollout and self.split is None and self.trainer is not None and self.trainer.state.fn == "fit":
             problem = split_problem(self.backend, self.world_size, self.generator_threads)
+            if problem is None and is_sharded(self.trainer.strategy):
+                problem = "the policy is sharded (FSDP2): its ranks decode their own shares"
             if problem:
                 info(f"data.split_rollout is off for this run: {problem}")
                 self.split_rollout = False

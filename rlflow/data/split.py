@@ -19,10 +19,10 @@ Judging overlaps generation as before for the trainer's half (its groups stream 
 generator's half arrives at once at the end and is judged then. Nothing is in flight between rollout steps, so
 checkpoints and resume are those of the plain loop.
 
-Simplifications: the ``engine`` backend only, one process (no FSDP ranks), a policy on a CPU (elsewhere the run
-goes on without the split and says why, :func:`split_problem`); two shares split
-by prompt count (the first ``ceil(n / 2)`` prompts stay in the trainer); the generator idles while the trainer
-trains (nothing else to do on-policy); multi-turn rollouts are not split.
+Simplifications: the ``engine`` backend only, one process without FSDP2 (even on one rank), a policy on a CPU
+(elsewhere the run goes on without the split and says why, :func:`split_problem` and the data module); two shares
+split by prompt count (the first ``ceil(n / 2)`` prompts stay in the trainer); the generator idles while the
+trainer trains (nothing else to do on-policy); multi-turn rollouts are not split.
 """
 
 from __future__ import annotations
