@@ -125,7 +125,7 @@ class EvalMetrics(Metric):
         """``eval/accuracy``, ``eval/pass@k``, ``eval/maj@k``, ``eval/reward``, ``eval/mean_length``, overall and per
         source, and ``eval/judger_failures``: the samples a judger failed on (scored without it, so possibly counted
         wrong)."""
-        if not self.samples:
+        if len(self.samples) == 0:  # a list of batches, or one tensor once torchmetrics has synced the states
             return {}
         state = {name: dim_zero_cat(getattr(self, name)) for name in STATES}
         metrics = self._metrics(state, torch.ones_like(state["samples"], dtype=torch.bool), "eval")

@@ -124,9 +124,13 @@ def test_an_fsdp2_run_leaves_the_split_off_and_starts_no_process(tiny_model, sma
                                                                   monkeypatch):
     started = []
     monkeypatch.setattr("rlflow.data.datamodule.GeneratorProcess", lambda *a, **k: started.append(a))
-    with caplog.at_level(logging.INFO, logger="rlflow"):
-        cli = cli_main(fit_args(tiny_model, small_data, tmp_path, "--data.split_rollout=true",
-                                "--trainer.strategy=fsdp", steps=1))
+    try:
+        with caplog.at_level(logging.INFO, logger="rlflow"):
+            cli = cli_main(fit_args(tiny_model, small_data, tmp_path, "--data.split_rollout=true",
+                                    "--trainer.strategy=fsdp", steps=1))
+    finally:  # the one-rank process group would make later tests' metrics sync as if distributed
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     assert cli.trainer.global_step == 1 and cli.datamodule.split is None and started == []
     assert "data.split_rollout is off for this run: the policy is sharded (FSDP2)" in caplog.text
 
