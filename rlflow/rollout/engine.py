@@ -72,7 +72,7 @@ from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsu
 from rlflow.rollout.fused import FusedDecoder, torch_norm_for
 from rlflow.rollout.hardware import inference_context, native_bf16
 from rlflow.rollout.penalty import mark_seen, seen_tokens
-from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource
+from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource, check_call
 from rlflow.rollout.sampling import sample_tokens
 
 
@@ -368,11 +368,7 @@ class EngineRollout(CallKeys, RolloutBackend):
         """Yield ``(prompt_index, its n completions)`` as each group finishes (in finishing order); ``progress``
         is called per finished group. Sample ``s`` of prompt ``i`` draws from the stream ``(call key, i, s)``
         (:meth:`next_call_key`)."""
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        check_call(prompts, n)
         for request, group in self.serve(ListSource(self.prompt_requests(prompts, params.greedy, n)), params, progress):
             yield request.tag, group
 

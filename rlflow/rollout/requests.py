@@ -52,3 +52,12 @@ class ListSource:
     def poll(self, wait: bool) -> list[DecodeRequest] | None:
         requests, self.requests = self.requests, None
         return requests
+
+
+def check_call(prompts: list[list[int]], n: int) -> None:
+    """A sampling call's arguments: ``n`` completions per prompt (at least 1), every prompt at least one token."""
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    for i, p in enumerate(prompts):
+        if not p:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
