@@ -140,14 +140,17 @@ def test_split_problems_name_the_reason(policy):
     engine = EngineRollout()
     engine.bind(model, tokenizer)
     with torch_threads(2):
-        assert split_problem(engine, 1, 1) is None
-        assert "2 ranks" in split_problem(engine, 2, 1)
-        assert "not the engine" in split_problem(object(), 1, 1)
-        assert "none left" in split_problem(engine, 1, 2)
+        assert split_problem(1, 1, False, "cpu", engine) is None
+        assert split_problem(1, 1, False, "cpu") is None  # before the backend exists: the run's settings only
+        assert "2 ranks" in split_problem(1, 2, False, "cpu", engine)
+        assert "sharded (FSDP2)" in split_problem(1, 1, True, "cpu")
+        assert "trainer is on cuda" in split_problem(1, 1, False, "cuda")
+        assert "not the engine" in split_problem(1, 1, False, "cpu", object())
+        assert "none left" in split_problem(2, 1, False, "cpu", engine)
     meta = EngineRollout()
     meta.model = torch.nn.Linear(2, 2, device="meta")
     with torch_threads(2):
-        assert "meta" in split_problem(meta, 1, 1)
+        assert "policy is on meta" in split_problem(1, 1, False, "cpu", meta)
 
 
 @pytest.mark.parametrize("extra, why", [

@@ -335,13 +335,16 @@ class RolloutDataModule(L.LightningDataModule):
         process's cores lent to it (:meth:`RolloutPipeline.all_cores`); otherwise as it is."""
         return self.pipeline.all_cores() if self.pipeline is not None else contextlib.nullcontext()
 
+    def split_problem(self, backend: RolloutBackend | None = None) -> str | None:
+        """Why ``data.split_rollout`` cannot run here (:func:`rlflow.data.split.split_problem`), None if it can."""
+        strategy = self.trainer.strategy if self.trainer is not None else None
+        return split_problem(self.generator_threads, self.world_size, strategy is not None and is_sharded(strategy),
+                             strategy.root_device.type if strategy is not None else "cpu", backend)
+
     def setup(self, stage: str) -> None:
-        # data.split_rollout: its generator process starts now (bind() says why where the split cannot run); none
-        # where it surely cannot: one torch thread (none to share), several ranks or FSDP2, a device but the CPU
-        device = self.trainer.strategy.root_device.type if self.trainer is not None else "cpu"
-        sharded = self.trainer is not None and is_sharded(self.trainer.strategy)
-        split = stage == "fit" and self.split_rollout and torch.get_num_threads() > self.generator_threads and \
-            self.world_size == 1 and device == "cpu" and not sharded
+        # data.split_rollout: its generator process starts now, unless the run's settings already rule the split
+        # out (bind() says why, with the backend known)
+        split = stage == "fit" and self.split_rollout and self.split_problem() is None
         if self.pipeline is None and not split:
             prestart.discard()  # `rlflow fit` predicted a run with a generator process; it is not one
         if split and self._split_generator is None and self.split is None:
@@ -394,9 +397,7 @@ class RolloutDataModule(L.LightningDataModule):
         if self.pipeline is not None and self.trainer is not None and self.trainer.state.fn == "fit":
             self.pipeline.start(self)  # data.max_staleness > 0: the generator starts up alongside the trainer
         if self.split_rollout and self.split is None and self.trainer is not None and self.trainer.state.fn == "fit":
-            problem = split_problem(self.backend, self.world_size, self.generator_threads)
-            if problem is None and is_sharded(self.trainer.strategy):
-                problem = "the policy is sharded (FSDP2): its ranks decode their own shares"
+            problem = self.split_problem(self.backend)
             if problem:
                 info(f"data.split_rollout is off for this run: {problem}")
                 self.split_rollout = False

@@ -36,7 +36,7 @@ import torch
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams
 from rlflow.rollout.draws import keyed_requests
 from rlflow.rollout.process import GeneratorProcess, Job
-from rlflow.rollout.requests import ListSource
+from rlflow.rollout.requests import ListSource, check_call
 
 
 @contextlib.contextmanager
@@ -92,11 +92,7 @@ class SplitRollout(RolloutBackend):
                progress: Progress | None = None) -> Iterator[tuple[int, list[Completion]]]:
         """Yield ``(prompt index, its n completions)``: the trainer's share as each group finishes, then the
         generator's. The weights are those of the policy now (copied into the generator before it starts)."""
-        if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
-        for i, p in enumerate(prompts):
-            if not p:
-                raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        check_call(prompts, n)
         key = 0 if params.greedy else self.engine.next_call_key()
         mine = (len(prompts) + 1) // 2
         if mine < len(prompts):
@@ -121,22 +117,29 @@ class SplitRollout(RolloutBackend):
         self.generator.close()
 
 
-def split_problem(backend: Any, world_size: int, threads: int) -> str | None:
-    """Why ``backend`` cannot share its rollouts with a generator process of ``threads`` torch threads (None: it
-    can): the split needs the ``engine`` backend (``data.rollout: auto`` picks ``hf`` for models the engine does
-    not run) on a CPU policy in one process, and more torch threads in the trainer than the generator takes from
-    them (a split keeps the run within the trainer's thread count)."""
+def split_problem(threads: int, world_size: int, sharded: bool, device: str, backend: Any = None) -> str | None:
+    """Why a run cannot share its rollouts with a generator process of ``threads`` torch threads (None: it can).
+    The split keeps the run within the trainer's torch threads, so it needs more than ``threads`` of them; one
+    process (``world_size`` 1) without FSDP2 (``sharded``); the trainer on the CPU (``device``); and, once known,
+    the ``engine`` backend (``data.rollout: auto`` picks ``hf`` for models the engine does not run) on a CPU policy.
+    Without ``backend`` (the data module's ``setup``, before the policy exists) only the run's own settings count."""
     from rlflow.rollout.engine import EngineRollout
 
     if torch.get_num_threads() <= threads:
         return (f"the trainer has {torch.get_num_threads()} torch thread(s), none left beside the generator's "
                 f"{threads} (data.generator_threads)")
-
-    if not isinstance(backend, EngineRollout):
-        return f"the rollout backend is {type(backend).__name__}, not the engine"
     if world_size > 1:
         return f"{world_size} ranks (FSDP) each decode their own share already"
-    device = next(backend.model.parameters()).device
-    if device.type != "cpu":
-        return f"the policy is on {device} (the split decodes on CPU cores; on GPUs the lmdeploy backend generates)"
+    if sharded:
+        return "the policy is sharded (FSDP2): its ranks decode their own shares"
+    if device != "cpu":
+        return f"the trainer is on {device} (the split decodes on CPU cores; on GPUs the lmdeploy backend generates)"
+    if backend is None:
+        return None
+    if not isinstance(backend, EngineRollout):
+        return f"the rollout backend is {type(backend).__name__}, not the engine"
+    policy_device = next(backend.model.parameters()).device
+    if policy_device.type != "cpu":
+        return f"the policy is on {policy_device} (the split decodes on CPU cores; on GPUs the lmdeploy backend " \
+               "generates)"
     return None
