@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import os
 import statistics
 import sys
@@ -128,6 +129,13 @@ class StepProfile:
 
         self.patch(GRPOModule, "on_train_batch_start", on_train_batch_start)
 
+    def medians(self) -> dict[str, float]:
+        """Median wall milliseconds of each timed phase, and of the whole step (``"whole step"``) where measured."""
+        out = {label: statistics.median(steps.values()) * 1e3 for label, steps in self.wall.items() if steps}
+        if self.loop:
+            out["whole step"] = statistics.median(self.loop) * 1e3
+        return out
+
     def report(self) -> str:
         def med(d: dict[int, float]) -> float:
             return statistics.median(d.values()) * 1e3 if d else 0.0
@@ -165,6 +173,7 @@ def main(argv=None) -> StepProfile:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ops", type=int, default=0, help="also print torch.profiler's top N operators")
+    ap.add_argument("--json", default=None, help="also write the phases' median wall ms to this file")
     args, extra = ap.parse_known_args(argv)
     import torch
 
@@ -206,6 +215,8 @@ def main(argv=None) -> StepProfile:
     print(f"profile of {args.config} {' '.join(extra)}: {torch.get_num_threads()} torch thread(s), load average "
           f"{load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end ({os.cpu_count()} CPUs)")
     print(profile.report())
+    if args.json:
+        Path(args.json).write_text(json.dumps({"threads": torch.get_num_threads(), "ms": profile.medians()}))
     return profile
 
 
