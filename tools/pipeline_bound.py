@@ -3,7 +3,7 @@ r"""Predict, from on-policy phase timings, how much faster ``data.max_staleness:
 On a CPU the one-step pipeline (docs/pipelining.md) runs the trainer on one thread and the generator process on
 ``data.generator_threads`` (1), and with ``data.lend_cores`` holds the generator while the backward pass runs on
 all the trainer's threads. Whether that beats the on-policy loop depends on how each phase scales with threads,
-which this tool measures with ``tools/profile_step.py`` (each run its own process, interleaved by nothing else)::
+which this tool measures with ``tools/profile_step.py`` (each profile a process of its own)::
 
     python tools/pipeline_bound.py --config configs/demo_cpu.yaml --steps 24 [--measure]
 
@@ -18,11 +18,12 @@ A pipelined step is bounded below by the busier of its two processes. The three 
 * ``lend_cores: false``: ``max(R + B1, G)``;
 * ``lend_cores: true`` (the default): ``max(R + B2, G + B2)``: the generator is held through the backward;
 * the ideal: any share ``f`` of the forward and ``b`` of the backward lent, the generator held meanwhile:
-  ``min over f, b in [0, 1] of max(R - f (F1 - F2) - b (B1 - B2), G + f F2 + b B2)`` (``lent_step``).
+  ``min over f, b in [0, 1] of max(R + B1 - f (F1 - F2) - b (B1 - B2), G + f F2 + b B2)`` (``lent_step``).
 
 Simplifications: the pipelined trainer's own extra work (collecting a job, pushing the weights, the staleness and
 importance-ratio metrics) is left out, as is judging's move from G to the trainer, so these are lower bounds on
 the pipelined step and upper bounds on its gain; a whole run adds start-up, evaluations and checkpoints to both.
+``G`` is measured on one thread: the bound is for ``data.generator_threads: 1``, the CPU default.
 """
 
 from __future__ import annotations
