@@ -33,10 +33,9 @@ from typing import Any
 
 import torch
 
-from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams
-from rlflow.rollout.draws import keyed_requests
+from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams, in_prompt_order
 from rlflow.rollout.process import GeneratorProcess, Job
-from rlflow.rollout.requests import ListSource, check_call
+from rlflow.rollout.requests import check_call
 
 
 @contextlib.contextmanager
@@ -83,10 +82,7 @@ class SplitRollout(RolloutBackend):
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
                  progress: Progress | None = None) -> list[list[Completion]]:
-        groups: list[Any] = [None] * len(prompts)
-        for i, group in self.stream(prompts, params, n, progress):
-            groups[i] = group
-        return groups
+        return in_prompt_order(self.stream(prompts, params, n, progress), len(prompts))
 
     def stream(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
                progress: Progress | None = None) -> Iterator[tuple[int, list[Completion]]]:
@@ -100,9 +96,7 @@ class SplitRollout(RolloutBackend):
             self.generator.submit(Job(0, 0, 0, prompts[mine:], params, n, call_key=key, first=mine))
         try:
             with torch_threads(self.local_threads):
-                for request, group in self.engine.serve(ListSource(keyed_requests(prompts[:mine], key, n)), params,
-                                                        progress):
-                    yield request.tag, group
+                yield from self.engine.serve_call(prompts[:mine], key, params, n, progress)
         finally:
             result = self.generator.collect() if self.generator.busy else None  # never leave the worker busy
         for j, group in enumerate(result.completions() if result is not None else []):

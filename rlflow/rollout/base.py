@@ -15,7 +15,7 @@ trainer uses exactly what this class declares, nothing found by ``getattr`` or `
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,6 +125,15 @@ class UnsupportedModelError(ConfigError):
         super().__init__(f"the {backend} rollout backend cannot run this model: {reason}; "
                          "use data.rollout=auto (or hf), which falls back to the hf backend")
         self.backend, self.reason = backend, reason
+
+
+def in_prompt_order(groups: Iterable[tuple[int, list[Completion]]], count: int) -> list[list[Completion]]:
+    """The ``(prompt index, group)`` pairs of a stream (any order) as a list in prompt order: ``generate`` from
+    ``stream``."""
+    ordered: list[Any] = [None] * count
+    for i, group in groups:
+        ordered[i] = group
+    return ordered
 
 
 class RolloutBackend:

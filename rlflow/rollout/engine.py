@@ -63,11 +63,18 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams, UnsupportedModelError
+from rlflow.rollout.base import (
+    Completion,
+    Progress,
+    RolloutBackend,
+    SamplingParams,
+    UnsupportedModelError,
+    in_prompt_order,
+)
 from rlflow.rollout.buffers import VocabBuffers
 from rlflow.rollout.continuation import SessionCache, merge_prefills, prefill_on_caches, row_caches
 from rlflow.rollout.decode_state import ATTENTION_NAME, DecodeState, LaneStates
-from rlflow.rollout.draws import CallKeys, RowDraws
+from rlflow.rollout.draws import CallKeys, RowDraws, keyed_requests
 from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder, torch_norm_for
 from rlflow.rollout.hardware import inference_context, native_bf16
@@ -369,7 +376,14 @@ class EngineRollout(CallKeys, RolloutBackend):
         is called per finished group. Sample ``s`` of prompt ``i`` draws from the stream ``(call key, i, s)``
         (:meth:`next_call_key`)."""
         check_call(prompts, n)
-        for request, group in self.serve(ListSource(self.prompt_requests(prompts, params.greedy, n)), params, progress):
+        yield from self.serve_call(prompts, 0 if params.greedy else self.next_call_key(), params, n, progress)
+
+    def serve_call(self, prompts: list[list[int]], key: int, params: SamplingParams, n: int = 1,
+                   progress: Progress | None = None, first: int = 0) -> Iterator[tuple[int, list[Completion]]]:
+        """:meth:`stream` with the call key given: ``prompts`` are prompts ``first, first + 1, ...`` of the call
+        of key ``key`` (:func:`~rlflow.rollout.draws.keyed_requests`), so a share of a call decoded here samples
+        what the whole call would (:mod:`rlflow.data.split`); yields ``(index in prompts, group)``."""
+        for request, group in self.serve(ListSource(keyed_requests(prompts, key, n, first)), params, progress):
             yield request.tag, group
 
     def serve(self, source: RequestSource, params: SamplingParams,
@@ -573,7 +587,4 @@ class EngineRollout(CallKeys, RolloutBackend):
                  progress: Progress | None = None) -> list[list[Completion]]:
         """``n`` completions per prompt in prompt order; ``progress(completions, tokens)`` is called per finished
         group."""
-        groups: list[list[Completion] | None] = [None] * len(prompts)
-        for i, group in self.stream(prompts, params, n, progress=progress):
-            groups[i] = group
-        return groups  # type: ignore[return-value]
+        return in_prompt_order(self.stream(prompts, params, n, progress=progress), len(prompts))

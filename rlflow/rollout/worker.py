@@ -171,15 +171,11 @@ def run_job(job: Job, backend: Any, jobs: Any = None, results: Any = None, paren
 
 def share_of_call(backend: Any, job: Job) -> list[list[Completion]]:
     """The job's prompts sampled as prompts ``job.first, ...`` of the trainer's call of key ``job.call_key``
-    (:func:`rlflow.rollout.draws.keyed_requests`): what the trainer's engine would sample for them."""
-    from rlflow.rollout.draws import keyed_requests
-    from rlflow.rollout.requests import ListSource
+    (:meth:`~rlflow.rollout.engine.EngineRollout.serve_call`): what the trainer's engine would sample for them."""
+    from rlflow.rollout.base import in_prompt_order
 
-    groups: list[Any] = [None] * len(job.prompts)
-    requests = keyed_requests(job.prompts, job.call_key, job.n, job.first)
-    for request, group in backend.serve(ListSource(requests), job.params):
-        groups[request.tag] = group
-    return groups
+    return in_prompt_order(backend.serve_call(job.prompts, job.call_key, job.params, job.n, first=job.first),
+                           len(job.prompts))
 
 
 def _load_tokenizer(path: str) -> Any:
