@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -124,6 +125,7 @@ def test_an_fsdp2_run_leaves_the_split_off_and_starts_no_process(tiny_model, sma
                                                                   monkeypatch):
     started = []
     monkeypatch.setattr("rlflow.data.datamodule.GeneratorProcess", lambda *a, **k: started.append(a))
+    environ = dict(os.environ)
     try:
         with caplog.at_level(logging.INFO, logger="rlflow"):
             cli = cli_main(fit_args(tiny_model, small_data, tmp_path, "--data.split_rollout=true",
@@ -131,6 +133,11 @@ def test_an_fsdp2_run_leaves_the_split_off_and_starts_no_process(tiny_model, sma
     finally:  # the one-rank process group would make later tests' metrics sync as if distributed
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        # and Lightning exported its rank and address (LOCAL_RANK, NODE_RANK, MASTER_PORT...): a later 2-rank
+        # `rlflow fit` subprocess of this worker would inherit them, take itself for an externally launched rank
+        # and wait for the other until the test times out (or bind the port this process's store still holds)
+        os.environ.clear()
+        os.environ.update(environ)
     assert cli.trainer.global_step == 1 and cli.datamodule.split is None and started == []
     assert "data.split_rollout is off for this run: the policy is sharded (FSDP2)" in caplog.text
 
