@@ -7,7 +7,8 @@ one). The tokenizer, temperature and completion budget are linked from one place
 rlflow adds to Lightning's CLI: ``--checkpoint.*`` (an atomic ``ModelCheckpoint`` writing ``last.ckpt`` every step,
 so ``--ckpt_path last`` resumes after a kill), ``--evaluate_every_n_steps N`` (Lightning's ``val_check_interval``
 counted in rollout steps across epochs), ``--summary.*``, ``--no_signal.*``, ``--rollout_progress.*``,
-``--samples.*`` and ``--trajectories.*`` (see :mod:`rlflow.callbacks`), the logger short names ``--trainer.logger
+``--samples.*`` and ``--trajectories.*`` (see :mod:`rlflow.training.callbacks`), the logger short names
+``--trainer.logger
 wandb|csv|tensorboard``, and the full resolved config logged to every logger. Errors a user can fix (an invalid
 value, bad data, a missing model, a full disk, a diverged run) end the command with one ``rlflow: error:`` line
 instead of a traceback.
@@ -33,7 +34,11 @@ from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
 
 from rlflow import registry
-from rlflow.callbacks import (
+from rlflow.config_checks import check_data_args, check_model_args
+from rlflow.config_error import ConfigError
+from rlflow.data.datamodule import RolloutDataModule
+from rlflow.models.model_path import check_model_path
+from rlflow.training.callbacks import (
     LoggerSaveConfigCallback,
     NoSignalWarning,
     RolloutProgressBar,
@@ -42,13 +47,9 @@ from rlflow.callbacks import (
     TrajectoryWriter,
     default_progress_bar,
 )
-from rlflow.checkpointing import CheckpointDiskFullError, RLFlowCheckpoint
-from rlflow.config_checks import check_data_args, check_model_args
-from rlflow.config_error import ConfigError
-from rlflow.data.datamodule import RolloutDataModule
-from rlflow.distributed import resolve_strategy_alias
-from rlflow.model_path import check_model_path
-from rlflow.module import LOSS_SETTINGS, GRPOModule
+from rlflow.training.checkpointing import CheckpointDiskFullError, RLFlowCheckpoint
+from rlflow.training.distributed import resolve_strategy_alias
+from rlflow.training.module import LOSS_SETTINGS, GRPOModule
 
 TRAINER_DEFAULTS = {
     "log_every_n_steps": 1,
@@ -204,7 +205,8 @@ class RLFlowCLI(LightningCLI):
                 init["project"] = "rlflow"
 
     def instantiate_trainer(self, **kwargs):
-        """Map rlflow's strategy aliases (``trainer.strategy: fsdp`` -> FSDP2, see :mod:`rlflow.distributed`)."""
+        """Map rlflow's strategy aliases (``trainer.strategy: fsdp`` -> FSDP2, see
+        :mod:`rlflow.training.distributed`)."""
         strategy = kwargs.get("strategy", self._get(self.config_init, "trainer", default={}).get("strategy"))
         if resolve_strategy_alias(strategy) is not strategy:
             kwargs["strategy"] = resolve_strategy_alias(strategy)
@@ -315,8 +317,8 @@ def main(argv: list[str] | None = None) -> int:
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Exceptions that mean "fix your input", not "rlflow has a bug": printed as one line by ``main``."""
     from rlflow.data.dataset import DataError
-    from rlflow.module import NonFiniteLossError
     from rlflow.registry import PluginError
+    from rlflow.training.module import NonFiniteLossError
 
     return (ConfigError, DataError, PluginError, NonFiniteLossError, CheckpointDiskFullError, FileNotFoundError)
 

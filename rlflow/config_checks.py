@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from rlflow.config_error import ConfigError
-from rlflow.model_path import check_model_path
+from rlflow.models.model_path import check_model_path
 
 __all__ = ["ConfigError", "check_data_args", "check_model_args", "check_values"]
 
@@ -138,7 +138,7 @@ MODEL_RULES: dict[str, Rule] = {
 def check_data_args(values: Mapping[str, Any]) -> None:
     """Check the arguments of ``RolloutDataModule.__init__`` (pass its ``locals()``); ConfigError on the first bad one.
 
-    Includes ``tokenizer_path`` (see :mod:`rlflow.model_path`), so a wrong path fails before any slow load.
+    Includes ``tokenizer_path`` (see :mod:`rlflow.models.model_path`), so a wrong path fails before any slow load.
     """
     check_values("data", DATA_RULES, values)
     if values.get("tokenizer_path"):

@@ -1,7 +1,7 @@
 """``ConfigError``: the one exception for an invalid configuration value (its own module: everything imports it).
 
 ``rlflow.cli.main`` prints it as one ``rlflow: error:`` line; the checks that raise it are in
-:mod:`rlflow.config_checks` and :mod:`rlflow.model_path`.
+:mod:`rlflow.config_checks` and :mod:`rlflow.models.model_path`.
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import fit_args
 
-from rlflow.checkpointing import CheckpointDiskFullError
 from rlflow.cli import cli_main, main
 from rlflow.data.dataset import DataError
 from rlflow.losses.clipped import BNPOLoss
+from rlflow.training.checkpointing import CheckpointDiskFullError
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""The run-watching callbacks of :mod:`rlflow.callbacks` not covered elsewhere: :class:`NoSignalWarning`.
+"""The run-watching callbacks of :mod:`rlflow.training.callbacks` not covered elsewhere: :class:`NoSignalWarning`.
 
 What is checked: the warning's streak logic by hand (it fires once when ``patience`` steps in a row had no group with
 differing rewards, re-arms after a step with signal, never fires with patience 0 or without the metric), and through
@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 from conftest import fit_args
 
-from rlflow.callbacks import NoSignalWarning
 from rlflow.cli import cli_main
+from rlflow.training.callbacks import NoSignalWarning
 
 
 def run(callback: NoSignalWarning, fractions: list[float | None], caplog) -> list[int]:

@@ -163,7 +163,7 @@ def test_the_default_rich_bar_of_a_max_steps_run_has_no_negative_epoch_total(tin
     pytest.importorskip("rich")
     from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 
-    from rlflow.callbacks import StepsRichProgressBar
+    from rlflow.training.callbacks import StepsRichProgressBar
 
     args = [a for a in fit_args(tiny_model, tiny_data, tmp_path, steps=1)[1:] if "enable_progress_bar" not in a]
     cli = cli_main(args, run=False)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import fit_args
 
-from rlflow.correction import RolloutCorrection
+from rlflow.training.correction import RolloutCorrection
 
 
 def batch(seed=0, b=5, t=7):

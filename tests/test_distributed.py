@@ -46,7 +46,7 @@ def digit_reward(completions, **kwargs):
 
 # ------------------------------------------------------------------------------------------ pure helpers
 def test_combine_metrics_matches_statistics_over_the_pooled_samples():
-    from rlflow.distributed import combine_metrics
+    from rlflow.training.distributed import combine_metrics
 
     rank_samples = [[0.0, 1.0, 1.0, 0.5], [0.25, 0.0, 1.0, 1.0]]
     lengths = [[3, 7, 12, 12], [1, 12, 5, 9]]
@@ -84,7 +84,7 @@ def test_strategy_alias_and_registry():
     from lightning.pytorch import Trainer
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from rlflow.distributed import FSDP2Strategy, resolve_strategy_alias
+    from rlflow.training.distributed import FSDP2Strategy, resolve_strategy_alias
 
     assert resolve_strategy_alias("fsdp") == "fsdp2"
     assert resolve_strategy_alias("ddp") == "ddp"
@@ -102,7 +102,7 @@ def test_strategy_alias_and_registry():
 
 def test_cli_maps_fsdp_to_fsdp2(tiny_model, tiny_data, tmp_path):
     from rlflow.cli import cli_main
-    from rlflow.distributed import FSDP2Strategy
+    from rlflow.training.distributed import FSDP2Strategy
 
     args = fit_args(tiny_model, tiny_data, tmp_path, "--trainer.strategy=fsdp")
     args = [a.replace("--trainer.devices=1", "--trainer.devices=2") for a in args[1:]]  # no subcommand: no run
@@ -114,7 +114,7 @@ def test_cli_maps_fsdp_to_fsdp2(tiny_model, tiny_data, tmp_path):
 def test_decoder_layers_are_found_or_the_error_says_why(tiny_model):
     from transformers import AutoModelForCausalLM
 
-    from rlflow.distributed import decoder_layers
+    from rlflow.training.distributed import decoder_layers
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model)
     layers = decoder_layers(model)
@@ -130,14 +130,14 @@ def _sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> 
     from transformers import AutoModelForCausalLM
 
     from rlflow.data.experience import Experience, collate
-    from rlflow.distributed import (
+    from rlflow.training.distributed import (
         full_tensor,
         full_weights,
         gather_full_state_dict,
         shard_model,
         sharded_completion_logprobs,
     )
-    from rlflow.logprobs import naive_token_stats
+    from rlflow.training.logprobs import naive_token_stats
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -241,11 +241,11 @@ def _packed_sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: s
     from transformers import AutoModelForCausalLM
 
     from rlflow.data.experience import Experience, collate
-    from rlflow.data.packing import balance_pack_count, collate_packed, pack_experiences, packed_completion_logprobs
-    from rlflow.data.packing_support import packing_unsupported_reason
-    from rlflow.distributed import all_max, full_tensor, shard_model
-    from rlflow.logprobs import completion_logprobs
     from rlflow.rollout.select import resolve_backend
+    from rlflow.training.distributed import all_max, full_tensor, shard_model
+    from rlflow.training.logprobs import completion_logprobs
+    from rlflow.training.packing import balance_pack_count, collate_packed, pack_experiences, packed_completion_logprobs
+    from rlflow.training.packing_support import packing_unsupported_reason
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -426,7 +426,7 @@ def test_lmdeploy_recipe_config_resolves(tiny_model):
     assert out.returncode == 0, out.stderr[-3000:]
     cfg = yaml.safe_load(out.stdout)
     strategy = cfg["trainer"]["strategy"]
-    assert strategy["class_path"] == "rlflow.distributed.FSDP2Strategy"
+    assert strategy["class_path"] == "rlflow.training.distributed.FSDP2Strategy"
     assert (strategy["init_args"]["param_dtype"], strategy["init_args"]["reduce_dtype"]) == ("bfloat16", "float32")
     assert cfg["trainer"]["devices"] == 8
     assert cfg["data"]["rollout"]["class_path"] == "rlflow.rollout.lmdeploy.LMDeployRollout"

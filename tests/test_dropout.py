@@ -1,4 +1,4 @@
-"""rlflow/dropout.py: ``model.disable_dropout`` makes the policy's train-mode forward the deterministic eval-mode
+"""rlflow/models/dropout.py: ``model.disable_dropout`` makes the policy's train-mode forward the deterministic eval-mode
 one, for both forms of dropout transformers' models use, and GRPOModule applies it at load time by default."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from tiny_archs import CONFIGS, tiny_causal_lm
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rlflow.dropout import disable_dropout
-from rlflow.module import GRPOModule
+from rlflow.models.dropout import disable_dropout
+from rlflow.training.module import GRPOModule
 
 IDS = torch.arange(3, 19).reshape(2, 8)
 
@@ -61,7 +61,7 @@ def test_grpo_module_applies_it_at_load_unless_turned_off(tmp_path, disable):
 
 def test_a_lora_adapters_own_dropout_is_kept(tmp_path):
     """``model.lora.dropout`` is the user's explicit choice: the base model's dropout goes, the adapters' stays."""
-    from rlflow.lora import LoraSettings
+    from rlflow.models.lora import LoraSettings
 
     tiny_causal_lm("gpt2").save_pretrained(tmp_path)  # base dropout 0.1
     module = GRPOModule(model_path=str(tmp_path), lora=LoraSettings(r=4, dropout=0.2, target_modules=["c_attn"]))

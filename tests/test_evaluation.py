@@ -13,8 +13,8 @@ from conftest import fit_args
 
 from rlflow.cli import cli_main
 from rlflow.data.datamodule import RolloutDataModule
-from rlflow.evaluation import EvalMetrics, majority_correct, pass_at_k, pass_ks
 from rlflow.judgers.base import Judger
+from rlflow.training.evaluation import EvalMetrics, majority_correct, pass_at_k, pass_ks
 
 
 class AdditionJudger(Judger):

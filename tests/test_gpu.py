@@ -94,7 +94,7 @@ def test_auto_dtype_decodes_in_bf16_on_cuda_within_bf16_rounding(norm):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_logprobs_equal_padded_ones_on_cuda(dtype):
-    from rlflow.data.packing_support import probe_error
+    from rlflow.training.packing_support import probe_error
 
     model = tiny_causal_lm("qwen3", seed=3).to(device="cuda", dtype=dtype)
     assert probe_error(model) is None

@@ -1,4 +1,4 @@
-"""``model.cast_lm_head_to_fp32`` (:mod:`rlflow.lm_head`): the head's parameters and product in float32, in the
+"""``model.cast_lm_head_to_fp32`` (:mod:`rlflow.models.lm_head`): the head's parameters and product in float32, in the
 model's own forward, rlflow's chunked log-probs (autocast or not) and the engine's bf16 decode; tied embeddings
 keep their output dtype; a PEFT adapter on the head is refused. Precision is checked against a float64 product
 of the same bf16 hidden states and weights, worked out separately."""
@@ -15,10 +15,10 @@ from conftest import fit_args
 from tiny_archs import IdTokenizer, tiny_causal_lm
 
 from rlflow.config_error import ConfigError
-from rlflow.lm_head import FP32Linear, cast_lm_head_to_fp32, is_fp32_head
-from rlflow.logprobs import completion_logprobs
+from rlflow.models.lm_head import FP32Linear, cast_lm_head_to_fp32, is_fp32_head
 from rlflow.rollout.base import SamplingParams
 from rlflow.rollout.engine import EngineRollout
+from rlflow.training.logprobs import completion_logprobs
 
 
 def bf16_model(name: str = "qwen3", tied: bool = False, seed: int = 0) -> torch.nn.Module:

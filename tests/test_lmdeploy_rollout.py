@@ -366,7 +366,7 @@ def test_real_engine_samples_syncs_and_matches_trainer_logprobs(tiny_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlflow.data.experience import Experience, collate
-    from rlflow.logprobs import completion_logprobs
+    from rlflow.training.logprobs import completion_logprobs
 
     tok = AutoTokenizer.from_pretrained(tiny_model)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.bfloat16).cuda()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlflow.data.experience import Experience, collate
-from rlflow.logprobs import completion_logprobs, naive_token_stats, token_stats_from_hidden
+from rlflow.training.logprobs import completion_logprobs, naive_token_stats, token_stats_from_hidden
 
 
 def plain_stats(logits, targets, temperature):

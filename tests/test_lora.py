@@ -1,4 +1,5 @@
-"""``model.lora``: PEFT adapters on the policy (rlflow/lora.py): settings, training, reference, rollouts, exports.
+"""``model.lora``: PEFT adapters on the policy (rlflow/models/lora.py): settings, training, reference, rollouts,
+exports.
 
 The oracles are independent of rlflow's code: a separately loaded base model (reference log-probs), PEFT's own
 ``merge_and_unload`` (merged tensors for lmdeploy, the merged export), a full forward of the PEFT model (the
@@ -17,8 +18,8 @@ from resume_helpers import assert_same_final_state, assert_same_run, last_checkp
 from tiny_archs import IdTokenizer, tiny_causal_lm
 
 from rlflow.config_error import ConfigError
-from rlflow.lora import LoraSettings, apply_lora, linear_weights, merge_lora_tensors
-from rlflow.module import enable_activation_checkpointing
+from rlflow.models.lora import LoraSettings, apply_lora, linear_weights, merge_lora_tensors
+from rlflow.training.module import enable_activation_checkpointing
 
 peft = pytest.importorskip("peft", reason="LoRA needs PEFT: pip install 'rlflow[lora]'")
 
@@ -59,7 +60,7 @@ def test_settings_errors_name_the_config_key():
 def test_without_peft_model_lora_says_how_to_install_it(monkeypatch, tiny_model):
     import sys
 
-    from rlflow.module import GRPOModule
+    from rlflow.training.module import GRPOModule
 
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
     with pytest.raises(ConfigError, match=r"model\.lora needs the PEFT library: pip install 'rlflow\[lora\]'"):
@@ -175,7 +176,7 @@ def test_hf_backend_generates_with_the_adapters():
 
 
 def test_packing_check_passes_on_the_adapted_model():
-    from rlflow.data.packing_support import packing_unsupported_reason
+    from rlflow.training.packing_support import packing_unsupported_reason
 
     model = tiny_causal_lm("qwen3")
     random_lora(model)
@@ -230,7 +231,7 @@ def test_reference_logprobs_are_the_base_models(lora_run, tiny_model):
     from transformers import AutoModelForCausalLM
 
     from rlflow.data.experience import collate
-    from rlflow.logprobs import completion_logprobs
+    from rlflow.training.logprobs import completion_logprobs
 
     cli, _ = lora_run
     module = cli.model

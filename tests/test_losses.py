@@ -449,7 +449,7 @@ def test_bad_options_fail_clearly():
 @pytest.mark.slow
 def test_fit_with_dapo_two_iterations_and_two_optimizer_steps(tiny_model, tiny_data, tmp_path, monkeypatch):
     from rlflow.cli import cli_main
-    from rlflow.module import GRPOModule
+    from rlflow.training.module import GRPOModule
 
     calls = []
     original = GRPOModule.fill_logprobs

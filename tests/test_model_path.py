@@ -9,7 +9,7 @@ from conftest import fit_args
 
 from rlflow import model_path
 from rlflow.config_error import ConfigError
-from rlflow.model_path import check_model_path, looks_local
+from rlflow.models.model_path import check_model_path, looks_local
 
 BUILD = "python tools/make_tiny_model.py --out checkpoints/tiny-qwen3 --data-out checkpoints/arith"
 
@@ -65,7 +65,7 @@ def test_offline_hub_id_not_in_cache_is_an_error(monkeypatch, no_hub):
 def test_hub_id_still_goes_to_from_pretrained_when_the_hub_answers(monkeypatch, no_hub):
     import transformers
 
-    from rlflow.module import load_causal_lm
+    from rlflow.training.module import load_causal_lm
 
     monkeypatch.setattr(model_path, "hub_reachable", lambda *a, **k: True)
     calls = []

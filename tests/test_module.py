@@ -6,7 +6,7 @@ import pytest
 
 from rlflow.config_error import ConfigError
 from rlflow.losses.clipped import BNPOLoss, GRPOLoss
-from rlflow.module import GRPOModule, build_loss
+from rlflow.training.module import GRPOModule, build_loss
 
 UNSET = {"epsilon_low": None, "epsilon_high": None, "kl_coef": None, "kl_type": None}
 
@@ -50,7 +50,7 @@ def test_bf16_precision_on_a_cpu_without_bf16_hardware_is_named(monkeypatch, nat
     import torch
 
     import rlflow.rollout.hardware as hardware
-    from rlflow.module import emulated_bf16
+    from rlflow.training.module import emulated_bf16
 
     monkeypatch.setattr(hardware, "native_bf16", lambda device: native)
     cpu = torch.device("cpu")
@@ -74,7 +74,7 @@ def test_gradient_checkpointing_trains_the_same_steps(tiny_model, tiny_data, tmp
     from conftest import fit_args
 
     from rlflow.cli import cli_main
-    from rlflow.data.packing import is_checkpointing
+    from rlflow.training.packing import is_checkpointing
 
     runs = {}
     for on in (False, True):

@@ -1,4 +1,4 @@
-"""``model.router_aux_loss_coef`` (:mod:`rlflow.moe`): an MoE policy's load-balancing loss, caught from rlflow's
+"""``model.router_aux_loss_coef`` (:mod:`rlflow.models.moe`): an MoE policy's load-balancing loss, caught from rlflow's
 own log-prob forward, equals transformers' ``aux_loss`` of the same batch; the coefficient defaults to the config's;
 ``rlflow fit`` adds ``coef * aux_loss`` to the step's loss (checked against a run without it)."""
 
@@ -15,8 +15,8 @@ from tiny_archs import tiny_causal_lm
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from rlflow.config_error import ConfigError
-from rlflow.logprobs import completion_logprobs
-from rlflow.moe import collect_router_logits, router_aux_coef
+from rlflow.models.moe import collect_router_logits, router_aux_coef
+from rlflow.training.logprobs import completion_logprobs
 
 MOE = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256)

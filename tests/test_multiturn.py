@@ -10,11 +10,11 @@ from multiturn_helpers import RecordingBackend, ScriptedBackend, add, boom, hang
 
 from rlflow.data.dataset import PromptRecord
 from rlflow.data.experience import Experience, collate
-from rlflow.data.packing import collate_packed, packed_completion_logprobs
-from rlflow.logprobs import completion_logprobs
 from rlflow.rollout.base import SamplingParams
 from rlflow.rollout.multiturn import MultiTurn, multiturn_metrics
 from rlflow.tools.base import load_tools
+from rlflow.training.logprobs import completion_logprobs
+from rlflow.training.packing import collate_packed, packed_completion_logprobs
 
 END = "<|im_end|>"
 

@@ -1,4 +1,5 @@
-"""rlflow.optim: bf16 weights lose AdamW's small updates (and the metric and warning say so), the bf16 optimizers
+"""rlflow.training.optim: bf16 weights lose AdamW's small updates (and the metric and warning say so), the bf16
+optimizers
 keep them, float32 master weights with bf16-mixed train end to end, and the LR schedule in optimizer steps."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 from conftest import ROOT, fit_args
 
 from rlflow.config_error import ConfigError
-from rlflow.optim import LostUpdatesWarning, UpdateFraction, build_optimizer, check_optimizer, fused_supported
+from rlflow.training.optim import LostUpdatesWarning, UpdateFraction, build_optimizer, check_optimizer, fused_supported
 
 HAVE = {"adamw": True, "adamw_kahan": importlib.util.find_spec("optimi") is not None,
         "adamw_bf16_sr": importlib.util.find_spec("torchao") is not None}
@@ -94,7 +95,7 @@ def test_unknown_or_missing_optimizer_is_one_clear_error(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optimi" else real(name, *a))
     with pytest.raises(ConfigError, match=r"pip install 'rlflow\[precision\]' \(or pip install torch-optimi\)"):
         check_optimizer("adamw_kahan")
-    from rlflow.module import GRPOModule
+    from rlflow.training.module import GRPOModule
 
     with pytest.raises(ConfigError, match="torch-optimi"):
         GRPOModule(model_path=str(ROOT), optimizer="adamw_kahan")
@@ -207,7 +208,7 @@ def expected_factor(step: int, schedule: str, warmup: int, total: int) -> float:
 def test_lr_schedule_spans_the_rollout_steps_optimizer_steps(
     optimizer_steps, num_iterations, schedule, warmup, optimizer
 ):
-    from rlflow.module import GRPOModule
+    from rlflow.training.module import GRPOModule
 
     rollout_steps = 5
     module = GRPOModule(model_path=str(ROOT), lr=2e-3, lr_schedule=schedule, warmup_steps=warmup, optimizer=optimizer,
@@ -229,7 +230,7 @@ def test_lr_schedule_spans_the_rollout_steps_optimizer_steps(
 def test_a_rebuilt_schedule_continues_as_a_run_of_the_new_length(schedule):
     """``rebuild_lr_scheduler`` (a run continued with a larger max_steps): from the step reached, the same learning
     rates and the same scheduler state as a run that had the new length from the start."""
-    from rlflow.optim import build_lr_scheduler, rebuild_lr_scheduler
+    from rlflow.training.optim import build_lr_scheduler, rebuild_lr_scheduler
 
     def adamw():
         return torch.optim.AdamW(torch.nn.Linear(2, 2).parameters(), lr=1e-3)

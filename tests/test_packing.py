@@ -12,7 +12,7 @@ from conftest import fit_args
 from transformers import AutoModelForCausalLM
 
 from rlflow.data.experience import Experience
-from rlflow.data.packing import (
+from rlflow.training.packing import (
     balance_pack_count,
     collate_packed,
     pack_experiences,

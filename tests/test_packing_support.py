@@ -11,8 +11,8 @@ import pytest
 from tiny_archs import tiny_causal_lm
 
 from rlflow.data.experience import Experience
-from rlflow.data.packing_support import packing_unsupported_reason, resolve_packing
-from rlflow.module import GRPOModule
+from rlflow.training.module import GRPOModule
+from rlflow.training.packing_support import packing_unsupported_reason, resolve_packing
 
 
 @pytest.mark.parametrize("name, attn", [("qwen3", "sdpa"), ("llama", "eager"), ("gpt2", "sdpa"), ("mistral", "sdpa")])
@@ -33,7 +33,7 @@ def test_packing_is_refused_where_the_packed_forward_fails():
 def test_packing_is_refused_where_packed_sequences_would_leak_into_each_other(monkeypatch):
     """A model that ignores rlflow's var-len attention (simulated: it is never switched on) attends across the
     shared-prompt layout's sequences; the probe's log-probs then differ from the padded ones."""
-    import rlflow.data.packing as packing
+    import rlflow.training.packing as packing
 
     monkeypatch.setattr(packing, "_varlen_attention", lambda model, batch: contextlib.nullcontext({}))
     reason = packing_unsupported_reason(tiny_causal_lm("qwen3"))
@@ -66,7 +66,7 @@ def test_the_reference_model_is_checked_too():
 
 
 def test_packing_off_is_not_probed(monkeypatch):
-    import rlflow.data.packing_support as packing_support
+    import rlflow.training.packing_support as packing_support
 
     monkeypatch.setattr(packing_support, "packing_unsupported_reason", lambda *a: pytest.fail("probed"))
     assert resolve_packing(False, [tiny_causal_lm("qwen3")], False, 64) is False
@@ -78,7 +78,7 @@ BF16_ROUNDING = 0.0078  # packed vs padded log-probs of the Qwen3-0.6B shape und
 @pytest.fixture
 def rounded_packs(monkeypatch):
     """Packed log-probs off by what bf16 kernels round differently on a GPU (CPU kernels agree to the bit)."""
-    import rlflow.data.packing_support as packing_support
+    import rlflow.training.packing_support as packing_support
 
     exact = packing_support.packed_completion_logprobs
 
@@ -97,7 +97,7 @@ def test_the_tolerance_follows_the_compute_dtype_not_the_stored_one(rounded_pack
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from rlflow.distributed import shard_model
+    from rlflow.training.distributed import shard_model
 
     reason = packing_unsupported_reason(tiny_causal_lm("qwen3"))
     assert reason and "by 0.0078 (> 0.001 in float32): sequences leak" in reason

@@ -22,10 +22,10 @@ from transformers import DynamicCache
 
 from rlflow.cli import cli_main
 from rlflow.config_error import ConfigError
-from rlflow.data.pipeline import group_versions, make_pipeline
 from rlflow.rollout.base import SamplingParams
 from rlflow.rollout.engine import EngineRollout
 from rlflow.rollout.engine_support import cache_kwargs
+from rlflow.rollout.pipeline import group_versions, make_pipeline
 from rlflow.rollout.process import JobResult
 
 TESTS = ROOT / "tests"
@@ -119,8 +119,8 @@ def test_the_oldest_token_bounds_a_groups_staleness():
 def test_partial_rollouts_need_pipelining_the_engine_and_one_process():
     from types import SimpleNamespace
 
-    from rlflow.data.pipeline import check_partial
     from rlflow.rollout.hf import HFRollout
+    from rlflow.rollout.pipeline import check_partial
 
     with pytest.raises(ConfigError, match="data.partial_rollouts .* needs data.max_staleness >= 1"):
         make_pipeline(0, "regenerate", 1, 0, partial_rollouts=True)

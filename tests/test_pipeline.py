@@ -23,8 +23,8 @@ from conftest import ROOT
 from resume_helpers import TIMINGS, assert_same_final_state, assert_same_run, metrics_by_step, run_args, trajectories
 
 from rlflow.cli import cli_main
-from rlflow.data.pipeline import RolloutPipeline
 from rlflow.rollout.engine import EngineRollout
+from rlflow.rollout.pipeline import RolloutPipeline
 from rlflow.rollout.process import ThreadGenerator, copy_weights
 
 pytestmark = pytest.mark.slow

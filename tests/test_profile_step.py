@@ -15,7 +15,7 @@ def test_profile_times_each_phase_of_the_demo_config_and_restores_the_classes(ti
                                                                                capsys):
     from rlflow.data.datamodule import RolloutDataModule
     from rlflow.losses.clipped import BNPOLoss
-    from rlflow.module import GRPOModule
+    from rlflow.training.module import GRPOModule
 
     def wrapped_now():
         return ({name: GRPOModule.__dict__.get(name) for name in

@@ -1,4 +1,4 @@
-"""``model.ref_model_sync_steps``: the KL reference moved toward the policy (rlflow/reference.py).
+"""``model.ref_model_sync_steps``: the KL reference moved toward the policy (rlflow/training/reference.py).
 
 The update is checked against the soft-update formula computed apart in float64; end to end, a reset
 (``alpha = 1``) makes the next step's KL exactly 0 and the checkpoint carries the moved reference (exact resume
@@ -15,7 +15,7 @@ from resume_helpers import last_checkpoint, metrics_by_step, run_args
 
 from rlflow.cli import cli_main
 from rlflow.config_error import ConfigError
-from rlflow.reference import check_same_layout, check_sync, sync_reference
+from rlflow.training.reference import check_same_layout, check_sync, sync_reference
 
 
 def tiny_pair(tiny_model, seed: int):

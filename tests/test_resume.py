@@ -67,7 +67,7 @@ def test_kill_and_resume_matches_straight_run(tiny_model, small_data, tmp_path, 
 
 SAVE_LOOP = """
 import sys, torch
-from rlflow.checkpointing import atomic_torch_save
+from rlflow.training.checkpointing import atomic_torch_save
 path, i, big = sys.argv[1], 0, torch.arange(8_000_000, dtype=torch.float32)
 while True:  # nearly all the time goes into the save, so a kill almost always lands inside one
     i += 1
@@ -80,7 +80,7 @@ def test_kill_during_save_never_leaves_a_broken_checkpoint(tmp_path):
     """Real SIGKILLs land while a 32 MB checkpoint is rewritten in a loop: the file always loads whole."""
     import time
 
-    from rlflow.checkpointing import remove_stale_partials
+    from rlflow.training.checkpointing import remove_stale_partials
 
     path, mid_save = tmp_path / "last.ckpt", 0
     # at least three kills; more (up to ten) until one lands inside a write: on a fast moment of a shared machine
@@ -105,7 +105,7 @@ def test_kill_during_save_never_leaves_a_broken_checkpoint(tmp_path):
 
 
 def test_interrupted_save_keeps_previous_file(tmp_path, monkeypatch):
-    from rlflow.checkpointing import atomic_torch_save
+    from rlflow.training.checkpointing import atomic_torch_save
 
     path = tmp_path / "last.ckpt"
     atomic_torch_save({"step": 1}, path)
@@ -151,7 +151,7 @@ def test_sampler_position_survives_prefetch_and_epochs():
 
 
 def test_checkpoint_defaults_and_opt_out(tiny_model, tiny_data, tmp_path):
-    from rlflow.checkpointing import RLFlowCheckpoint
+    from rlflow.training.checkpointing import RLFlowCheckpoint
 
     trainer = cli_main(fit_args(tiny_model, tiny_data, tmp_path)[1:], run=False).trainer  # [1:]: no subcommand
     ckpt = trainer.checkpoint_callback

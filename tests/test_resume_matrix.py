@@ -41,7 +41,8 @@ CASES = {  # id: (extra arguments, the steps the chain stops at, steps in all)
     # (h) a seeded engine: its draws (a count of sampling calls, rlflow.rollout.draws) continue from the checkpoint,
     # and evaluating does not move them
     "seeded-engine": (['--data.rollout={"class_path": "engine", "init_args": {"seed": 5}}', *EVAL], (1,), 3),
-    # (i) a KL reference moved toward the policy after steps 2 and 4 (rlflow.reference): the checkpoint at step 3
+    # (i) a KL reference moved toward the policy after steps 2 and 4 (rlflow.training.reference): the checkpoint at
+    # step 3
     # holds the moved one (the loaded weights would give step 3 another KL)
     "reference-sync": (["--model.kl_coef=0.05", "--model.ref_model_sync_steps=2", "--model.ref_model_mixup_alpha=0.5"],
                        (3,), 4),

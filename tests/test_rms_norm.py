@@ -1,4 +1,4 @@
-"""The RMSNorm with a hand-written backward (:mod:`rlflow.rms_norm`).
+"""The RMSNorm with a hand-written backward (:mod:`rlflow.models.rms_norm`).
 
 Its forward is compared bit for bit with transformers' own modules; its gradients with a float64 recomputation of
 the formula by autograd (independent of the hand-written derivative) and with autograd through the module's own
@@ -12,7 +12,7 @@ import torch
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from rlflow.rms_norm import RMSNormFunction, is_rms_norm, use_fast_rms_norm
+from rlflow.models.rms_norm import RMSNormFunction, is_rms_norm, use_fast_rms_norm
 
 
 def reference_grads(x: torch.Tensor, weight: torch.Tensor, eps: float, grad: torch.Tensor):

@@ -17,8 +17,8 @@ import torch
 from resume_helpers import metrics_by_step, run_args
 
 from rlflow.cli import cli_main
-from rlflow.data.pipeline import peek_next_batch
 from rlflow.data.sampler import PromptBatchSampler
+from rlflow.rollout.pipeline import peek_next_batch
 
 
 def permutation(n: int, seed: int) -> list[int]:

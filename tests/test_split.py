@@ -1,4 +1,4 @@
-"""On-policy rollouts shared with the generator process (``data.split_rollout``, :mod:`rlflow.data.split`).
+"""On-policy rollouts shared with the generator process (``data.split_rollout``, :mod:`rlflow.rollout.split`).
 
 The split's completions are checked against the trainer's engine decoding the whole call alone (the plain loop),
 token for token, and a split ``rlflow fit`` against the plain one, metric for metric; the trainer's random stream,
@@ -17,10 +17,10 @@ from conftest import fit_args
 from resume_helpers import assert_same_final_state, assert_same_run, run_args
 
 from rlflow.cli import cli_main
-from rlflow.data.split import SplitRollout, split_problem, torch_threads
 from rlflow.rollout import prestart
 from rlflow.rollout.base import SamplingParams
 from rlflow.rollout.engine import EngineRollout
+from rlflow.rollout.split import SplitRollout, split_problem, torch_threads
 
 pytestmark = pytest.mark.slow
 

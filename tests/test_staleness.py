@@ -1,4 +1,4 @@
-"""The staleness gate (rlflow.data.staleness), the pipeline's settings and its read-ahead of the prompt sampler."""
+"""The staleness gate (rlflow.rollout.staleness), the pipeline's settings and its read-ahead of the prompt sampler."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import pytest
 
 from rlflow.config_error import ConfigError
 from rlflow.data.mix import MixBatchSampler
-from rlflow.data.pipeline import make_pipeline, peek_next_batch
 from rlflow.data.sampler import PromptBatchSampler
-from rlflow.data.staleness import StalenessGate
+from rlflow.rollout.pipeline import make_pipeline, peek_next_batch
+from rlflow.rollout.staleness import StalenessGate
 
 
 def test_gate_admits_exactly_the_groups_within_the_bound_and_measures_them():

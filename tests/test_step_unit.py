@@ -1,7 +1,8 @@
 """One step unit: with 4 optimizer steps per rollout step, every step count a user sets counts rollout steps.
 
 ``trainer.max_steps``, ``samples.every_n_steps``, ``checkpoint.every_n_train_steps``, ``--evaluate_every_n_steps``,
-``trainer.log_every_n_steps`` and the ``step`` of metrics.csv and trajectories.jsonl (see ``rlflow.step_unit``);
+``trainer.log_every_n_steps`` and the ``step`` of metrics.csv and trajectories.jsonl (see
+``rlflow.training.step_unit``);
 the learning-rate schedule counts optimizer steps and spans the run's ``max_steps x optimizer_steps``.
 """
 

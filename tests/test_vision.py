@@ -25,9 +25,7 @@ from rlflow.data.experience import Experience, collate
 from rlflow.data.images import open_image
 from rlflow.data.prompts import PromptSet
 from rlflow.data.sources import parse_sources
-from rlflow.logprobs import completion_logprobs
-from rlflow.rollout.base import SamplingParams
-from rlflow.vision import (
+from rlflow.models.vision import (
     ImageInputs,
     ImagePrompt,
     VisionBatches,
@@ -36,6 +34,8 @@ from rlflow.vision import (
     model_auto_class,
     vision_tower,
 )
+from rlflow.rollout.base import SamplingParams
+from rlflow.training.logprobs import completion_logprobs
 
 TOKENS_PER_IMAGE = (tiny_vlm.IMAGE_SIZE // 14) ** 2 // 4  # 4 x 4 patches merged 2 x 2
 
@@ -167,7 +167,7 @@ def test_vision_tower_frozen_and_language_layers_get_gradients(processor):
 
 
 def test_fsdp_units_cover_language_layers_and_vision_blocks(vlm):
-    from rlflow.distributed import decoder_layers
+    from rlflow.training.distributed import decoder_layers
 
     names = {type(m).__name__ for m in decoder_layers(vlm)}
     assert names == {"Qwen2_5_VLDecoderLayer", "Qwen2_5_VLVisionBlock"}
@@ -176,10 +176,10 @@ def test_fsdp_units_cover_language_layers_and_vision_blocks(vlm):
 
 # --------------------------------------------------------------------------------------------- rollout
 def test_engine_refuses_vlms_and_auto_falls_back_to_hf(vlm, processor):
-    from rlflow.data.packing_support import resolve_packing
     from rlflow.rollout.engine_support import static_unsupported_reason
     from rlflow.rollout.hf import HFRollout
     from rlflow.rollout.select import resolve_backend
+    from rlflow.training.packing_support import resolve_packing
 
     assert "vision-language" in static_unsupported_reason(vlm)
     assert isinstance(resolve_backend("auto", vlm, processor.tokenizer), HFRollout)
@@ -214,8 +214,8 @@ def test_hf_rollout_generates_with_pixels_and_never_samples_a_placeholder(proces
 
 def test_backend_that_would_drop_images_is_refused(squares, processor):
     from rlflow.config_error import ConfigError
+    from rlflow.models.vision import check_backend_accepts_images
     from rlflow.rollout.base import RolloutBackend
-    from rlflow.vision import check_backend_accepts_images
 
     records = PromptSet(parse_sources(str(squares)), "train", 512).load(processor.tokenizer, processor)
     with pytest.raises(ConfigError, match="does not take images"):
@@ -372,7 +372,7 @@ def _vlm_sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: str)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
 
-    from rlflow.distributed import full_tensor, shard_model, sharded_completion_logprobs
+    from rlflow.training.distributed import full_tensor, shard_model, sharded_completion_logprobs
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)

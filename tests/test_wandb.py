@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from conftest import fit_args
 
-from rlflow.callbacks import EVAL_SAMPLE_COLUMNS, SAMPLE_COLUMNS, RolloutProgressBar, table_samples
 from rlflow.cli import cli_main, expand_logger_aliases
+from rlflow.training.callbacks import EVAL_SAMPLE_COLUMNS, SAMPLE_COLUMNS, RolloutProgressBar, table_samples
 
 pytestmark = pytest.mark.slow
 BLOCK = 32768  # the .wandb transaction log is LevelDB's log format: 32 KiB blocks of CRC/length/type-framed records

@@ -3,7 +3,7 @@
 The processor is a character tokenizer (``tokenizers``, as ``tools/make_tiny_model.py`` builds one) with Qwen's
 vision special tokens and a Qwen2-VL-style chat template that renders ``{"type": "image"}`` parts, plus the
 PIL backend of the Qwen2-VL image processor (no torchvision) with small ``min_pixels``/``max_pixels``, wrapped in
-``Qwen2_5_VLProcessor`` without its video processor (:func:`rlflow.vision.image_text_processor`; transformers
+``Qwen2_5_VLProcessor`` without its video processor (:func:`rlflow.models.vision.image_text_processor`; transformers
 builds video processors only with torchvision). Nothing is downloaded.
 """
 
@@ -57,7 +57,7 @@ def build_processor():
     from transformers import Qwen2_5_VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from rlflow.vision import image_text_processor  # Qwen2_5_VLProcessor wants a video processor: torchvision
+    from rlflow.models.vision import image_text_processor  # Qwen2_5_VLProcessor wants a video processor: torchvision
 
     pixels = IMAGE_SIZE * IMAGE_SIZE
     image_processor = Qwen2VLImageProcessorPil(

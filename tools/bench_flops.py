@@ -19,7 +19,8 @@ Phases, each timed over ``--repeats`` runs (median):
 
 * peak: a ``--peak-size`` cubed matmul (``2 n^3`` FLOPs) in float32 and in bfloat16 (on CPUs with AMX or
   AVX512-BF16, oneDNN runs bf16 products several times faster); each phase is set against the peak of its dtype;
-* training: forward + backward of the chunked completion log-probs (:func:`rlflow.logprobs.completion_logprobs`,
+* training: forward + backward of the chunked completion log-probs
+(:func:`rlflow.training.logprobs.completion_logprobs`,
   what a GRPO update runs) on ``--seqs`` padded sequences of a data prompt plus ``--completion`` tokens;
 * decoding: the ``engine`` and ``hf`` backends sampling ``--prompts`` x ``--n`` completions of up to
   ``--completion`` tokens (prefill included in the time, not in the FLOPs: a lower bound on decode efficiency).
@@ -130,10 +131,10 @@ def main(argv=None) -> dict:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlflow.logprobs import completion_logprobs
     from rlflow.rollout.base import SamplingParams
     from rlflow.rollout.engine import EngineRollout
     from rlflow.rollout.hf import PlainGenerateRollout
+    from rlflow.training.logprobs import completion_logprobs
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,4 +1,5 @@
-"""Peak memory and time of per-token log-probs + entropy: chunked (``rlflow.logprobs``) against naive full logits.
+"""Peak memory and time of per-token log-probs + entropy: chunked (``rlflow.training.logprobs``) against naive full
+logits.
 
 Each variant runs in a fresh subprocess, so one variant's high-water mark cannot hide another's. On CUDA the
 peak is ``torch.cuda.max_memory_allocated`` above what was allocated before the call; on CPU it is the
@@ -50,7 +51,7 @@ def worker(args: argparse.Namespace) -> dict:
     """Run one variant once and report its peak memory above the starting point, and its time."""
     import torch
 
-    from rlflow.logprobs import naive_token_stats, token_stats_from_hidden
+    from rlflow.training.logprobs import naive_token_stats, token_stats_from_hidden
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

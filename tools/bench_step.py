@@ -150,8 +150,8 @@ def packing_bench(args) -> dict:
     from transformers import AutoModelForCausalLM
 
     from rlflow.data.experience import Experience, collate
-    from rlflow.data.packing import collate_packed, pack_experiences, packed_completion_logprobs
-    from rlflow.logprobs import completion_logprobs
+    from rlflow.training.logprobs import completion_logprobs
+    from rlflow.training.packing import collate_packed, pack_experiences, packed_completion_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(args.model).train()
     rng = random.Random(args.seed)

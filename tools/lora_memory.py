@@ -1,7 +1,8 @@
 """Peak memory of one GRPO-style training step with LoRA adapters vs full fine-tuning, on the CPU.
 
 Each mode runs in a fresh process (so one mode's freed memory cannot hide the other's peak): load the model
-(``--dtype``), with ``--mode lora`` inject PEFT adapters the way ``model.lora`` does (:func:`rlflow.lora.apply_lora`),
+(``--dtype``), with ``--mode lora`` inject PEFT adapters the way ``model.lora`` does
+(:func:`rlflow.models.lora.apply_lora`),
 then take one step on a random batch of ``--seqs`` sequences of ``--prompt`` + ``--completion`` tokens: rlflow's
 chunked completion log-probs, a policy-gradient loss, backward, AdamW step (its moments are allocated here, as in the
 first step of a run). Every weight is read once before the step, so pages of a memory-mapped checkpoint count
@@ -62,9 +63,9 @@ def child(args: argparse.Namespace) -> dict:
     import torch
 
     from rlflow.data.experience import Experience, collate
-    from rlflow.logprobs import completion_logprobs
-    from rlflow.lora import LoraSettings, apply_lora
-    from rlflow.module import load_causal_lm
+    from rlflow.models.lora import LoraSettings, apply_lora
+    from rlflow.training.logprobs import completion_logprobs
+    from rlflow.training.module import load_causal_lm
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

@@ -20,7 +20,7 @@ loggers, the loop; from one ``on_train_batch_start`` to the next). ``--ops N`` a
 operators over the timed steps (slower: time the phases without it).
 
 Simplifications: phases are found by wrapping ``GRPOModule``/``RolloutDataModule`` methods and the functions
-``rlflow.module`` calls, so a phase a custom subclass renames is counted in "the rest"; medians are per phase,
+``rlflow.training.module`` calls, so a phase a custom subclass renames is counted in "the rest"; medians are per phase,
 so they need not add up to the median step.
 """
 
@@ -40,7 +40,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 _ABSENT = object()
 
-#: (label, owner, attribute) of each timed phase; owner is "module" (rlflow.module), "GRPOModule" or "datamodule"
+#: (label, owner, attribute) of each timed phase; owner is "module" (rlflow.training.module), "GRPOModule" or
+# "datamodule"
 PHASES = [
     ("rollout: generate + judge (make_experience)", "datamodule", "make_experience"),
     ("old/ref log-probs (fill_logprobs)", "GRPOModule", "fill_logprobs"),
@@ -98,9 +99,9 @@ class StepProfile:
         return wrapper
 
     def install(self) -> None:
-        import rlflow.module as module
+        import rlflow.training.module as module
         from rlflow.data.datamodule import RolloutDataModule
-        from rlflow.module import GRPOModule
+        from rlflow.training.module import GRPOModule
 
         owners = {"module": module, "GRPOModule": GRPOModule, "datamodule": RolloutDataModule}
         for label, owner, name in PHASES:
@@ -185,7 +186,7 @@ def main(argv=None) -> StepProfile:
     profile.install()
     torch_profile = None
     if args.ops:
-        from rlflow.module import GRPOModule
+        from rlflow.training.module import GRPOModule
 
         torch_profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         start = GRPOModule.training_step

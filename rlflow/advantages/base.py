@@ -65,7 +65,7 @@ def estimate_global(estimator: Any, rewards: torch.Tensor, group_size: int, leng
                     components: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """This rank's advantages, estimated over the generation batch of every rank (a collective under data
     parallelism: every rank calls it with the same number of rewards)."""
-    from rlflow.distributed import all_gather, world_size
+    from rlflow.training.distributed import all_gather, world_size
 
     if world_size() == 1:
         return estimate(estimator, rewards, group_size, lengths=lengths, components=components)

@@ -26,7 +26,7 @@ from typing import Any
 from rlflow.data.dataset import DataError, PromptRecord
 from rlflow.data.images import has_images
 from rlflow.data.sources import DataSource, iter_records
-from rlflow.vision import image_prompt_length
+from rlflow.models.vision import image_prompt_length
 
 MAX_SHOWN = 10
 PROBE_ROWS = 4
@@ -164,7 +164,7 @@ def check_source(dm: Any, source: DataSource, split: str, tokenizer: Any) -> Sou
             for name in names:
                 if len(probes.setdefault(name, [])) < PROBE_ROWS:
                     probes[name].append(item)
-            if has_images(item):  # every image read and decoded; image tokens counted (rlflow.vision)
+            if has_images(item):  # every image read and decoded; image tokens counted (rlflow.models.vision)
                 try:
                     length = image_prompt_length(item, fmt, getattr(dm, "processor", None), tokenizer is not None)
                 except DataError as exc:

@@ -14,11 +14,12 @@ Each part is its own module with its own interface; the datamodule only wires th
   drives the backend turn by turn (:mod:`rlflow.rollout.multiturn`).
 
 Writers (``trajectories.jsonl``, the W&B samples table, the summary line) are callbacks that read the
-:class:`~rlflow.data.experience.RolloutStep` the module keeps (:mod:`rlflow.callbacks`).
+:class:`~rlflow.data.experience.RolloutStep` the module keeps (:mod:`rlflow.training.callbacks`).
 
 The train dataloader yields *prompt batches* only, which are cheap, so Lightning's one-batch prefetch costs
 nothing and cannot make training off-policy: the expensive part, :meth:`RolloutDataModule.make_experience`, is
-called by :class:`rlflow.module.GRPOModule` inside ``training_step``, after the previous optimizer step, with the
+called by :class:`rlflow.training.module.GRPOModule` inside ``training_step``, after the previous optimizer step,
+with the
 live policy, through the :class:`~rlflow.data.protocol.ExperienceSource` interface. Every experience is stamped
 with the policy version that sampled it.
 """
@@ -42,26 +43,26 @@ from rlflow.data.dataset import PromptRecord
 from rlflow.data.dynamic_sampling import DynamicSampling, Groups
 from rlflow.data.experience import Experience, RolloutStep
 from rlflow.data.mix import MixBatchSampler
-from rlflow.data.pipeline import make_pipeline, worker_spec
 from rlflow.data.prompts import PromptSet
 from rlflow.data.replay_buffer import ReplayBuffer
 from rlflow.data.rollout_metrics import rollout_metrics
 from rlflow.data.sampler import PromptBatchSampler, PromptLoader
 from rlflow.data.sources import parse_sources, per_source_means
-from rlflow.data.split import SplitRollout, split_problem
-from rlflow.distributed import all_gather, is_sharded
-from rlflow.evaluation import eval_seed, isolated_rng
 from rlflow.judgers.base import Judger
 from rlflow.judgers.overlap import generate_and_judge
 from rlflow.judgers.panel import JudgePanel
 from rlflow.log import info
+from rlflow.models.vision import ImageInputs, any_images, check_backend_accepts_images, load_processor, rollout_prompts
 from rlflow.rollout import prestart
 from rlflow.rollout.base import RolloutBackend, SamplingParams, pad_with_eos, stop_token_ids
 from rlflow.rollout.draws import isolated_draws
 from rlflow.rollout.multiturn import MultiTurn, RecordsRollout, multiturn_metrics
+from rlflow.rollout.pipeline import make_pipeline, worker_spec
 from rlflow.rollout.process import GeneratorProcess
 from rlflow.rollout.select import resolve_backend
-from rlflow.vision import ImageInputs, any_images, check_backend_accepts_images, load_processor, rollout_prompts
+from rlflow.rollout.split import SplitRollout, split_problem
+from rlflow.training.distributed import all_gather, is_sharded
+from rlflow.training.evaluation import eval_seed, isolated_rng
 
 
 def _keep_records(batch: list[PromptRecord]) -> list[PromptRecord]:
@@ -190,7 +191,7 @@ class RolloutDataModule(L.LightningDataModule):
                 rollout step in a separate process while the trainer updates on this one, and trains on an
                 experience only while ``trained version - sampling version <= N`` policy versions (the one-step
                 pipeline's staleness is ``model.optimizer_steps x model.num_iterations``); turns the rollout
-                importance-sampling correction on unless ``model.rollout_is: off``. See :mod:`rlflow.data.pipeline`.
+                importance-sampling correction on unless ``model.rollout_is: off``. See :mod:`rlflow.rollout.pipeline`.
             stale_policy: With ``max_staleness > 0``, experience beyond the bound is ``drop``-ped (counted) or
                 ``regenerate``-d from the current weights (counted).
             generator_threads: With ``max_staleness > 0``, torch threads of the generator process.
@@ -208,7 +209,7 @@ class RolloutDataModule(L.LightningDataModule):
                 engine backend and a policy on a CPU (one process, more than ``generator_threads`` torch threads): the
                 generator process (``generator_threads``) decodes the second half of each rollout's prompts while
                 the trainer decodes the first half on the rest of its threads, both from the trainer's random
-                streams, so the completions are those of one process (see :mod:`rlflow.data.split`). Faster where a
+                streams, so the completions are those of one process (see :mod:`rlflow.rollout.split`). Faster where a
                 decode step's small operators leave a second core idle (small models); the generator idles
                 meanwhile.
         """
@@ -261,7 +262,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.sampler: PromptBatchSampler | MixBatchSampler | None = None
         self.rollout_progress: Any = None  # a listener with start(total), update(completions, tokens), close()
         self.tokenizer: Any = None
-        self.processor: Any = None  # a vision-language model's processor (rlflow.vision); None for text-only models
+        # a vision-language model's processor (rlflow.models.vision); None for text-only models
+        self.processor: Any = None
         self.image_inputs: ImageInputs | None = None
         self.tokenizer_path = tokenizer_path
         self.stop = list(stop or [])
@@ -336,7 +338,7 @@ class RolloutDataModule(L.LightningDataModule):
         return self.pipeline.all_cores() if self.pipeline is not None else contextlib.nullcontext()
 
     def split_problem(self, backend: RolloutBackend | None = None) -> str | None:
-        """Why ``data.split_rollout`` cannot run here (:func:`rlflow.data.split.split_problem`), None if it can."""
+        """Why ``data.split_rollout`` cannot run here (:func:`rlflow.rollout.split.split_problem`), None if it can."""
         strategy = self.trainer.strategy if self.trainer is not None else None
         return split_problem(self.generator_threads, self.world_size, strategy is not None and is_sharded(strategy),
                              strategy.root_device.type if strategy is not None else "cpu", backend)
@@ -422,7 +424,8 @@ class RolloutDataModule(L.LightningDataModule):
         return self.backend is None or self.backend.reads_policy_weights
 
     def sync_weights(self) -> None:
-        if self.pipeline is not None:  # pipelined: weights reach the generator between its jobs (rlflow.data.pipeline)
+        # pipelined: weights reach the generator between its jobs (rlflow.rollout.pipeline)
+        if self.pipeline is not None:
             return
         if self.backend is not None:
             self.backend.sync_weights()
@@ -558,7 +561,8 @@ class RolloutDataModule(L.LightningDataModule):
         """Generate ``eval_k`` completions per prompt with the evaluation sampling settings and judge them.
 
         Sampling runs on a forked RNG seeded from (``seed``, ``step``, ``batch_idx``) (see
-        :func:`rlflow.evaluation.isolated_rng`), so it never moves the training random stream. Returns per prompt
+        :func:`rlflow.training.evaluation.isolated_rng`), so it never moves the training random stream. Returns per
+        prompt
         lists of ``eval_k`` rewards, correctness flags, lengths, judger-failure flags and stated answers (None where
         no judger states them), the prompts' data sources, and ``samples``: one plain row per
         sample (``eval_trajectories.jsonl``'s, with ``trained_steps`` = ``step``, the rollout steps trained so far).

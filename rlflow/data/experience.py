@@ -35,7 +35,8 @@ class Experience:
     old_logprobs: list[float] | None = None
     ref_logprobs: list[float] | None = None
     info: dict[str, Any] = field(default_factory=dict)
-    images: list[str | bytes] | None = None  # the prompt's images (paths or bytes; rlflow.vision re-processes them)
+    # the prompt's images (paths or bytes; rlflow.models.vision re-processes them)
+    images: list[str | bytes] | None = None
     sampled_mask: list[bool] | None = None
     token_versions: list[int] | None = None  # partial rollouts: the version that sampled each token (oldest: above)
 

@@ -10,7 +10,7 @@ or ``image`` (one). Each image may be
 URLs are refused: rlflow runs offline and never fetches data during training (download the images and give the
 paths). Every image becomes an :data:`ImageRef`: an absolute path (``str``) or the encoded image (``bytes``),
 plain types that a checkpoint's replay buffer stores under ``torch.load(weights_only=True)``; the pixels are
-decoded again where they are needed (:mod:`rlflow.vision`).
+decoded again where they are needed (:mod:`rlflow.models.vision`).
 
 The images are placed into the prompt the way Qwen2-VL-style processors expect (and TRL places them): one
 ``{"type": "image"}`` part per image at the start of the first user message, whose text becomes a

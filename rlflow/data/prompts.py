@@ -18,7 +18,7 @@ from rlflow.data.mix import MixBatchSampler
 from rlflow.data.sampler import PromptBatchSampler
 from rlflow.data.sources import DataSource, read_source
 from rlflow.log import info
-from rlflow.vision import encode_prompt
+from rlflow.models.vision import encode_prompt
 
 
 class PromptSet:
@@ -61,7 +61,7 @@ class PromptSet:
         """Read, render and tokenize every prompt of every source (once); drop those over the length limit.
 
         ``processor``: a vision-language model's processor; rows with images are rendered and tokenized by it, image
-        tokens included (:func:`rlflow.vision.encode_prompt`).
+        tokens included (:func:`rlflow.models.vision.encode_prompt`).
         """
         if self.records:
             return self.records
@@ -76,7 +76,7 @@ class PromptSet:
                 setting = f"data.max_prompt_length={limit}"
             n_kept = n_dropped = 0
             for record in read_source(source):
-                if has_images(record):  # a vision-language row: rlflow.vision
+                if has_images(record):  # a vision-language row: rlflow.models.vision
                     record.prompt_text, record.prompt_ids = encode_prompt(record, fmt, processor)
                 else:
                     record.prompt_text = fmt.render(record, tokenizer)

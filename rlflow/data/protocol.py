@@ -1,4 +1,4 @@
-"""What :class:`~rlflow.module.GRPOModule` needs from its datamodule: the one interface between the two.
+"""What :class:`~rlflow.training.module.GRPOModule` needs from its datamodule: the one interface between the two.
 
 The module owns the models and the update; the datamodule owns prompts, generation, judging, advantages and the
 replay buffer. A GRPO step asks for fresh experience (:meth:`ExperienceSource.make_experience`), takes it back

@@ -129,7 +129,7 @@ def generate_and_judge(backend: Any, judge: Judge, records: list[Any], params: A
     Overlapped when ``overlap`` and the backend :attr:`~rlflow.rollout.base.RolloutBackend.streams`, else
     generate everything, then judge once. ``listener`` (``start``/``update``/``close``) follows the generation.
     ``prompts``: what the backend is given for ``records`` (default: their token ids; prompts with images are
-    :class:`rlflow.vision.ImagePrompt` s).
+    :class:`rlflow.models.vision.ImagePrompt` s).
     """
     prompt_ids = prompts if prompts is not None else [r.prompt_ids for r in records]
     t0 = time.perf_counter()

@@ -9,7 +9,7 @@ passes these keyword ``extra`` arguments; a plugin accepts and ignores what it d
 - ``entropy``: ``[batch, tokens]`` per-token entropy of the policy (with grad);
 - ``truncated``: ``[batch]`` bool, completions cut at ``max_tokens``;
 - ``rollout_is_weights``: ``[batch, tokens]`` or ``[batch, 1]`` rollout/training mismatch weights
-  (:mod:`rlflow.correction`), to multiply the policy term by;
+  (:mod:`rlflow.training.correction`), to multiply the policy term by;
 - ``ctx``: a :class:`LossContext` with the sizes of the batches this micro-batch belongs to.
 
 The loss is computed on one micro-batch. How micro-batches add up to the mini-batch of one optimizer step is

@@ -94,7 +94,7 @@ class Completion:
     conversation after the prompt (what judgers see), ``env_reward`` the environment's summed reward and ``info``
     the turn and tool-call counts. Single-turn completions leave them None.
 
-    ``token_versions`` (partial rollouts, :mod:`rlflow.data.pipeline`) is the policy version that sampled each
+    ``token_versions`` (partial rollouts, :mod:`rlflow.rollout.pipeline`) is the policy version that sampled each
     token, when a weight update reached the generator in the middle of the completion; None otherwise.
     """
 
@@ -143,7 +143,7 @@ class RolloutBackend:
     #: Generation runs the policy module itself (True: ``hf``, ``engine``), so an FSDP-sharded policy must be
     #: unsharded around it; False for an engine with its own copy of the weights (``lmdeploy``).
     reads_policy_weights: bool = True
-    #: The backend generates from prompts with images: it is given :class:`rlflow.vision.ImagePrompt` s (token-id
+    #: The backend generates from prompts with images: it is given :class:`rlflow.models.vision.ImagePrompt` s (token-id
     #: lists that carry their images) and uses the images. A backend that would ignore them keeps False, and data
     #: with images is then refused with a ConfigError instead of silently generating without the pixels.
     accepts_images: bool = False

@@ -83,7 +83,7 @@ def call_key(seed: int | None, calls: int) -> int:
 def keyed_requests(prompts: list[list[int]], key: int, n: int, first: int = 0) -> list[DecodeRequest]:
     """One request of ``n`` rows per prompt, tagged with its index in ``prompts``; sample ``s`` of prompt ``i`` draws
     from the stream ``(key, first + i, s)``: prompts ``first, first + 1, ...`` of a call of key ``key``, so a share
-    of a call decoded elsewhere (:mod:`rlflow.data.split`) samples what the whole call would."""
+    of a call decoded elsewhere (:mod:`rlflow.rollout.split`) samples what the whole call would."""
     return [DecodeRequest(p, [stream_key(key, first + i, s) for s in range(n)], tag=i) for i, p in enumerate(prompts)]
 
 
@@ -156,7 +156,7 @@ class RowDraws:
 def isolated_draws(backend: Any, seed: int) -> Iterator[None]:
     """Run a block (an evaluation) with a seeded engine's draws restarted from ``seed``, then continue the draws
     where they were, so evaluating never moves the training draws. Backends without a seeded engine's random state
-    follow torch's global generator, which :func:`rlflow.evaluation.isolated_rng` isolates."""
+    follow torch's global generator, which :func:`rlflow.training.evaluation.isolated_rng` isolates."""
     state = backend.rng_state() if hasattr(backend, "rng_state") else None
     if state is None or state.get("seed") is None:
         yield

@@ -188,7 +188,7 @@ class EngineRollout(CallKeys, RolloutBackend):
         self.session: SessionCache | None = None  # rows' caches kept across calls (keep_caches), else None
         self.prefilled_tokens = 0  # tokens run through a prefill forward (counted over the engine's life)
         self.reused_tokens = 0  # prompt tokens taken from a kept cache instead (keep_caches)
-        # Partial rollouts (rlflow.data.pipeline): ``step_hook(iteration)`` runs before every iteration of the
+        # Partial rollouts (rlflow.rollout.pipeline): ``step_hook(iteration)`` runs before every iteration of the
         # decode loop and returns True when it changed the model's weights (the rows keep their caches; the fused
         # decoder is rebuilt on the new weights); ``version`` set: each token is stamped with it
         # (Completion.token_versions).
@@ -382,7 +382,7 @@ class EngineRollout(CallKeys, RolloutBackend):
                    progress: Progress | None = None, first: int = 0) -> Iterator[tuple[int, list[Completion]]]:
         """:meth:`stream` with the call key given: ``prompts`` are prompts ``first, first + 1, ...`` of the call
         of key ``key`` (:func:`~rlflow.rollout.draws.keyed_requests`), so a share of a call decoded here samples
-        what the whole call would (:mod:`rlflow.data.split`); yields ``(index in prompts, group)``."""
+        what the whole call would (:mod:`rlflow.rollout.split`); yields ``(index in prompts, group)``."""
         for request, group in self.serve(ListSource(keyed_requests(prompts, key, n, first)), params, progress):
             yield request.tag, group
 

@@ -35,7 +35,7 @@ def static_unsupported_reason(model: Any) -> str | None:
         return "the model has no transformers config"
     if getattr(config, "is_encoder_decoder", False):
         return "encoder-decoder models are not supported"
-    from rlflow.vision import ENGINE_REASON, is_vision_config
+    from rlflow.models.vision import ENGINE_REASON, is_vision_config
 
     if is_vision_config(config):
         return ENGINE_REASON.format(name=type(model).__name__)
@@ -70,8 +70,8 @@ def probe_error(engine: Any, model: Any) -> str | None:
     engine's ``dtype`` option set aside): it checks the decode path, which a lower-precision copy of the weights
     only rounds differently.
     """
-    from rlflow.distributed import full_weights
     from rlflow.rollout.fused import FusedDecoder
+    from rlflow.training.distributed import full_weights
 
     vocab = model.get_input_embeddings().num_embeddings
     head_len = engine.min_shared_prefix if engine.min_shared_prefix else 0  # exercise the shared-head path too

@@ -19,12 +19,12 @@ dtype than the live weights': its weight copies are made in that dtype (bfloat16
 weights, as vLLM and lmdeploy decode), with the model's own order of operations for that dtype, so its logits are
 those of the model cast to ``dtype`` up to rounding (no folds: they would round differently from that model).
 The engine's KV caches are then in that dtype too (half the bytes a decode step's attention reads). An
-:class:`~rlflow.lm_head.FP32Linear` head (``model.cast_lm_head_to_fp32``) keeps a float32 copy and its product in
+:class:`~rlflow.models.lm_head.FP32Linear` head (``model.cast_lm_head_to_fp32``) keeps a float32 copy and its product in
 float32 whatever ``dtype`` is. With ``norm`` (the engine's ``norm`` option; by default on a CUDA GPU in 16 bits) the
 RMS norms run as ``F.rms_norm``, one kernel instead of eight, rounding once where the model rounds twice.
 
 LoRA (PEFT) projections are folded: each one's weight copy is its base weight plus the adapters' delta
-(:func:`rlflow.lora.linear_weights`), computed when the decoder is built, so a rollout samples from the adapted
+(:func:`rlflow.models.lora.linear_weights`), computed when the decoder is built, so a rollout samples from the adapted
 model; DoRA and other variants are refused (the engine then decodes through the model's forward).
 
 Simplifications: only the architectures listed in :data:`SUPPORTED_MODEL_TYPES` (RMSNorm, rotary embeddings from
@@ -42,8 +42,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlflow.lm_head import is_fp32_head
-from rlflow.lora import fold_problem, linear_weights, unwrap_peft
+from rlflow.models.lm_head import is_fp32_head
+from rlflow.models.lora import fold_problem, linear_weights, unwrap_peft
 from rlflow.rollout.prepack import PackedWeight, packable
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -117,7 +117,7 @@ def _packed(weight_t: torch.Tensor | PackedWeight, bias: torch.Tensor | None, ro
 def _cat(*linears: tuple[torch.Tensor, torch.Tensor | None],
          dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenated weights and biases (None if no projection has one) of ``(weight, bias)`` pairs, the weights
-    those the projections apply (:func:`rlflow.lora.linear_weights`: under LoRA, base plus the adapters' delta);
+    those the projections apply (:func:`rlflow.models.lora.linear_weights`: under LoRA, base plus the adapters' delta);
     the weights cast to ``dtype`` first (None: kept)."""
     weight = torch.cat([w if dtype is None else w.to(dtype) for w, _ in linears])
     if all(b is None for _, b in linears):

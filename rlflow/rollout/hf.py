@@ -27,12 +27,12 @@ from collections.abc import Iterator
 import torch
 from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList
 
+from rlflow.models.vision import generation_inputs, is_vision_model, placeholder_ids
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams
 from rlflow.rollout.draws import CallKeys, RowDraws
 from rlflow.rollout.penalty import mark_seen, penalize, seen_tokens
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource
 from rlflow.rollout.sampling import sample_tokens
-from rlflow.vision import generation_inputs, is_vision_model, placeholder_ids
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +88,7 @@ class RowDrawsSampler(LogitsProcessor):
 class HFRollout(CallKeys, RolloutBackend):
     """Generates with ``model.generate`` on the live policy weights (the embedded CPU default).
 
-    Vision-language models: prompts with images (:class:`rlflow.vision.ImagePrompt`) are generated with their
+    Vision-language models: prompts with images (:class:`rlflow.models.vision.ImagePrompt`) are generated with their
     processed pixels, and the vision placeholder tokens are never sampled (``suppress_tokens``).
     """
 

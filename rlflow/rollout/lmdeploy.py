@@ -17,7 +17,7 @@ the engine sleeps at ``sleep_level`` (1: weights to host memory, KV cache freed;
 replaced anyway) so training has the GPU memory.
 
 Under ``model.lora`` the push sends merged weights (each adapted projection's ``W + scaling * B @ A`` under the base
-model's names, :func:`rlflow.lora.merge_lora_tensors`), not the adapter: ``/update_weights`` replaces base
+model's names, :func:`rlflow.models.lora.merge_lora_tensors`), not the adapter: ``/update_weights`` replaces base
 weights, and LMDeploy loads LoRA adapters only from disk at server start (``--adapters``), with no call that
 replaces a running adapter's weights.
 
@@ -88,7 +88,7 @@ def generate_payload(prompt_ids: list[int], params: SamplingParams, model_name: 
         "skip_special_tokens": False,
         "stream": False,
     }
-    images = getattr(prompt_ids, "images", None)  # a vision-language prompt (rlflow.vision.ImagePrompt)
+    images = getattr(prompt_ids, "images", None)  # a vision-language prompt (rlflow.models.vision.ImagePrompt)
     if images:
         # LMDeploy's /generate takes images as ``image_data`` (data URIs) and expands their placeholders with the
         # model's own processor, so the prompt goes as the rendered text with one placeholder per image
@@ -216,11 +216,11 @@ def server_command(model_path: str, port: int, tp: int, cache_max_entry_count: f
 def full_named_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
     """The policy's weights by Hugging Face name, each gathered whole (DTensor ``full_tensor``) and cast to
     ``dtype``. Under ``model.lora`` each adapted projection is sent merged (``W + scaling * B @ A``, under the
-    base model's names; :func:`rlflow.lora.merge_lora_tensors`): LMDeploy's ``update_weights`` replaces base
+    base model's names; :func:`rlflow.models.lora.merge_lora_tensors`): LMDeploy's ``update_weights`` replaces base
     weights, and its LoRA support loads adapters from disk at server start (``--adapters``), with no call to
     replace an adapter's weights in a running engine, so merged weights after every optimizer step are what keeps
     the engine on-policy (the push costs as much as a full model's, the training step far less)."""
-    from rlflow.lora import merge_lora_tensors
+    from rlflow.models.lora import merge_lora_tensors
 
     named = ((name, t.full_tensor() if hasattr(t, "full_tensor") else t) for name, t in model.state_dict().items())
     for name, full in merge_lora_tensors(model, named):

@@ -6,7 +6,7 @@ own imports. Started from the data module's ``setup("fit")``, the earliest point
 start-up shows up as the trainer's wait for step 1's completions. So the ``rlflow`` console script reads
 ``data.max_staleness`` from the command line before it imports anything heavy and, when it is above 0, starts
 the worker at once (:func:`from_argv`; also for ``data.split_rollout: true``, whose on-policy rollouts the worker
-shares, :mod:`rlflow.data.split`): its imports run beside the trainer's, and
+shares, :mod:`rlflow.rollout.split`): its imports run beside the trainer's, and
 :class:`~rlflow.rollout.process.GeneratorProcess` adopts it (:func:`adopt`) instead of starting another.
 
 This module and :mod:`rlflow.rollout.worker` import only the standard library and PyYAML (the worker imports
@@ -85,7 +85,7 @@ def _stop(process: Any, jobs: Any) -> None:
 def predict(argv: list[str]) -> tuple[int, int] | None:
     """``(data.max_staleness, data.generator_threads)`` as ``argv`` (after ``fit``) sets them, or None when it
     cannot tell or the run does not need a generator process (see the module doc): it needs one when pipelined, or
-    on-policy with ``data.split_rollout: true`` (:mod:`rlflow.data.split`)."""
+    on-policy with ``data.split_rollout: true`` (:mod:`rlflow.rollout.split`)."""
     import yaml
 
     data: dict[str, Any] = {}

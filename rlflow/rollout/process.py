@@ -13,7 +13,7 @@ completions, stamped with that version, come back through another.
 
 The worker seeds torch's generator with the job's seed before generating, so a job's completions depend only on
 the weights, the prompts and the seed, not on timing: the trainer decides when weights change
-(:mod:`rlflow.data.pipeline` only writes them while the worker is idle). The worker exits when its parent
+(:mod:`rlflow.rollout.pipeline` only writes them while the worker is idle). The worker exits when its parent
 dies (``kill -9`` of the trainer leaves no orphan), when told to, or when its queue is closed.
 
 Partial rollouts (a job with ``swap_at``, engine backend only): before decode iteration ``swap_at`` the worker
@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from rlflow.lm_head import cast_lm_head_to_fp32, is_fp32_head
+from rlflow.models.lm_head import cast_lm_head_to_fp32, is_fp32_head
 from rlflow.rollout import prestart
 from rlflow.rollout.worker import Job, JobResult, plain_groups, worker_main
 
@@ -57,7 +57,7 @@ def generator_copy(policy: torch.nn.Module) -> torch.nn.Module:
     """A fresh module of the policy's architecture and dtype, weights copied in, parameters in shared memory."""
     from transformers import AutoModelForCausalLM
 
-    from rlflow.data.packing import ATTENTION_NAME
+    from rlflow.training.packing import ATTENTION_NAME
 
     config = copy.deepcopy(policy.config)  # its own: the trainer switches the policy's attention around packed passes
     # the dtype most parameters have (a float32 head, cast_lm_head_to_fp32, may come first)
@@ -78,7 +78,7 @@ def generator_copy(policy: torch.nn.Module) -> torch.nn.Module:
 def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """Copy every parameter of ``src`` into the parameter of the same name of ``dst`` (in place).
 
-    An FSDP-sharded ``src`` must be unsharded around the call (:func:`rlflow.distributed.full_weights`); a
+    An FSDP-sharded ``src`` must be unsharded around the call (:func:`rlflow.training.distributed.full_weights`); a
     DTensor parameter is gathered all the same.
     """
     params = dict(dst.named_parameters())

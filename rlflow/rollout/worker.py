@@ -37,7 +37,7 @@ class Job:
     n: int
     delay: float = 0.0  # seconds to sleep before generating (tests: an adversarially slow generator)
     swap_at: int | None = None  # partial rollouts: the decode iteration before which new weights come in
-    call_key: int | None = None  # a share of the trainer's sampling call (rlflow.data.split): its key...
+    call_key: int | None = None  # a share of the trainer's sampling call (rlflow.rollout.split): its key...
     first: int = 0  # ...and the call's index of this job's first prompt
 
 
@@ -193,7 +193,7 @@ def worker_main(threads: int, jobs: Any, results: Any, tokenizer_path: str | Non
         import torch
 
         torch.set_num_threads(max(int(threads), 1))
-        import rlflow.data.packing  # noqa: F401 - registers rlflow's attention function, as in the trainer
+        import rlflow.training.packing  # noqa: F401 - registers rlflow's attention function, as in the trainer
         from rlflow import registry
         from rlflow.rollout.select import resolve_backend
 

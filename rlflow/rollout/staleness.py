@@ -1,6 +1,6 @@
 """The staleness bound of pipelined GRPO, enforced in one place and measured on every rollout step.
 
-With ``data.max_staleness: N`` (> 0) completions are generated ahead of training (:mod:`rlflow.data.pipeline`),
+With ``data.max_staleness: N`` (> 0) completions are generated ahead of training (:mod:`rlflow.rollout.pipeline`),
 so the weights that sampled an experience (its ``policy_version`` stamp) can be older than the weights that
 start training on it. The *staleness* of an experience is ``trained_version - policy_version``, where
 ``trained_version`` is the policy version (optimizer steps taken) when its rollout step starts updating. The

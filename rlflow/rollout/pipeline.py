@@ -18,11 +18,11 @@ reproducible and resume exactly, whatever the timing:
 
 So step ``t + 1`` is always sampled from exactly the weights after step ``t - 1``: staleness is
 ``model.optimizer_steps x model.num_iterations`` policy versions (1 with the defaults) on every step after the
-first. :class:`~rlflow.data.staleness.StalenessGate` checks every step against the bound and measures it; a
+first. :class:`~rlflow.rollout.staleness.StalenessGate` checks every step against the bound and measures it; a
 batch beyond it (e.g. a checkpoint of another configuration) is dropped or regenerated from the current weights
 (``data.stale_policy``). Completions are stamped with the version that sampled them and carry the generator's
 log-probs, which the module uses as the behaviour policy of its importance-sampling correction (on by default
-when pipelining: :mod:`rlflow.correction`).
+when pipelining: :mod:`rlflow.training.correction`).
 
 A checkpoint holds the completions in flight (the datamodule's ``state_dict`` waits for them), so a resumed run
 trains on what the uninterrupted run trained on.
@@ -63,10 +63,10 @@ from typing import Any
 import torch
 
 from rlflow.config_error import ConfigError
-from rlflow.data.staleness import StalenessGate
 from rlflow.log import info
 from rlflow.rollout.base import Completion, RolloutBackend, SamplingParams
 from rlflow.rollout.process import GeneratorProcess, Job, JobResult, ThreadGenerator, copy_weights, plain_groups
+from rlflow.rollout.staleness import StalenessGate
 
 
 class FixedRollout(RolloutBackend):
@@ -296,7 +296,7 @@ class RolloutPipeline:
     def _generate_here(self, dm: Any, version: int, step: int, prompts: list[list[int]], k: int) -> JobResult:
         """Generate a batch in the trainer process with its own backend (the first step, a resume without the
         completions in flight, a regeneration), seeded by ``(data.seed, step)`` without moving the trainer's RNG."""
-        from rlflow.evaluation import isolated_rng
+        from rlflow.training.evaluation import isolated_rng
 
         seed = job_seed(self.seed, step)
         with isolated_rng(seed):

@@ -3,14 +3,14 @@
 One ``training_step`` is one rollout step: ask the datamodule for fresh experience sampled from the current
 weights, compute old and reference log-probs where they are needed, then take ``optimizer_steps`` optimizer
 steps over shuffled mini-batches, each accumulated over micro-batches (manual optimization). Lightning's
-``global_step`` counts rollout steps, not optimizer steps (:mod:`rlflow.step_unit`). Metrics use TRL's names
+``global_step`` counts rollout steps, not optimizer steps (:mod:`rlflow.training.step_unit`). Metrics use TRL's names
 so dashboards compare.
 
 The loss owns its hyper-parameters (``model.loss.init_args``). ``model.epsilon_low``, ``epsilon_high``,
 ``kl_coef`` and ``kl_type`` are shortcuts into them: None (the default) leaves the loss's value, a value is
 given to the loss, and a loss whose own setting differs is one :class:`~rlflow.config_error.ConfigError`
 naming both keys. A reference model is loaded iff the loss that results has ``kl_coef > 0`` (with ``model.lora``
-the reference is the policy with its adapters disabled, :mod:`rlflow.lora`).
+the reference is the policy with its adapters disabled, :mod:`rlflow.models.lora`).
 """
 
 from __future__ import annotations
@@ -26,20 +26,20 @@ import lightning as L
 import torch
 
 from rlflow import registry
-from rlflow.checkpointing import gather_rng_states, restore_rng_state
 from rlflow.config_checks import ConfigError, check_model_args
-from rlflow.correction import RolloutCorrection
 from rlflow.data.experience import Experience, collate
-from rlflow.data.packing import (
-    balance_pack_count,
-    collate_packed,
-    pack_experiences,
-    packed_completion_logprobs,
-    varlen_supported,
-)
-from rlflow.data.packing_support import resolve_packing
 from rlflow.data.protocol import ExperienceSource
-from rlflow.distributed import (
+from rlflow.log import info, warn
+from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
+from rlflow.models.dropout import disable_dropout
+from rlflow.models.lm_head import cast_lm_head_to_fp32
+from rlflow.models.lora import LoraSettings
+from rlflow.models.model_path import check_model_path
+from rlflow.models.moe import collect_router_logits, router_aux_coef
+from rlflow.models.rms_norm import use_fast_rms_norm
+from rlflow.training.checkpointing import gather_rng_states, restore_rng_state
+from rlflow.training.correction import RolloutCorrection
+from rlflow.training.distributed import (
     FSDP2Strategy,
     all_max,
     all_true,
@@ -53,19 +53,25 @@ from rlflow.distributed import (
     sharded_completion_logprobs,
     world_size,
 )
-from rlflow.dropout import disable_dropout
-from rlflow.evaluation import EvalMetrics
-from rlflow.lm_head import cast_lm_head_to_fp32
-from rlflow.log import info, warn
-from rlflow.logprobs import completion_logprobs
-from rlflow.lora import LoraSettings
-from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
-from rlflow.model_path import check_model_path
-from rlflow.moe import collect_router_logits, router_aux_coef
-from rlflow.optim import UpdateFraction, build_lr_scheduler, build_optimizer, check_optimizer, rebuild_lr_scheduler
-from rlflow.reference import check_same_layout, check_sync, sync_reference
-from rlflow.rms_norm import use_fast_rms_norm
-from rlflow.step_unit import count_rollout_step, optimizer_step
+from rlflow.training.evaluation import EvalMetrics
+from rlflow.training.logprobs import completion_logprobs
+from rlflow.training.optim import (
+    UpdateFraction,
+    build_lr_scheduler,
+    build_optimizer,
+    check_optimizer,
+    rebuild_lr_scheduler,
+)
+from rlflow.training.packing import (
+    balance_pack_count,
+    collate_packed,
+    pack_experiences,
+    packed_completion_logprobs,
+    varlen_supported,
+)
+from rlflow.training.packing_support import resolve_packing
+from rlflow.training.reference import check_same_layout, check_sync, sync_reference
+from rlflow.training.step_unit import count_rollout_step, optimizer_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: ``model.*`` settings that are shortcuts into the loss's own init_args of the same name.
@@ -81,9 +87,10 @@ def load_causal_lm(
     path: str, dtype: str = "float32", attn_implementation: str | None = None, key: str = "model.model_path"
 ) -> torch.nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` (``AutoModelForImageTextToText`` for a vision-language model, see
-    :mod:`rlflow.vision`) with a fast, clear error (naming ``key``) for a path that is neither on disk nor loadable
-    from the hub (see :mod:`rlflow.model_path`)."""
-    from rlflow.vision import model_auto_class
+    :mod:`rlflow.models.vision`) with a fast, clear error (naming ``key``) for a path that is neither on disk nor
+    loadable
+    from the hub (see :mod:`rlflow.models.model_path`)."""
+    from rlflow.models.vision import model_auto_class
 
     if dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -214,7 +221,7 @@ class GRPOModule(L.LightningModule):
                 ``ref <- ref_model_mixup_alpha * policy + (1 - ref_model_mixup_alpha) * ref`` (TRL's
                 ``sync_ref_model``, TR-DPO; alpha 1 resets it to the policy, as ProRL does). The reference is then
                 checkpointed with the policy. 0 (the default): the reference stays fixed. Needs a KL term; not with
-                ``lora``. See :mod:`rlflow.reference`.
+                ``lora``. See :mod:`rlflow.training.reference`.
             ref_model_mixup_alpha: The weight of the policy in that update, in (0, 1].
             rollout_is: Rollout/training mismatch correction from the rollout engine's log-probs: ``token_truncate``,
                 ``sequence_truncate`` (TIS), ``token_mask``, ``sequence_mask`` (MIS). None: off, except with pipelined
@@ -234,25 +241,27 @@ class GRPOModule(L.LightningModule):
                 the share of weights each step changed).
             attn_implementation: transformers attention implementation (``sdpa``, ``eager``, ``flash_attention_2``...).
             gradient_checkpointing: Recompute activations in the backward pass to save memory.
-            fast_rms_norm: Give the policy's RMSNorm modules a hand-written backward pass (:mod:`rlflow.rms_norm`:
+            fast_rms_norm: Give the policy's RMSNorm modules a hand-written backward pass
+            (:mod:`rlflow.models.rms_norm`:
                 the model's own forward, bit for bit; gradients equal to float32 rounding, in fewer passes over
                 memory). Float32 training only; other calls run the module's own forward.
             disable_dropout: Set the policy's dropout probabilities to 0 (TRL's ``disable_dropout``): with dropout
                 the training forward's log-probs differ from the sampler's, the old policy's and the reference's
-                for the same tokens, noise the ratio and the KL read as a policy change (:mod:`rlflow.dropout`).
+                for the same tokens, noise the ratio and the KL read as a policy change (:mod:`rlflow.models.dropout`).
                 A LoRA adapter's own ``model.lora.dropout`` is kept.
             cast_lm_head_to_fp32: Keep the LM head's weights in float32 and compute its product in float32 (TRL's
                 option; ScaleRL's fp32 head), in the training forward, the old/reference passes and the engine's
-                decode, so bf16 rounding of the logits does not move the ratio and the KL (:mod:`rlflow.lm_head`).
+                decode, so bf16 rounding of the logits does not move the ratio and the KL
+                (:mod:`rlflow.models.lm_head`).
                 Tied embeddings become float32 too. Refused with a PEFT adapter on the head.
             router_aux_loss_coef: Weight of a mixture-of-experts policy's load-balancing loss added to each training
-                micro-batch's loss (TRL's option; :mod:`rlflow.moe`); None: the model config's own (0.001 for
+                micro-batch's loss (TRL's option; :mod:`rlflow.models.moe`); None: the model config's own (0.001 for
                 Qwen3-MoE, 0 for a dense model); 0 disables it. Logged as ``aux_loss``.
             logprob_chunk_size: Positions per chunk when turning hidden states into log-probs (bounds the logits
                 memory).
             packing: Padding-free training: pack prompt + completion sequences end to end into micro-batches of at most
                 ``pack_max_length`` tokens (attention kept per sequence); replaces ``micro_batch_size``. Checked once
-                at the start of ``fit`` (:mod:`rlflow.data.packing_support`): a model whose packed log-probs would
+                at the start of ``fit`` (:mod:`rlflow.training.packing_support`): a model whose packed log-probs would
                 differ from padded ones trains on padded micro-batches instead, with a warning saying why.
             pack_max_length: Token budget of one packed micro-batch (a longer single sequence gets its own).
             max_consecutive_skipped_steps: Stop the run after this many optimizer steps in a row with a NaN/inf loss
@@ -261,7 +270,7 @@ class GRPOModule(L.LightningModule):
                 ``<log_dir>/hf`` (with ``lora``: the merged model there, the adapter in ``<log_dir>/hf_adapter``).
             freeze_vision_tower: Vision-language models only: keep the vision encoder's weights fixed (the module
                 named ``visual``/``vision_tower``/``vision_model``; Qwen2-VL's patch merger lives inside it, so it
-                stays fixed too); the language model trains. See :mod:`rlflow.vision`.
+                stays fixed too); the language model trains. See :mod:`rlflow.models.vision`.
             lora: Train PEFT LoRA adapters instead of the full weights (``r``, ``alpha``, ``dropout``,
                 ``target_modules``, any other ``peft.LoraConfig`` field in ``options``; ``pip install
                 'rlflow[lora]'``). Only the adapters train and are checkpointed; the KL reference is the same model
@@ -295,7 +304,7 @@ class GRPOModule(L.LightningModule):
         self.consecutive_skips = 0
         self.trained_versions: list[tuple[int, int]] = []  # (policy_version at the update, versions sampled)
         self.packing_checked: bool | None = None  # model.packing after the check at fit start (None: not checked)
-        self.vision: Any = None  # rlflow.vision.VisionBatches for a vision-language policy
+        self.vision: Any = None  # rlflow.models.vision.VisionBatches for a vision-language policy
         self.router_aux = 0.0  # the MoE load-balancing loss's weight, set when the policy is loaded
         self.correction_in_forward = False  # pipelined, one update per rollout step: IS weights from its forward
         self._is_tokens: list[tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -330,7 +339,7 @@ class GRPOModule(L.LightningModule):
         if hp.gradient_checkpointing:
             enable_activation_checkpointing(self.policy)
         if self.lora is not None:  # adapters injected in place: self.policy stays the model that runs
-            from rlflow.lora import apply_lora
+            from rlflow.models.lora import apply_lora
 
             self.__dict__["_peft_model"] = apply_lora(self.policy, self.lora)
         if hp.get("cast_lm_head_to_fp32", False):
@@ -342,7 +351,8 @@ class GRPOModule(L.LightningModule):
             ref.requires_grad_(False)
             if hp.get("cast_lm_head_to_fp32", False):
                 cast_lm_head_to_fp32(ref)
-            if hp.get("ref_model_sync_steps", 0):  # it will move: checkpointed with the policy (rlflow.reference)
+            # it will move: checkpointed with the policy (rlflow.training.reference)
+            if hp.get("ref_model_sync_steps", 0):
                 check_same_layout(self.policy, ref)
                 self.reference = ref.train()  # in train mode like the rest of the module; its forwards switch to eval
             else:
@@ -351,8 +361,8 @@ class GRPOModule(L.LightningModule):
 
     def setup_vision(self) -> None:
         """A vision-language policy: its processor for the training forwards, and its vision tower frozen unless
-        ``model.freeze_vision_tower`` is false (:mod:`rlflow.vision`)."""
-        from rlflow.vision import VisionBatches, freeze_vision_tower, is_vision_model, load_processor
+        ``model.freeze_vision_tower`` is false (:mod:`rlflow.models.vision`)."""
+        from rlflow.models.vision import VisionBatches, freeze_vision_tower, is_vision_model, load_processor
 
         if not is_vision_model(self.policy):
             return
@@ -364,7 +374,7 @@ class GRPOModule(L.LightningModule):
     @property
     def peft_model(self) -> Any:
         """PEFT's wrapper of the policy under ``model.lora`` (None otherwise); kept out of the module tree, the
-        policy itself being the model that runs (:mod:`rlflow.lora`)."""
+        policy itself being the model that runs (:mod:`rlflow.models.lora`)."""
         return self.__dict__.get("_peft_model")
 
     @property
@@ -398,7 +408,7 @@ class GRPOModule(L.LightningModule):
                                                self.sharded, self.hparams.pack_max_length)
 
     def check_pipelining(self, max_staleness: int) -> None:
-        """With ``data.max_staleness > 0`` (:mod:`rlflow.data.pipeline`): the bound must admit the one-step
+        """With ``data.max_staleness > 0`` (:mod:`rlflow.rollout.pipeline`): the bound must admit the one-step
         pipeline's staleness, and the importance-sampling correction is on unless ``model.rollout_is: off``."""
         if not max_staleness:
             return
@@ -462,7 +472,7 @@ class GRPOModule(L.LightningModule):
                 model, batch, self.hparams.temperature, self.hparams.logprob_chunk_size, sharded=self.sharded)
             return logprobs, entropy, batch
         batch = collate(experiences, self.pad_id)
-        if self.vision is not None:  # each sequence's images in context (rlflow.vision)
+        if self.vision is not None:  # each sequence's images in context (rlflow.models.vision)
             batch = self.vision.add_inputs(batch, experiences, self.pad_id)
         batch = {k: v.to(self.device) for k, v in batch.items()}
         stats = sharded_completion_logprobs if self.sharded else completion_logprobs
@@ -512,7 +522,7 @@ class GRPOModule(L.LightningModule):
         if self.ref_model is not None:
             self.fill_logprobs(everything, "ref_logprobs", self.ref_model)
         elif self.uses_reference and self.peft_model is not None:  # the same model with its adapters disabled
-            from rlflow.lora import adapters_disabled
+            from rlflow.models.lora import adapters_disabled
 
             with adapters_disabled(self.peft_model):
                 self.fill_logprobs(everything, "ref_logprobs", self.policy)
@@ -551,7 +561,7 @@ class GRPOModule(L.LightningModule):
 
     def maybe_sync_reference(self, rollout_steps_done: int) -> None:
         """After every ``model.ref_model_sync_steps``-th rollout step, move the reference toward the policy
-        (:func:`rlflow.reference.sync_reference`; every rank its own shards)."""
+        (:func:`rlflow.training.reference.sync_reference`; every rank its own shards)."""
         every = self.hparams.get("ref_model_sync_steps", 0)
         if not every or rollout_steps_done % every or self.ref_model is None:
             return
@@ -566,7 +576,7 @@ class GRPOModule(L.LightningModule):
         """One optimizer step over ``minibatch``, accumulated over micro-batches; adds its metrics to ``sums``.
 
         ``count``: whether the step advances ``trainer.global_step`` (one per rollout step, see
-        :mod:`rlflow.step_unit`).
+        :mod:`rlflow.training.step_unit`).
         """
         hp = self.hparams
         opt = self.optimizers()
@@ -703,7 +713,7 @@ class GRPOModule(L.LightningModule):
 
     def validation_step(self, batch: list, batch_idx: int) -> dict[str, Any]:
         """Generate and judge the batch's eval samples, add them to the eval metrics, and return their rows
-        (``{"samples": [...]}``, which :class:`rlflow.callbacks.TrajectoryWriter` and ``SampleTable`` read)."""
+        (``{"samples": [...]}``, which :class:`rlflow.training.callbacks.TrajectoryWriter` and ``SampleTable`` read)."""
         with full_weights(self.policy if self.experience.reads_policy_weights else None):
             out = self.experience.evaluate(batch, step=self.global_step, batch_idx=batch_idx)
         self.eval_metrics.update(out["data_sources"], out["correct"], out["rewards"], out["lengths"], out.get("failed"),
@@ -712,7 +722,7 @@ class GRPOModule(L.LightningModule):
 
     def on_validation_epoch_end(self) -> None:
         """Log ``eval/accuracy``, ``eval/pass@k``, ``eval/maj@k`` and the rest, overall and per ``data_source``, over
-        every rank's prompts (:class:`rlflow.evaluation.EvalMetrics` gathers them)."""
+        every rank's prompts (:class:`rlflow.training.evaluation.EvalMetrics` gathers them)."""
         metrics = self.eval_metrics.compute() if self.eval_metrics.update_count else {}
         if metrics:
             self.log("eval/accuracy", metrics.pop("eval/accuracy"), on_epoch=True, prog_bar=True, rank_zero_only=True)
@@ -726,7 +736,7 @@ class GRPOModule(L.LightningModule):
         state = super().state_dict(*args, **kwargs)
         if self.peft_model is None or args or kwargs.get("destination") is not None:
             return state
-        from rlflow.lora import frozen_keys, trainable_state
+        from rlflow.models.lora import frozen_keys, trainable_state
 
         return trainable_state(state, frozen_keys(self.policy, kwargs.get("prefix", "") + "policy."))
 
@@ -736,7 +746,7 @@ class GRPOModule(L.LightningModule):
         with a moved reference continues with that one, synced or not (a run without a KL term drops it)."""
         state_dict = self.reference_state(state_dict)
         if self.peft_model is not None:
-            from rlflow.lora import complete_state, frozen_keys
+            from rlflow.models.lora import complete_state, frozen_keys
 
             state_dict = complete_state(state_dict, super().state_dict(), frozen_keys(self.policy, "policy."))
         return super().load_state_dict(state_dict, strict=strict, **kwargs)
@@ -832,7 +842,7 @@ class GRPOModule(L.LightningModule):
         """Write the adapter (``PeftModel.save_pretrained``) to ``<log_dir>/hf_adapter`` and the merged model
         (``merge_and_unload`` on a CPU copy of the base from ``model.model_path``) to ``<log_dir>/hf``, each with
         the tokenizer. ``state_dict``: the policy's gathered full weights (sharded runs)."""
-        from rlflow.lora import export_adapter, export_merged
+        from rlflow.models.lora import export_adapter, export_merged
 
         hp = self.hparams
         adapter_dir = export_adapter(self.peft_model, log_dir / "hf_adapter", state_dict)

@@ -7,7 +7,8 @@ policy change (ScaleRL recommends an fp32 head). Here the head becomes :class:`F
 cast to float32 (a no-op for rlflow's default float32 master weights) and its product runs in float32 whatever
 the surrounding autocast or FSDP2 ``param_dtype`` (under FSDP2's bf16 ``param_dtype`` the unsharded head arrives
 in bf16 and is widened, so the product and the logits are float32, its weights rounded once). rlflow's chunked
-log-prob path (:mod:`rlflow.logprobs`) and the engine's fused decoder (:mod:`rlflow.rollout.fused`) see the class
+log-prob path (:mod:`rlflow.training.logprobs`) and the engine's fused decoder (:mod:`rlflow.rollout.fused`) see the
+class
 and compute the head in float32 too, so sampler and trainer agree.
 
 With tied embeddings the embedding matrix is the same parameter and becomes float32 too; a hook casts the
@@ -38,7 +39,7 @@ class FP32Linear(torch.nn.Linear):
 
 def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
     """Autocast switched off on ``device_type`` (a no-op where autocast does not exist): products in their inputs'
-    dtype (also used by :mod:`rlflow.logprobs` for its float32 statistics)."""
+    dtype (also used by :mod:`rlflow.training.logprobs` for its float32 statistics)."""
     if torch.amp.is_autocast_available(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()

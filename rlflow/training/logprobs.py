@@ -6,7 +6,7 @@ Under autograd each chunk is recomputed in the backward pass, whose gradient is 
 peak holds about two chunks of logits instead of every position's, and fewer than generic activation
 checkpointing would keep). Under autocast (``trainer.precision: bf16-mixed``) the LM head's matmul runs in the
 autocast dtype, in forward and in the recomputing backward alike, while the log-softmax, the taken log-prob and
-the entropy are float32; an :class:`~rlflow.lm_head.FP32Linear` head (``model.cast_lm_head_to_fp32``) runs its
+the entropy are float32; an :class:`~rlflow.models.lm_head.FP32Linear` head (``model.cast_lm_head_to_fp32``) runs its
 matmul in float32 instead. Simplification: the LM head is applied as the model's output
 embedding layer alone, so models with a final logit soft-cap or scale fall back to the model's own logits.
 """
@@ -17,7 +17,7 @@ import contextlib
 
 import torch
 
-from rlflow.lm_head import is_fp32_head, no_autocast
+from rlflow.models.lm_head import is_fp32_head, no_autocast
 
 
 def _autocast_state(device_type: str) -> tuple[bool, torch.dtype] | None:
@@ -171,7 +171,7 @@ def _has_logit_postprocessing(model: torch.nn.Module) -> bool:
 
 
 #: Keys of a collated batch that are forward inputs: the token layout, and a vision-language batch's images
-#: (:class:`rlflow.vision.VisionBatches`).
+#: (:class:`rlflow.models.vision.VisionBatches`).
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
 
 

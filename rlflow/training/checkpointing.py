@@ -6,7 +6,7 @@
   :class:`CheckpointDiskFullError` that says what to free; nothing already written is lost.
 * :class:`RLFlowCheckpoint` is Lightning's ``ModelCheckpoint`` with rlflow's defaults (``last.ckpt`` after every
   rollout step; ``every_n_train_steps`` and the ``step`` of the file names count rollout steps, see
-  :mod:`rlflow.step_unit`), the atomic writer installed, ``--ckpt_path last`` that also finds the ``last.ckpt``
+  :mod:`rlflow.training.step_unit`), the atomic writer installed, ``--ckpt_path last`` that also finds the ``last.ckpt``
   of the previous run of the same logger directory (a resumed run gets a new ``version_N``), and a
   ``last.ckpt`` of the final step written like every step checkpoint, so a finished run continues exactly when
   ``max_steps`` is raised.

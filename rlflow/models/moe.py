@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from rlflow.config_error import ConfigError
-from rlflow.lora import unwrap_peft
+from rlflow.models.lora import unwrap_peft
 
 
 def router_settings(model: Any) -> tuple[int, int, Any] | None:

@@ -26,7 +26,7 @@ import torch
 from transformers import AttentionInterface
 
 from rlflow.data.experience import Experience, completion_tensors, flat_tensor
-from rlflow.logprobs import _has_logit_postprocessing, naive_token_stats, token_stats_from_hidden
+from rlflow.training.logprobs import _has_logit_postprocessing, naive_token_stats, token_stats_from_hidden
 
 ATTENTION_NAME = "rlflow_varlen_sdpa"
 #: Fewest tokens of a prompt head common to the groups of a pack for it to be laid once per pack (shorter common
@@ -349,9 +349,9 @@ def packed_completion_logprobs(
 
     Zero past each completion's end (``token_mask``), like the padded path's values there are ignored by the loss.
     ``sharded``: ``model`` is FSDP2-sharded, so the decoder runs through the root's forward
-    (:func:`rlflow.distributed.root_hidden_states`), which unshards the embeddings and LM head.
+    (:func:`rlflow.training.distributed.root_hidden_states`), which unshards the embeddings and LM head.
     """
-    from rlflow.distributed import reshard_root_without_grad, root_hidden_states
+    from rlflow.training.distributed import reshard_root_without_grad, root_hidden_states
 
     mask = batch.get("token_mask", batch["completion_mask"])  # every completion token has a logit_index entry
     targets = batch["completion_ids"][mask]

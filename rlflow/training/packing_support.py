@@ -1,4 +1,4 @@
-"""Whether packed micro-batches (:mod:`rlflow.data.packing`) are exact for a model: a check, then a probe.
+"""Whether packed micro-batches (:mod:`rlflow.training.packing`) are exact for a model: a check, then a probe.
 
 Why a probe: packing relies on the model's forward honouring restarting ``position_ids`` as sequence boundaries.
 With ``sdpa``/``eager`` attention rlflow swaps in its own var-len attention, which needs the attention to go
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from rlflow.data.experience import Experience, collate
-from rlflow.data.packing import collate_packed, packed_completion_logprobs, varlen_supported
+from rlflow.training.packing import collate_packed, packed_completion_logprobs, varlen_supported
 
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # max |packed - padded| log-prob; 16-bit dtypes: 0.1
 HALF_TOLERANCE = 0.1
@@ -31,7 +31,7 @@ HALF_TOLERANCE = 0.1
 def static_unsupported_reason(model: Any) -> str | None:
     """What in ``model``'s configuration rlflow's packing does not implement (sliding windows, images), or None."""
     config = model.config
-    from rlflow.vision import PACKING_REASON, is_vision_config
+    from rlflow.models.vision import PACKING_REASON, is_vision_config
 
     if is_vision_config(config):
         return PACKING_REASON.format(name=type(model).__name__)
@@ -56,8 +56,8 @@ def probe_error(model: Any, sharded: bool = False) -> str | None:
 
     ``sharded``: ``model`` is FSDP2-sharded; every rank must call this (the forwards are collectives).
     """
-    from rlflow.distributed import sharded_completion_logprobs
-    from rlflow.logprobs import completion_logprobs
+    from rlflow.training.distributed import sharded_completion_logprobs
+    from rlflow.training.logprobs import completion_logprobs
 
     device = next(model.parameters()).device
     exps = probe_experiences(model.get_input_embeddings().num_embeddings)

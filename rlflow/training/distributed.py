@@ -146,7 +146,7 @@ def data_parallel_mesh(strategy: ModelParallelStrategy) -> Any:
     if tp != 1:
         raise ValueError(
             f"the ModelParallelStrategy has tensor_parallel_size={tp}, but rlflow applies FSDP2 data parallelism only; "
-            "use trainer.strategy=fsdp (rlflow.distributed.FSDP2Strategy) or "
+            "use trainer.strategy=fsdp (rlflow.training.distributed.FSDP2Strategy) or "
             "ModelParallelStrategy(data_parallel_size=<world size>, tensor_parallel_size=1)"
         )
     return mesh["data_parallel"]
@@ -220,13 +220,13 @@ def full_weights(model: torch.nn.Module | None) -> Iterator[None]:
 def sharded_completion_logprobs(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0, chunk_size: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`rlflow.logprobs.completion_logprobs` for an FSDP2-sharded model.
+    """:func:`rlflow.training.logprobs.completion_logprobs` for an FSDP2-sharded model.
 
     The decoder runs through the root's forward (:func:`root_hidden_states`); the LM head is then applied chunk
     by chunk to the unsharded head weight, which the root keeps until its backward (FSDP2 does not reshard the
     root after forward).
     """
-    from rlflow.logprobs import model_inputs, naive_token_stats, token_stats_from_hidden
+    from rlflow.training.logprobs import model_inputs, naive_token_stats, token_stats_from_hidden
 
     targets = batch["completion_ids"]
     width = targets.shape[1]

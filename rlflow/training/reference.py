@@ -6,7 +6,7 @@ holds it back. TR-DPO and TRL's ``sync_ref_model`` move the reference every ``N`
 the reference is reset to the current policy, as NVIDIA's ProRL does every few hundred steps.
 
 The reference then no longer equals the weights it was loaded from, so it is checkpointed with the policy
-(:class:`~rlflow.module.GRPOModule` registers it as a submodule when syncing is on) and a resumed run continues
+(:class:`~rlflow.training.module.GRPOModule` registers it as a submodule when syncing is on) and a resumed run continues
 with the reference it had.
 
 Simplifications: ``N`` counts rollout steps (rlflow's step unit; TRL counts optimizer steps, the same with one
