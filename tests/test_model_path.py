@@ -7,7 +7,7 @@ import time
 import pytest
 from conftest import fit_args
 
-from rlflow import model_path
+from rlflow.models import model_path
 from rlflow.config_error import ConfigError
 from rlflow.models.model_path import check_model_path, looks_local
 
