@@ -30,7 +30,7 @@ import sys
 import warnings
 from typing import Any
 
-from jsonargparse import Namespace
+from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
 from rlflow import registry
@@ -147,6 +147,8 @@ class RLFlowCLI(LightningCLI):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         registry.install_jsonargparse_resolver()  # class_path: <registry short name>, see rlflow.registry
+        # the settings groups' field docstrings (litgpt's style) are what --help shows for each option
+        set_parsing_settings(docstring_parse_attribute_docstrings=True)
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:
