@@ -1,24 +1,22 @@
 """Lightning's CLI behind ``rlflow fit`` and ``rlflow validate`` (``rlflow.entry`` is the console script).
 
-``rlflow fit --config a.yaml [--config b.yaml] [--model.lr 1e-6]`` builds a :class:`GRPOModule`, a
+``rlflow fit --config a.yaml [--config b.yaml] [--model.optim.lr 1e-6]`` builds a :class:`GRPOModule`, a
 :class:`RolloutDataModule` and a ``Trainer`` from jsonargparse configs (``--print_config`` shows the resolved
-one). The tokenizer, temperature and completion budget are linked from one place to where they are needed.
+one). Settings come in typed groups (``data.sampling``, ``model.optim``, ...) whose field docstrings ``--help``
+shows; a key of the old flat layout is one error naming its new place (:mod:`rlflow.config_moves`).
 
 rlflow adds to Lightning's CLI: ``--checkpoint.*`` (an atomic ``ModelCheckpoint`` writing ``last.ckpt`` every step,
 so ``--ckpt_path last`` resumes after a kill), ``--evaluate_every_n_steps N`` (Lightning's ``val_check_interval``
 counted in rollout steps across epochs), ``--summary.*``, ``--no_signal.*``, ``--rollout_progress.*``,
 ``--samples.*`` and ``--trajectories.*`` (see :mod:`rlflow.training.callbacks`), the logger short names
-``--trainer.logger
-wandb|csv|tensorboard``, and the full resolved config logged to every logger. Errors a user can fix (an invalid
-value, bad data, a missing model, a full disk, a diverged run) end the command with one ``rlflow: error:`` line
-instead of a traceback.
+``--trainer.logger wandb|csv|tensorboard``, and the full resolved config logged to every logger. Errors a user can
+fix (an invalid value, bad data, a missing model, a full disk, a diverged run) end the command with one
+``rlflow: error:`` line instead of a traceback.
 
-Plugin arguments (``model.loss``, ``data.rollout``, ``data.advantage``, ``data.judgers``) are typed, so
+Plugin arguments (``model.loss``, ``data.rollout``, ``data.advantage``, ``data.judging.judgers``) are typed, so
 ``class_path``/``init_args`` are validated and ``--model.loss.help grpo`` documents a plugin; registry short
-names work as ``class_path`` (see :mod:`rlflow.registry`). Before the classes are instantiated, settings that
-live elsewhere in the config go into the plugins' ``init_args`` where those leave them unset: ``model.kl_coef``,
-``epsilon_low``, ``epsilon_high`` and ``kl_type`` into the loss (a differing explicit value is a config error
-naming both keys), ``data.max_tokens`` into the loss and the judgers that take ``max_tokens``.
+names work as ``class_path`` (see :mod:`rlflow.registry`). ``data.sampling.max_tokens`` fills the ``max_tokens``
+of the judgers that take one and leave it unset.
 """
 
 from __future__ import annotations
@@ -34,8 +32,8 @@ from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
 
 from rlflow import registry
-from rlflow.config_checks import check_data_args, check_model_args
 from rlflow.config_error import ConfigError
+from rlflow.config_moves import check_argv
 from rlflow.data.datamodule import RolloutDataModule
 from rlflow.models.model_path import check_model_path
 from rlflow.training.callbacks import (
@@ -49,7 +47,7 @@ from rlflow.training.callbacks import (
 )
 from rlflow.training.checkpointing import CheckpointDiskFullError, RLFlowCheckpoint
 from rlflow.training.distributed import resolve_strategy_alias
-from rlflow.training.module import LOSS_SETTINGS, GRPOModule
+from rlflow.training.module import GRPOModule
 
 TRAINER_DEFAULTS = {
     "log_every_n_steps": 1,
@@ -86,7 +84,7 @@ def is_class_spec(value: Any) -> bool:
 
 
 def plugin_specs(value: Any) -> list[Namespace]:
-    """The class specs in a parsed ``data.judgers`` value (a mapping of specs or lists of specs)."""
+    """The class specs in a parsed ``data.judging.judgers`` value (a mapping of specs or lists of specs)."""
     if is_class_spec(value):
         return [value]
     if isinstance(value, (list, tuple)):
@@ -103,43 +101,30 @@ def _init_args(spec: Namespace) -> Namespace:
 
 
 def apply_plugin_settings(config: Namespace) -> None:
-    """Put ``model.kl_coef`` & co. and ``data.max_tokens`` into the plugin specs' ``init_args`` (see the module
-    docstring); a conflict between ``model.<key>`` and ``model.loss.init_args.<key>`` is one ConfigError."""
-    model, data = config.get("model"), config.get("data")
-    if model is not None and is_class_spec(model.get("loss")):
-        loss = model["loss"]
-        cls = registry.import_path(loss["class_path"])
-        settings = {key: model.get(key) for key in LOSS_SETTINGS}
-        for key, (given, value) in registry.apply_settings(cls, _init_args(loss), settings).items():
-            raise ConfigError(
-                f"model.{key}={value!r} conflicts with model.loss.init_args.{key}={given!r}; "
-                f"set it in one place, preferably model.loss.init_args.{key}"
-            )
-        # max_tokens only fills an unset value, never conflicts (the trainer passes the budget in LossContext)
-        registry.apply_settings(cls, _init_args(loss), {"max_tokens": model.get("max_tokens")})
-    if data is not None:
-        for spec in plugin_specs(data.get("judgers")):
-            cls = registry.import_path(spec["class_path"])
-            registry.apply_settings(cls, _init_args(spec), {"max_tokens": data.get("max_tokens")})
+    """Put ``data.sampling.max_tokens`` into the ``init_args`` of the judgers that take ``max_tokens`` and leave it
+    unset (the overlong-length judger, say)."""
+    data = config.get("data")
+    if data is None:
+        return
+    max_tokens = (data.get("sampling") or Namespace()).get("max_tokens")
+    for spec in plugin_specs((data.get("judging") or Namespace()).get("judgers")):
+        cls = registry.import_path(spec["class_path"])
+        registry.apply_settings(cls, _init_args(spec), {"max_tokens": max_tokens})
 
 
 def check_config(config: Namespace) -> None:
-    """The value checks of both classes, before either is instantiated, so each error names the key the user set
-    (``data.max_tokens``, not the ``model.max_tokens`` it is linked to; ``model.model_path``, not the linked
-    ``data.tokenizer_path``). The classes check again when built from Python."""
+    """Checks before either class is instantiated, so each error names the key the user set (``model.model_path``,
+    not the linked ``data.tokenizer_path``), and a wrong backend name fails before any model loads."""
     model, data = config.get("model"), config.get("data")
     if model is not None and isinstance(model.get("model_path"), str):
         check_model_path(model["model_path"], "model.model_path")
     if data is not None:
-        check_data_args(data)
         rollout = data.get("rollout")
         if isinstance(rollout, str) and rollout != "auto":  # built after the policy loads: check its name now
             try:
                 registry.check_spec(ROLLOUT_GROUP, rollout)
             except registry.PluginError as exc:
                 raise registry.PluginError(f"data.rollout: {exc}") from exc
-    if model is not None:
-        check_model_args(model)
 
 
 class RLFlowCLI(LightningCLI):
@@ -153,8 +138,6 @@ class RLFlowCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.model_path", "data.tokenizer_path")
-        parser.link_arguments("data.temperature", "model.temperature")
-        parser.link_arguments("data.max_tokens", "model.max_tokens")
         parser.add_lightning_class_args(RLFlowCheckpoint, "checkpoint")
         parser.add_lightning_class_args(StepSummary, "summary")
         parser.add_lightning_class_args(NoSignalWarning, "no_signal")
@@ -177,6 +160,7 @@ class RLFlowCLI(LightningCLI):
     def parse_arguments(self, parser, args) -> None:
         argv = sys.argv[1:] if args is None else args
         if isinstance(argv, list):
+            check_argv(argv)  # a flat key of the old layout: one line naming its new place
             function_judger_help(argv)
         if args is None:  # the console script: read sys.argv ourselves to expand the logger short names
             self.config = parser.parse_args(expand_logger_aliases(sys.argv[1:]))
@@ -215,11 +199,11 @@ class RLFlowCLI(LightningCLI):
         return super().instantiate_trainer(**kwargs)
 
 
-JUDGER_HELP = "--data.judgers.help"
+JUDGER_HELP = "--data.judging.judgers.help"
 
 
 def function_judger_help(argv: list[str]) -> None:
-    """``--data.judgers.help NAME`` for a judger that is a function (``env_reward``, a TRL reward function by
+    """``--data.judging.judgers.help NAME`` for a judger that is a function (``env_reward``, a TRL reward function by
     import path): print its documentation and exit, as jsonargparse's help does for a judger class (which it
     cannot do for a function: it documents subclasses of ``Judger`` only). Anything else is left to jsonargparse."""
     name = None
@@ -238,7 +222,7 @@ def function_judger_help(argv: list[str]) -> None:
         return
     doc = inspect.cleandoc(obj.__doc__ or "(no docstring)")
     print(f"{name}: a function judger ({obj.__module__}.{getattr(obj, '__qualname__', obj)}{inspect.signature(obj)})"
-          f"\n\n{doc}\n\nIt takes no options: list it in data.judgers by name (or as {{class_path: function, "
+          f"\n\n{doc}\n\nIt takes no options: list it in data.judging.judgers by name (or as {{class_path: function, "
           f"init_args: {{path: ...}}}} to rename columns, see docs/plugins.md). It is called with TRL's reward "
           f"function arguments (prompts, completions, completion_ids and the data's columns) and returns one "
           f"float or None per completion.")

@@ -1,10 +1,10 @@
 """Configuration checks: every invalid value becomes one :class:`ConfigError` that names its option.
 
-The checks run where the values arrive (``GRPOModule.__init__``, ``RolloutDataModule.__init__``,
-:class:`rlflow.rollout.base.SamplingParams`), so through the CLI a wrong value fails while the classes are
-instantiated, before any model or data is loaded, and ``rlflow.cli.main`` prints it as one ``rlflow: error:``
-line (``data.max_tokens must be >= 1, got 0``). This module imports nothing heavy: losses, samplers and the
-data tools may all use it.
+The checks run where the values are defined: each settings group (``data.sampling``, ``model.optim``, ...)
+checks its fields when it is built, and the classes check their top-level arguments, so through the CLI a wrong
+value fails before any model or data is loaded, and ``rlflow.cli.main`` prints it as one ``rlflow: error:``
+line (``data.sampling.max_tokens must be >= 1, got 0``). This module holds the rules and imports nothing heavy:
+losses, samplers and the data tools may all use it.
 """
 
 from __future__ import annotations
@@ -99,19 +99,6 @@ DATA_RULES: dict[str, Rule] = {
     "prompt_repeat_k": _group_of_two,
     "global_batch_size": at_least(1),
     "max_prompt_length": at_least(1),
-    "max_tokens": at_least(1),
-    "temperature": at_least(0.0),
-    "top_p": interval(0.0, 1.0, low_open=True),
-    "top_k": at_least(0),
-    "min_p": interval(0.0, 1.0, high_open=True),
-    "repetition_penalty": greater_than(0.0),
-    "judger_timeout": greater_than(0.0, optional=True),
-    "max_sampling_rounds": at_least(1),
-    "eval_temperature": at_least(0.0),
-    "eval_batch_size": at_least(1),
-    "eval_k": at_least(1),
-    "max_turns": at_least(1),
-    "tool_timeout": greater_than(0.0, optional=True),
 }
 
 MODEL_RULES: dict[str, Rule] = {
@@ -136,19 +123,14 @@ MODEL_RULES: dict[str, Rule] = {
 
 
 def check_data_args(values: Mapping[str, Any]) -> None:
-    """Check the arguments of ``RolloutDataModule.__init__`` (pass its ``locals()``); ConfigError on the first bad one.
+    """Check the top-level ``data.*`` arguments of ``RolloutDataModule.__init__`` (pass its ``locals()``; each group
+    of settings checks its own); ConfigError on the first bad one.
 
     Includes ``tokenizer_path`` (see :mod:`rlflow.models.model_path`), so a wrong path fails before any slow load.
     """
     check_values("data", DATA_RULES, values)
     if values.get("tokenizer_path"):
         check_model_path(values["tokenizer_path"], "data.tokenizer_path")
-    eval_k, eval_temperature = values.get("eval_k", 1), values.get("eval_temperature", 0.0)
-    if eval_k > 1 and eval_temperature == 0.0:
-        raise ConfigError(
-            f"data.eval_k={eval_k} with data.eval_temperature=0: k > 1 greedy completions would all be identical; "
-            "set data.eval_temperature > 0 (e.g. 0.6) or data.eval_k=1"
-        )
 
 
 def check_model_args(values: Mapping[str, Any]) -> None:
@@ -156,4 +138,4 @@ def check_model_args(values: Mapping[str, Any]) -> None:
     check_values("model", MODEL_RULES, values)
     betas = values.get("betas", (0.9, 0.999))
     if len(betas) != 2 or not all(_is_number(b) and 0.0 <= b < 1.0 for b in betas):
-        raise ConfigError(f"model.betas must be two numbers in [0, 1), got {betas!r}")
+        raise ConfigError(f"model.optim.betas must be two numbers in [0, 1), got {betas!r}")

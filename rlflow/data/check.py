@@ -99,7 +99,7 @@ def probe_judgers(report: SourceReport, runner: Any, probes: dict[str, list[Prom
             "prompts": [r.prompt for r in records], "completions": completions, "completion_ids": [[] for _ in records],
             **{key: [r.columns.get(key) for r in records] for key in keys},
         }
-        try:  # through the runner, as in training: its threads, event loops and data.judger_timeout
+        try:  # through the runner, as in training: its threads, event loops and data.judging.timeout
             out, exc = runner.call_all({name: kwargs})[name]
             if exc is not None:
                 raise exc
@@ -277,6 +277,7 @@ def datamodule_from_config(args: list[str]) -> Any:
 
 def datamodule_from_files(argv: list[str]) -> tuple[Any, bool]:
     from rlflow.data.datamodule import RolloutDataModule
+    from rlflow.data.settings import JudgingSettings, PromptSettings
 
     ap = argparse.ArgumentParser(prog="rlflow data check", usage=USAGE)
     ap.add_argument("files", nargs="+", help="data files, globs or directories; each is one source")
@@ -292,8 +293,10 @@ def datamodule_from_files(argv: list[str]) -> tuple[Any, bool]:
     )
     a = ap.parse_args(argv)
     dm = RolloutDataModule(
-        train_data_path=a.files, tokenizer_path=a.tokenizer, max_prompt_length=a.max_prompt_length, judgers=a.judgers,
-        system_prompt=a.system_prompt, prompt_template=a.prompt_template, chat_template_kwargs=a.chat_template_kwargs,
+        train_data_path=a.files, tokenizer_path=a.tokenizer, max_prompt_length=a.max_prompt_length,
+        judging=JudgingSettings(judgers=a.judgers),
+        prompts=PromptSettings(system_prompt=a.system_prompt, template=a.prompt_template,
+                               chat_template_kwargs=a.chat_template_kwargs),
     )
     return dm, a.tokenizer is not None
 

@@ -50,7 +50,7 @@ class DynamicSampling:
 
     def __init__(self, max_rounds: int = 3, seed: int = 0) -> None:
         if max_rounds < 1:
-            raise ValueError(f"data.max_sampling_rounds must be >= 1, got {max_rounds}")
+            raise ValueError(f"data.filtering.max_rounds must be >= 1, got {max_rounds}")
         self.max_rounds = max_rounds
         self.seed = seed
 

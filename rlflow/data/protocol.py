@@ -9,9 +9,12 @@ datamodule of another design (an environment-driven one, say) can too.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
 from rlflow.data.experience import Experience, RolloutStep
+from rlflow.rollout.base import SamplingParams
 
 
 @runtime_checkable
@@ -24,9 +27,19 @@ class ExperienceSource(Protocol):
     eval_k: int
     #: Every ``data_source`` of the eval set, the same list on every rank (per-source eval metrics).
     eval_data_sources: list[str | None]
+    #: How training rollouts sample: the log-probs are computed at its ``temperature``, and loss normalisers
+    #: read its ``max_tokens``.
+    sampling: SamplingParams
+    #: ``data.pipeline.max_staleness``: 0 for the strictly on-policy loop, else how many policy versions an
+    #: experience may lag behind the weights it trains (the module checks the bound and turns on the correction).
+    max_staleness: int
 
-    def bind(self, policy: Any) -> None:
-        """Point the rollout backend at the live policy (before the first rollout or evaluation)."""
+    def bind(self, policy: Any, current_version: Callable[[], int] | None = None) -> None:
+        """Point the rollout backend at the live policy (before the first rollout or evaluation);
+        ``current_version()`` tells the policy version at any time (partial rollouts read it mid-generation)."""
+
+    def all_cores(self) -> contextlib.AbstractContextManager:
+        """The context the backward pass runs in (a pipelined run on a CPU lends it the generator's cores)."""
 
     @property
     def reads_policy_weights(self) -> bool:

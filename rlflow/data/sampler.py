@@ -6,7 +6,8 @@ same seed gives the same order on every rank. Its position (the epoch and the ba
 on) is checkpointed through :class:`PromptLoader`, a ``DataLoader`` that Lightning saves and restores itself, so a
 run resumed mid-epoch continues with the batch it would have drawn next.
 
-With ``skip_solved`` (``data.skip_solved``), an epoch's permutation leaves out the prompts whose last group was
+With ``skip_solved`` (``data.filtering.skip_solved``), an epoch's permutation leaves out the prompts whose last group
+was
 solved (every completion correct, :meth:`PromptBatchSampler.record`), as Skywork-OR1 and POLARIS filter prompts
 by pass rate: they give zero advantages and cost a rollout. The set left out of an epoch is fixed the first time
 that epoch's order is asked for (the pipelined generator's look-ahead may ask first) and checkpointed, so a

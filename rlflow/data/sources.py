@@ -39,11 +39,12 @@ class DataSource:
         path: A jsonl/JSON/parquet/arrow/csv file, a glob, a directory of shards, or a ``datasets.save_to_disk`` dir.
         weight: Relative share of the prompts of every rollout step (weights are normalised over the sources).
         max_prompt_length: Prompts longer than this many tokens are dropped; None uses ``data.max_prompt_length``.
-        judgers: This source's judgers, replacing ``data.judgers`` for its rows: a judger spec (short name,
-            ``class_path`` mapping or list) for every row, or a ``{data_source: spec}`` routing like ``data.judgers``.
+        judgers: This source's judgers, replacing ``data.judging.judgers`` for its rows: a judger spec (short name,
+            ``class_path`` mapping or list) for every row, or a ``{data_source: spec}`` routing like
+            ``data.judging.judgers``.
         name: Name in logs and metrics; defaults to the file or directory name.
-        system_prompt: Overrides ``data.system_prompt`` for this source's chat prompts.
-        prompt_template: Overrides ``data.prompt_template`` for this source's plain-string prompts.
+        system_prompt: Overrides ``data.prompts.system_prompt`` for this source's chat prompts.
+        prompt_template: Overrides ``data.prompts.template`` for this source's plain-string prompts.
     """
 
     path: str

@@ -16,9 +16,10 @@ trainer uses exactly what this class declares, nothing found by ``getattr`` or `
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
+from rlflow.config_checks import at_least, check_values, greater_than, interval
 from rlflow.config_error import ConfigError
 
 Progress = Callable[[int, int], None]
@@ -59,6 +60,42 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass
+class SamplingSettings:
+    """``data.sampling``: how training rollouts sample completions (evaluation: ``data.eval``)."""
+
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts, and the temperature the training log-probs are computed at."""
+    top_p: float = 1.0
+    """Nucleus sampling threshold (1.0 disables it)."""
+    top_k: int = 0
+    """Top-k sampling (0 disables it)."""
+    min_p: float = 0.0
+    """Min-p sampling: keep the tokens whose probability is at least ``min_p`` times the most likely token's (0
+    disables it; applied after top-k and top-p, as transformers and vLLM do). It truncates the sampling
+    distribution only: the log-probs the trainer uses are the policy's."""
+    repetition_penalty: float = 1.0
+    """The logit of a token already in the prompt or the completion is divided by it where positive and multiplied
+    where negative, before the temperature (transformers', vLLM's and LMDeploy's; 1.0 disables it). The rollout
+    log-probs are those of the penalised distribution, so ``model.rollout_correction`` corrects for it; evaluation
+    samples without it."""
+    stop: list[str] | None = None
+    """Extra stop strings, each a single token of the tokenizer; the tokenizer's EOS always stops."""
+    max_tokens: int = 256
+    """Most tokens generated per completion (per trajectory in multi-turn rollouts)."""
+
+    def __post_init__(self) -> None:
+        check_values("data.sampling", {
+            "temperature": at_least(0.0), "top_p": interval(0.0, 1.0, low_open=True), "top_k": at_least(0),
+            "min_p": interval(0.0, 1.0, high_open=True), "repetition_penalty": greater_than(0.0),
+            "max_tokens": at_least(1)}, {f.name: getattr(self, f.name) for f in fields(self)})
+
+    def params(self, stop_token_ids: list[int] | None = None) -> SamplingParams:
+        """The backends' :class:`SamplingParams` of these settings (``stop`` resolved to ``stop_token_ids``)."""
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_tokens, list(stop_token_ids or []),
+                              min_p=self.min_p, repetition_penalty=self.repetition_penalty)
+
+
 def pad_with_eos(tokenizer: Any) -> Any:
     """``tokenizer``, padding with its EOS token when it has no pad token (batches are padded for generation)."""
     if tokenizer.pad_token_id is None:
@@ -73,7 +110,8 @@ def stop_token_ids(tokenizer: Any, stop: list[str]) -> list[int]:
         encoded = tokenizer.encode(s, add_special_tokens=False)
         if len(encoded) != 1:
             raise ValueError(
-                f"data.stop entry {s!r} is {len(encoded)} tokens for this tokenizer; stop strings must be one token"
+                f"data.sampling.stop entry {s!r} is {len(encoded)} tokens for this tokenizer; stop strings must be "
+                f"one token"
             )
         ids.append(encoded[0])
     return ids

@@ -1,6 +1,6 @@
 """Pipelined GRPO: the next rollout step's completions are generated while the trainer updates on this one's.
 
-With ``data.max_staleness: N > 0`` the :class:`~rlflow.data.datamodule.RolloutDataModule` hands generation to a
+With ``data.pipeline.max_staleness: N > 0`` the :class:`~rlflow.data.datamodule.RolloutDataModule` hands generation to a
 :class:`RolloutPipeline`, which runs the rollout backend in a :class:`~rlflow.rollout.process.GeneratorProcess`
 (its own process, threads and shared-memory copy of the weights). The schedule is fixed, so runs are
 reproducible and resume exactly, whatever the timing:
@@ -17,10 +17,11 @@ reproducible and resume exactly, whatever the timing:
   ``t + 1`` from the weights of version ``v``.
 
 So step ``t + 1`` is always sampled from exactly the weights after step ``t - 1``: staleness is
-``model.optimizer_steps x model.num_iterations`` policy versions (1 with the defaults) on every step after the
+``model.update.optimizer_steps x model.update.num_iterations`` policy versions (1 with the defaults) on every step
+after the
 first. :class:`~rlflow.rollout.staleness.StalenessGate` checks every step against the bound and measures it; a
 batch beyond it (e.g. a checkpoint of another configuration) is dropped or regenerated from the current weights
-(``data.stale_policy``). Completions are stamped with the version that sampled them and carry the generator's
+(``data.pipeline.stale_policy``). Completions are stamped with the version that sampled them and carry the generator's
 log-probs, which the module uses as the behaviour policy of its importance-sampling correction (on by default
 when pipelining: :mod:`rlflow.training.correction`).
 
@@ -28,14 +29,15 @@ A checkpoint holds the completions in flight (the datamodule's ``state_dict`` wa
 trains on what the uninterrupted run trained on.
 
 **Cores** (a CPU): the trainer's torch threads are cut so that trainer and generator together fit the cores
-(:meth:`RolloutPipeline.share_cores`), and with ``data.lend_cores`` (the default) the backward pass and evaluation
+(:meth:`RolloutPipeline.share_cores`), and with ``data.pipeline.lend_cores`` (the default) the backward pass and
+evaluation
 take the generator's cores back while an engine job waits between two decode iterations
 (:meth:`RolloutPipeline.all_cores`): generation overlaps the rest of the step on one core, and the phase that
 scales best runs on all of them. Which phase runs on how many threads is fixed, never timed, so a run is the same
 whatever the timing.
 
-**Partial rollouts** (``data.partial_rollouts: true``, engine backend, one process): the job for step ``t + 1``
-starts from version ``v`` as above, but before its decode iteration ``data.partial_swap_step`` it waits for the
+**Partial rollouts** (``data.pipeline.partial_rollouts: true``, engine backend, one process): the job for step ``t + 1``
+starts from version ``v`` as above, but before its decode iteration ``data.pipeline.partial_swap_step`` it waits for the
 weights of the end of step ``t`` (version ``v'``, the version step ``t + 1`` trains from), which the trainer writes
 when it next collects (at the start of step ``t + 1``, or in a checkpoint at the end of step ``t``: the same
 weights); every unfinished row continues under them from its KV cache (kept, as PipelineRL does), so its later
@@ -57,7 +59,7 @@ import contextlib
 import copy
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -91,7 +93,7 @@ def peek_next_batch(sampler: Any) -> list[int]:
 
     A copy of the sampler restarted from its own checkpointed position (``state_dict``: the consumed batches)
     yields them; at the end of an epoch, the first batch of the next (``set_epoch(epoch + 1)``), whose set of
-    solved prompts left out (``data.skip_solved``) is then fixed in ``sampler`` too.
+    solved prompts left out (``data.filtering.skip_solved``) is then fixed in ``sampler`` too.
     """
     clone = copy.deepcopy(sampler)
     clone.load_state_dict(sampler.state_dict())
@@ -114,12 +116,12 @@ class RolloutPipeline:
     """Generation one rollout step ahead of training, in a separate process, within the staleness bound.
 
     Args:
-        max_staleness: ``data.max_staleness`` (> 0).
-        stale_policy: ``data.stale_policy``: ``drop`` or ``regenerate``.
-        threads: torch threads of the generator process (``data.generator_threads``).
+        max_staleness: ``data.pipeline.max_staleness`` (> 0).
+        stale_policy: ``data.pipeline.stale_policy``: ``drop`` or ``regenerate``.
+        threads: torch threads of the generator process (``data.pipeline.generator_threads``).
         seed: ``data.seed``; the generator's seed of step ``t`` is :func:`job_seed` ``(seed, t)``.
-        partial_rollouts, swap_step: ``data.partial_rollouts`` and ``data.partial_swap_step``.
-        lend_cores: ``data.lend_cores``: the backward pass and evaluation take the generator's cores
+        partial_rollouts, swap_step: ``data.pipeline.partial_rollouts`` and ``data.pipeline.partial_swap_step``.
+        lend_cores: ``data.pipeline.lend_cores``: the backward pass and evaluation take the generator's cores
             (:meth:`all_cores`).
     """
 
@@ -132,11 +134,12 @@ class RolloutPipeline:
         self.threads = threads
         self.seed = seed
         self.partial = partial_rollouts
-        self.swap_step = swap_step  # 0: half of data.max_tokens
+        self.swap_step = swap_step  # 0: half of data.sampling.max_tokens
+        self.backend: RolloutBackend | None = None  # the trainer's bound backend (start)
         self.policy: Any = None  # the live policy (partial rollouts: written into the generator at the swap)
         self.current_version: Any = None  # () -> the trainer's policy version now
         self.trainer_threads: int | None = None  # the trainer's torch threads before share_cores cut them
-        self.lend_cores = lend_cores  # data.lend_cores
+        self.lend_cores = lend_cores  # data.pipeline.lend_cores
         self.lends_cores = False  # the backward and evaluation take the generator's cores (all_cores)
         self.generator: GeneratorProcess | ThreadGenerator | None = None
         self.in_flight: Job | None = None
@@ -144,39 +147,37 @@ class RolloutPipeline:
         self.waited = 0.0  # seconds the trainer blocked on the generator since the last rollout step
 
     # ------------------------------------------------------------------------------------------- schedule
-    def take(self, dm: Any, records: list[Any], policy_version: int, step: int,
-             ) -> tuple[FixedRollout, int, dict[str, float]]:
-        """This rollout step's completions (generated ahead, or now), checked against the bound; then submit the
-        next step's prompts with the current weights. Returns ``(backend that replays them, their version,
-        metrics)``."""
-        policy = dm.backend.model
-        self.start(dm)
+    def take(self, records: list[Any], policy_version: int, step: int, params: SamplingParams, k: int,
+             upcoming: list[Any]) -> tuple[FixedRollout, int, dict[str, float]]:
+        """This rollout step's completions of ``records`` (generated ahead, or now), checked against the bound; then
+        submit the ``upcoming`` step's prompts with the current weights. Returns ``(backend that replays them, their
+        version, metrics)``. :meth:`start` must have attached the backend."""
+        assert self.backend is not None, "start() the pipeline with the bound backend first"
+        policy = self.backend.model
         self.policy = policy
         prompts = [r.prompt_ids for r in records]
-        k = dm.prompt_repeat_k
         result = self._result_for(step, prompts)
         here = isinstance(self.generator, GeneratorProcess)  # generate a missing batch in this process
         if result is None and not here:  # nothing in flight for this step (a server backend: through its thread)
-            result = self._generate_now(policy, policy_version, step, prompts, dm.sampling, k)
+            result = self._generate_now(policy, policy_version, step, prompts, params, k)
         # the next step's prompts, from the weights as they are now, while this step trains (submitted before
         # generating anything here, so that the generator's start-up and first job overlap the first step)
-        next_records = dm.rank_share([dm.train_records[i] for i in peek_next_batch(dm.sampler)])
         self.generator.load_weights(policy)
-        swap_at = (self.swap_step or max(dm.sampling.max_tokens // 2, 1)) if self.partial else None
+        swap_at = (self.swap_step or max(params.max_tokens // 2, 1)) if self.partial else None
         self._submit(Job(step + 1, policy_version, job_seed(self.seed, step + 1),
-                         [r.prompt_ids for r in next_records], dm.sampling, k, self.generator_delay, swap_at))
+                         [r.prompt_ids for r in upcoming], params, k, self.generator_delay, swap_at))
         if result is None:  # nothing in flight for this step (the first step, or a resume without one)
-            result = self._generate_here(dm, policy_version, step, prompts, k)
+            result = self._generate_here(policy_version, step, prompts, params, k)
         gate = self.gate.check(group_versions(result), policy_version)
         if gate.stale:
             if self.gate.policy == "drop":
                 self.gate.dropped_groups += len(gate.stale)
             self.gate.regenerated_groups += len(gate.stale)  # a whole batch: sample it again (see module doc)
             if here:
-                result = self._generate_here(dm, policy_version, step, prompts, k)
+                result = self._generate_here(policy_version, step, prompts, params, k)
             else:  # a server: through its thread, the look-ahead kept aside meanwhile
                 ahead = self._collect()
-                result = self._generate_now(policy, policy_version, step, prompts, dm.sampling, k)
+                result = self._generate_now(policy, policy_version, step, prompts, params, k)
                 self.ready = ahead
             gate = self.gate.check(group_versions(result), policy_version)
         waited, self.waited = self.waited, 0.0
@@ -196,27 +197,34 @@ class RolloutPipeline:
         if self.generator is None:
             self.generator = GeneratorProcess(self.threads, tokenizer_path=tokenizer_path)
 
-    def start(self, dm: Any) -> None:
-        """Attach the policy to the generator process, or, for a backend with weights of its own (a server),
-        replace it by a thread. Called when the datamodule binds the policy at fit start."""
+    def start(self, backend: RolloutBackend, tokenizer_path: str | None, spec: Any, world_size: int,
+              current_version: Callable[[], int] | None) -> None:
+        """Attach the policy that ``backend`` runs to the generator process (which builds its backend from
+        ``spec``, see :func:`worker_spec`), or, for a backend with weights of its own (a server), replace it by a
+        thread. ``current_version()`` is the trainer's policy version now (partial rollouts ask it at the swap).
+        Called when the datamodule binds the policy at fit start; once."""
+        if self.backend is backend:
+            return
+        self.backend = backend
         if self.partial:
-            check_partial(dm)
-            self.current_version = lambda: dm.trainer.lightning_module.policy_version
-        if not dm.backend.reads_policy_weights:
+            check_partial(backend, world_size)
+            self.current_version = current_version
+        if not backend.reads_policy_weights:
             if isinstance(self.generator, GeneratorProcess):
                 self.generator.close()
                 self.generator = None
             if self.generator is None:
-                self.generator = ThreadGenerator(dm.backend)
+                self.generator = ThreadGenerator(backend)
             return
         self.prestart()
-        self.generator.attach(dm.backend.model, dm.tokenizer_path, worker_spec(dm))
-        self.share_cores(dm.backend.model)
+        self.generator.attach(backend.model, tokenizer_path, spec)
+        self.share_cores(backend.model)
         # the worker runs the trainer's backend class: the engine can be held between decode iterations
-        self.lends_cores = self.lend_cores and hasattr(dm.backend, "step_hook")
+        self.lends_cores = self.lend_cores and hasattr(backend, "step_hook")
 
     def share_cores(self, policy: Any) -> None:
-        """On a CPU, leave the generator process its ``data.generator_threads`` cores: the trainer's torch threads
+        """On a CPU, leave the generator process its ``data.pipeline.generator_threads`` cores: the trainer's torch
+        threads
         are cut to the rest (at least 1) for the run when the two would oversubscribe the cores this process may
         use (threads of two busy processes spinning on the same cores slow both far more than they gain), and
         restored by :meth:`close`. A policy on a GPU keeps the trainer's threads; the generator process still
@@ -225,8 +233,10 @@ class RolloutPipeline:
             return
         device = next(policy.parameters()).device
         if device.type != "cpu":
-            info(f"data.max_staleness={self.gate.max_staleness}: the policy is on {device}; the generator process "
-                 f"decodes on CPU cores ({self.threads} torch threads, data.generator_threads) from a CPU copy of "
+            info(f"data.pipeline.max_staleness={self.gate.max_staleness}: the policy is on {device}; the generator "
+                 f"process "
+                 f"decodes on CPU cores ({self.threads} torch threads, data.pipeline.generator_threads) from a CPU "
+                 f"copy of "
                  "its weights refreshed every rollout step. That pays for small models; generation on GPUs is the "
                  "lmdeploy backend's (servers that keep generating while the trainer steps)")
             return
@@ -235,7 +245,8 @@ class RolloutPipeline:
         if threads + self.threads > cores:
             self.trainer_threads = threads
             torch.set_num_threads(max(1, cores - self.threads))
-            info(f"data.max_staleness={self.gate.max_staleness}: the trainer uses {torch.get_num_threads()} torch "
+            info(f"data.pipeline.max_staleness={self.gate.max_staleness}: the trainer uses {torch.get_num_threads()} "
+                 f"torch "
                  f"threads (was {threads}), the generator process {self.threads}, on {cores} cores")
 
     @contextlib.contextmanager
@@ -293,17 +304,18 @@ class RolloutPipeline:
         copy_weights(self.policy, self.generator.model)
         return version
 
-    def _generate_here(self, dm: Any, version: int, step: int, prompts: list[list[int]], k: int) -> JobResult:
+    def _generate_here(self, version: int, step: int, prompts: list[list[int]], params: SamplingParams,
+                       k: int) -> JobResult:
         """Generate a batch in the trainer process with its own backend (the first step, a resume without the
         completions in flight, a regeneration), seeded by ``(data.seed, step)`` without moving the trainer's RNG."""
         from rlflow.training.evaluation import isolated_rng
 
         seed = job_seed(self.seed, step)
         with isolated_rng(seed):
-            if hasattr(dm.backend, "reseed"):  # a seeded engine: its own counter-based draws (rlflow.rollout.draws)
-                dm.backend.reseed(seed)
+            if hasattr(self.backend, "reseed"):  # a seeded engine: its own counter-based draws (rlflow.rollout.draws)
+                self.backend.reseed(seed)
             start = time.perf_counter()
-            groups = dm.backend.generate(prompts, dm.sampling, n=k)
+            groups = self.backend.generate(prompts, params, n=k)
             seconds = time.perf_counter() - start
         return JobResult(step, version, prompts, plain_groups(groups), seconds)
 
@@ -368,46 +380,39 @@ def partial_metrics(result: JobResult, trained_version: int) -> dict[str, float]
     }
 
 
-def check_partial(dm: Any) -> None:
+def check_partial(backend: RolloutBackend, world_size: int) -> None:
     """Partial rollouts need the engine backend in the generator process, and one process (see the docs)."""
     from rlflow.rollout.engine import EngineRollout
 
-    if not isinstance(dm.backend, EngineRollout):
-        raise ConfigError(f"data.partial_rollouts needs the engine rollout backend (data.rollout: engine or auto on a "
-                          f"model it runs); got {type(dm.backend).__name__}")
-    if dm.world_size > 1:
-        raise ConfigError(f"data.partial_rollouts is not supported with {dm.world_size} ranks (FSDP); set "
-                          "data.partial_rollouts=false")
+    if not isinstance(backend, EngineRollout):
+        raise ConfigError(f"data.pipeline.partial_rollouts needs the engine rollout backend (data.rollout: engine or "
+                          f"auto on a model it runs); got {type(backend).__name__}")
+    if world_size > 1:
+        raise ConfigError(f"data.pipeline.partial_rollouts is not supported with {world_size} ranks (FSDP); set "
+                          "data.pipeline.partial_rollouts=false")
 
 
-def worker_spec(dm: Any) -> Any:
-    """What the generator process builds its backend from: ``data.rollout`` when it is a name or mapping, else
-    the class of the trainer's backend."""
-    spec = dm.rollout_spec
-    return spec if isinstance(spec, (str, dict)) else type(dm.backend)
+def worker_spec(rollout_spec: Any, backend: RolloutBackend) -> Any:
+    """What the generator process builds its backend from: ``data.rollout`` (``rollout_spec``) when it is a name
+    or mapping, else the class of the trainer's ``backend``."""
+    return rollout_spec if isinstance(rollout_spec, (str, dict)) else type(backend)
 
 
-def make_pipeline(max_staleness: int, stale_policy: str, threads: int, seed: int,
-                  dynamic_sampling: bool = False, multiturn: bool = False, partial_rollouts: bool = False,
-                  partial_swap_step: int = 0, lend_cores: bool = True) -> RolloutPipeline | None:
-    """The pipeline ``data.max_staleness`` asks for (None for 0: the strictly on-policy loop), its settings
-    checked (:class:`~rlflow.config_error.ConfigError` naming the key)."""
-    gate = StalenessGate(max_staleness, stale_policy)  # validates both keys
-    if not isinstance(partial_swap_step, int) or isinstance(partial_swap_step, bool) or partial_swap_step < 0:
-        raise ConfigError(f"data.partial_swap_step must be an integer >= 0 (0: half of data.max_tokens), got "
-                          f"{partial_swap_step!r}")
+def make_pipeline(settings: Any, seed: int, dynamic_sampling: bool = False,
+                  multiturn: bool = False) -> RolloutPipeline | None:
+    """The pipeline ``data.pipeline`` (a :class:`~rlflow.data.settings.PipelineSettings`) asks for: None for
+    ``max_staleness: 0``, the strictly on-policy loop; a combination it cannot run is one ConfigError."""
+    gate = StalenessGate(settings.max_staleness, settings.stale_policy)  # validates both keys
     if gate.max_staleness == 0:
-        if partial_rollouts:
-            raise ConfigError("data.partial_rollouts continues completions across a weight update of pipelined "
-                              "generation: it needs data.max_staleness >= 1 (got 0)")
+        if settings.partial_rollouts:
+            raise ConfigError("data.pipeline.partial_rollouts continues completions across a weight update of "
+                              "pipelined generation: it needs data.pipeline.max_staleness >= 1 (got 0)")
         return None
-    if not isinstance(threads, int) or threads < 1:
-        raise ConfigError(f"data.generator_threads must be an integer >= 1, got {threads!r}")
     if dynamic_sampling:
-        raise ConfigError(f"data.dynamic_sampling is not pipelined: set data.max_staleness=0 (got {max_staleness}) "
-                          "or data.dynamic_sampling=false")
+        raise ConfigError(f"data.filtering.dynamic_sampling is not pipelined: set data.pipeline.max_staleness=0 (got "
+                          f"{settings.max_staleness}) or data.filtering.dynamic_sampling=false")
     if multiturn:  # the generator process runs the plain backend; the multi-turn loop lives in the trainer's
-        raise ConfigError(f"multi-turn rollouts (data.tools, data.environment) are not pipelined: set "
-                          f"data.max_staleness=0 (got {max_staleness})")
-    return RolloutPipeline(max_staleness, stale_policy, threads, seed, bool(partial_rollouts), partial_swap_step,
-                           bool(lend_cores))
+        raise ConfigError(f"multi-turn rollouts (data.multiturn.tools, data.multiturn.environment) are not "
+                          f"pipelined: set data.pipeline.max_staleness=0 (got {settings.max_staleness})")
+    return RolloutPipeline(settings.max_staleness, settings.stale_policy, settings.generator_threads, seed,
+                           bool(settings.partial_rollouts), settings.partial_swap_step, bool(settings.lend_cores))

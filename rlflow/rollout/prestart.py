@@ -1,11 +1,12 @@
 """Start the generator process before the trainer imports Lightning (``rlflow fit`` only).
 
-A pipelined run (``data.max_staleness > 0``) generates in a second process (:mod:`rlflow.rollout.process`) that
+A pipelined run (``data.pipeline.max_staleness > 0``) generates in a second process (:mod:`rlflow.rollout.process`) that
 imports torch, transformers and rlflow before its first job: ~3 s on 2 idle cores, about as long as the trainer's
 own imports. Started from the data module's ``setup("fit")``, the earliest point that knows the config, that
 start-up shows up as the trainer's wait for step 1's completions. So the ``rlflow`` console script reads
-``data.max_staleness`` from the command line before it imports anything heavy and, when it is above 0, starts
-the worker at once (:func:`from_argv`; also for ``data.split_rollout: true``, whose on-policy rollouts the worker
+``data.pipeline.max_staleness`` from the command line before it imports anything heavy and, when it is above 0, starts
+the worker at once (:func:`from_argv`; also for ``data.pipeline.split_rollout: true``, whose on-policy rollouts the
+worker
 shares, :mod:`rlflow.rollout.split`): its imports run beside the trainer's, and
 :class:`~rlflow.rollout.process.GeneratorProcess` adopts it (:func:`adopt`) instead of starting another.
 
@@ -13,7 +14,8 @@ This module and :mod:`rlflow.rollout.worker` import only the standard library an
 torch when it starts), so that the start is not delayed.
 
 Simplifications: a prediction from plain YAML, not jsonargparse's parse: the ``--config``/``-c`` files (later ones
-win) and ``--data.max_staleness``, ``--data.generator_threads``, ``--data.split_rollout`` and ``--data.rollout``
+win) and ``--data.pipeline.max_staleness``, ``--data.pipeline.generator_threads``, ``--data.pipeline.split_rollout``
+and ``--data.rollout``
 given on the command line;
 anything else (a ``--data`` file, a value that is not a plain number) predicts nothing, and the run starts its
 worker at ``setup("fit")`` as before. A prediction that the parsed config overrules costs a process that stops
@@ -83,12 +85,13 @@ def _stop(process: Any, jobs: Any) -> None:
 
 
 def predict(argv: list[str]) -> tuple[int, int] | None:
-    """``(data.max_staleness, data.generator_threads)`` as ``argv`` (after ``fit``) sets them, or None when it
-    cannot tell or the run does not need a generator process (see the module doc): it needs one when pipelined, or
-    on-policy with ``data.split_rollout: true`` (:mod:`rlflow.rollout.split`)."""
+    """``(data.pipeline.max_staleness, data.pipeline.generator_threads)`` as ``argv`` (after ``fit``) sets them, or
+    None when it cannot tell or the run does not need a generator process (see the module doc): it needs one when
+    pipelined, or on-policy with ``data.pipeline.split_rollout: true`` (:mod:`rlflow.rollout.split`)."""
     import yaml
 
-    data: dict[str, Any] = {}
+    pipeline: dict[str, Any] = {}
+    rollout: Any = ""
     i = 0
     while i < len(argv):
         key, _, value = argv[i].partition("=")
@@ -98,26 +101,28 @@ def predict(argv: list[str]) -> tuple[int, int] | None:
         i += 1
         if value is None:
             continue
-        if key in ("--config", "-c"):
-            try:
+        try:
+            if key in ("--config", "-c"):
                 with open(value, encoding="utf-8") as f:
                     loaded = yaml.safe_load(f) or {}
-            except (OSError, yaml.YAMLError):
-                return None
-            section = loaded.get("data") if isinstance(loaded, dict) else None
-            if isinstance(section, dict):
-                data.update(section)
-        elif key.startswith("--data."):
-            try:
-                data[key[len("--data."):]] = yaml.safe_load(value)
-            except yaml.YAMLError:
-                return None
-    staleness, threads = data.get("max_staleness", 0), data.get("generator_threads", 1)
+                data = loaded.get("data") if isinstance(loaded, dict) else None
+                if isinstance(data, dict):
+                    pipeline.update(data.get("pipeline") or {})
+                    rollout = data.get("rollout", rollout)
+            elif key.startswith("--data.pipeline."):
+                pipeline[key[len("--data.pipeline."):]] = yaml.safe_load(value)
+            elif key == "--data.pipeline":
+                pipeline.update(yaml.safe_load(value) or {})
+            elif key == "--data.rollout":
+                rollout = value
+        except (OSError, yaml.YAMLError, AttributeError, TypeError, ValueError):
+            return None
+    staleness, threads = pipeline.get("max_staleness", 0), pipeline.get("generator_threads", 1)
     if not (isinstance(staleness, int) and isinstance(threads, int)) or staleness < 0 or threads < 1:
         return None
-    if staleness == 0 and data.get("split_rollout") is not True:  # on-policy without a split: no process
+    if staleness == 0 and pipeline.get("split_rollout") is not True:  # on-policy without a split: no process
         return None
-    if "lmdeploy" in str(data.get("rollout", "")).lower():
+    if "lmdeploy" in str(rollout).lower():
         return None
     return staleness, threads
 

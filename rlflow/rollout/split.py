@@ -1,19 +1,19 @@
 """On-policy rollouts decoded by two processes at once: the trainer and the generator process each take a share.
 
-Why: on a CPU the engine's decode step is dozens of small operators on ``[rows, hidden]`` tensors, most below the
-size torch splits across threads, so a second thread speeds a rollout up by only ~1.2x (the demo: 94 ms on two
-threads against 112 ms on one) while the training forward and backward gain ~1.5x. Two processes of one thread
-each decode two halves of the prompts side by side (the demo: ~78 ms), and the training then has every core.
-With ``data.split_rollout: true`` (and ``data.max_staleness: 0``) the data module's rollout backend is a
-:class:`SplitRollout`: it copies the current weights into the generator process's shared-memory copy
-(:class:`~rlflow.rollout.process.GeneratorProcess`, the pipelined runs' worker), sends it the second half of the
-prompts, decodes the first half itself on the rest of its torch threads, then yields the generator's groups.
+Why: on a CPU the engine's decode step of a small model is dozens of small operators on ``[rows, hidden]``
+tensors, most below the size torch splits across threads, so a second thread speeds a rollout up far less than it
+speeds the training forward and backward. Two processes of one thread each decode two halves of the prompts side
+by side, and the training then has every core. With ``data.pipeline.split_rollout: true`` (and
+``data.pipeline.max_staleness: 0``) the data module's rollout backend is a :class:`SplitRollout`: it copies the
+current weights into the generator process's shared-memory copy (:class:`~rlflow.rollout.process.GeneratorProcess`,
+the pipelined runs' worker), sends it the second half of the prompts, decodes the first half itself on the rest of
+its torch threads, then yields the generator's groups.
 
 Both processes sample from the trainer's own random streams: sample ``s`` of prompt ``i`` draws from ``(call key,
 i, s)`` (:mod:`rlflow.rollout.draws`) whichever process decodes it, and the call key is the trainer engine's next
 one, so the run's random state advances as without the split. A row's arithmetic does not depend on the rows
-beside it here (each group attends to its own cache), so a split rollout samples what one process would;
-``tests/test_split.py`` checks it token for token, and the demo's reward curve is unchanged.
+beside it here (each group attends to its own cache), so a split rollout samples what one process would, token
+for token.
 
 Judging overlaps generation as before for the trainer's half (its groups stream out as they finish); the
 generator's half arrives at once at the end and is judged then. Nothing is in flight between rollout steps, so
@@ -55,7 +55,8 @@ class SplitRollout(RolloutBackend):
     Args:
         engine: The trainer's bound :class:`~rlflow.rollout.engine.EngineRollout` (it decodes the first share and
             supplies the call keys).
-        threads: Torch threads of the generator process (``data.generator_threads``); the trainer decodes its share
+        threads: Torch threads of the generator process (``data.pipeline.generator_threads``); the trainer decodes
+        its share
             on the rest of its own torch threads (at least one), so a rollout uses the threads it would without the
             split.
         generator: A started :class:`GeneratorProcess` (None: one is started with ``threads`` threads).
@@ -121,7 +122,7 @@ def split_problem(threads: int, world_size: int, sharded: bool, device: str, bac
 
     if torch.get_num_threads() <= threads:
         return (f"the trainer has {torch.get_num_threads()} torch thread(s), none left beside the generator's "
-                f"{threads} (data.generator_threads)")
+                f"{threads} (data.pipeline.generator_threads)")
     if world_size > 1:
         return f"{world_size} ranks (FSDP) each decode their own share already"
     if sharded:
