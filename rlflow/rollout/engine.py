@@ -53,10 +53,8 @@ model (:mod:`rlflow.rollout.engine_support`).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -71,48 +69,14 @@ from rlflow.rollout.base import (
     UnsupportedModelError,
     in_prompt_order,
 )
-from rlflow.rollout.buffers import VocabBuffers
-from rlflow.rollout.continuation import SessionCache, merge_prefills, prefill_on_caches, row_caches
-from rlflow.rollout.decode_state import ATTENTION_NAME, DecodeState, LaneStates
-from rlflow.rollout.draws import CallKeys, RowDraws, keyed_requests
+from rlflow.rollout.continuation import SessionCache, merge_prefills, prefill_on_caches
+from rlflow.rollout.decode_state import ATTENTION_NAME, DecodeState
+from rlflow.rollout.draws import CallKeys, keyed_requests
 from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder, torch_norm_for
 from rlflow.rollout.hardware import inference_context, native_bf16
-from rlflow.rollout.penalty import mark_seen, seen_tokens
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource, check_call
-from rlflow.rollout.sampling import sample_tokens
-
-
-@dataclass
-class _Row:
-    """A sequence being decoded: its prompt, its index in the group and what it has sampled so far."""
-
-    prompt: int  # the id of the row's request (its group) in the serve call
-    sample: int
-    limit: int  # most tokens this row samples
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    alive: bool = True
-    versions: list[int] = field(default_factory=list)  # the policy version of each token (when the engine has one)
-
-
-@dataclass
-class _Lane:
-    """The rows of one :class:`DecodeState` (groups of ``n``, with or without the call's shared head) in a serve
-    call: their next positions and tokens and their random streams, aligned with ``rows``."""
-
-    state: DecodeState
-    rows: list[_Row] = field(default_factory=list)
-    pos: torch.Tensor | None = None
-    pending: torch.Tensor | None = None
-    draws: RowDraws = field(default_factory=RowDraws)
-    seen: torch.Tensor | None = None  # [rows, vocab] tokens each row holds (only with a repetition penalty)
-
-    def mark(self, offset: int, tokens: torch.Tensor) -> None:
-        """Record the tokens just sampled by rows ``offset:`` as seen (with a repetition penalty)."""
-        if self.seen is not None:
-            mark_seen(self.seen[offset:], tokens)
-
+from rlflow.rollout.serving import ServeCall
 
 DECODE_DTYPES = ("model", "float32", "bfloat16", "float16", "auto")
 
@@ -164,9 +128,8 @@ class EngineRollout(CallKeys, RolloutBackend):
                 decoding"). Decoding through the model's forward (no fused path) ignores it.
             norm: The fused decoder's RMS norms: ``model`` (the model's own formula in its order of roundings),
                 ``torch`` (``F.rms_norm``: one kernel on a CUDA GPU, rounding once where the model rounds twice),
-                or ``auto`` (``torch`` where the decoder computes in 16 bits on a CUDA GPU, where it decoded the
-                Qwen3-0.6B shape 1.46x faster on an H100; ``model`` elsewhere, so float32 and CPU decoding stay
-                exact).
+                or ``auto`` (``torch`` where the decoder computes in 16 bits on a CUDA GPU; ``model`` elsewhere, so
+                float32 and CPU decoding stay exact).
         """
         if max_batch_size < 1 or prefill_batch_size < 1:
             raise ValueError("engine max_batch_size and prefill_batch_size must be >= 1")
@@ -394,194 +357,40 @@ class EngineRollout(CallKeys, RolloutBackend):
         source says no request will come (:mod:`rlflow.rollout.requests`).
 
         Requests are prefilled in batches of ``prefill_batch_size`` (on top of their kept caches inside
-        :meth:`keep_caches`) and decoded in lanes by group size (:class:`LaneStates`); the prefix common to the
-        first requests is prefilled once when none of them continues a kept cache, and later requests that start
-        with it share it too. The loop runs in inference mode (:func:`~rlflow.rollout.hardware.inference_context`:
-        ``no_grad`` under gloo or FSDP), entered on every resume of the generator and left at every ``yield``, so
-        the caller's code between two groups runs in its own mode."""
+        :meth:`keep_caches`) and decoded in lanes by group size (:class:`~rlflow.rollout.decode_state.LaneStates`);
+        the prefix common to the first requests is prefilled once when none of them continues a kept cache, and
+        later requests that start with it share it too. The loop's steps are
+        :class:`~rlflow.rollout.serving.ServeCall`'s. It runs in inference mode
+        (:func:`~rlflow.rollout.hardware.inference_context`: ``no_grad`` under gloo or FSDP), entered on every
+        resume of the generator and left at every ``yield``, so the caller's code between two groups runs in its
+        own mode."""
         return inference_context(self.model)(self._serve)(source, params, progress)
 
     def _serve(self, source: RequestSource, params: SamplingParams,
                progress: Progress | None = None) -> Iterator[tuple[DecodeRequest, list[Completion]]]:
+        """:meth:`serve` outside the inference context: the model in eval mode and the call's fused decoder set
+        while :class:`~rlflow.rollout.serving.ServeCall` runs, both put back when it ends or is closed."""
         model = self.model
         device = next(model.parameters()).device
         was_training = model.training
         model.eval()
-        stop_ids = set(params.stop_token_ids)
-        stop_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-        penalty = params.repetition_penalty != 1.0  # rows track the tokens they hold (_Lane.seen)
-        decoder = self._fused_decoder(model, device)
-        self._decoder = decoder
-        buffers = VocabBuffers()  # the sampler's [rows, vocab] intermediates, reused step after step
-        session = self.session
-        waiting: deque = deque()  # (request id, request, kept cache hit or None)
-        requests: dict[int, DecodeRequest] = {}  # admitted requests not finished yet
-        done: dict[int, list[tuple[int, Completion]]] = {}  # request id -> its finished rows so far
-        lanes: dict[tuple[int, bool], _Lane] = {}  # (group size, shares the head) -> its lane
-        head = head_ids = None
-        next_id, closed, iteration = 0, False, 0
+        self._decoder = self._fused_decoder(model, device)
+        call = ServeCall(self, params, device, progress)
         try:
-            while True:
-                live = sum(len(lane.rows) for lane in lanes.values())
-                if not closed:
-                    new = source.poll(wait=not live and not waiting)
-                    if new is None:
-                        closed = True
-                    elif new:
-                        self._check_requests(new, params)
-                        hits = [session.take(r.ids) if session is not None and len(session) else None for r in new]
-                        if next_id == 0:  # the call's first requests: share their common prefix
-                            head_len = common_prefix_len([r.ids for r in new]) if len(new) > 1 else 0
-                            if all(h is None for h in hits) and self.min_shared_prefix and \
-                                    head_len >= self.min_shared_prefix:
-                                head_ids = new[0].ids[:head_len]
-                                head = self._prefill_head(head_ids, device)
-                        for r, hit in zip(new, hits):
-                            waiting.append((next_id, r, hit))
-                            next_id += 1
-                if not waiting and not live:
-                    if closed:
-                        break
-                    continue
-                if self.step_hook is not None and self.step_hook(iteration):  # new weights, the caches kept
-                    self.sync_weights()  # copied in place: the version counters may not show it
-                    decoder = self._decoder = self._fused_decoder(model, device)
-                iteration += 1
-                take, taken = [], 0
-                while waiting and len(take) < self.prefill_batch_size:
-                    n = waiting[0][1].n
-                    if live + taken and live + taken + n > max(self.max_batch_size, n):
-                        break
-                    take.append(waiting.popleft())
-                    taken += n
-                finished: list[tuple[_Lane, set[int]]] = []
-                if take:  # admit waiting requests: prefill once per request, sample its rows' first tokens
-                    chunks: dict[tuple[int, bool], list] = {}
-                    for item in take:
-                        r, hit = item[1], item[2]
-                        shares = head is not None and hit is None and len(r.ids) > len(head_ids) and \
-                            r.ids[: len(head_ids)] == head_ids
-                        chunks.setdefault((r.n, shares), []).append(item)
-                    for key, chunk in chunks.items():
-                        n, lane_head = key[0], head if key[1] else None
-                        lane = lanes.get(key)
-                        if lane is None:
-                            lane = lanes[key] = _Lane(DecodeState(n, params.max_tokens, lane_head))
-                        keys, values, mask, logits = self._admit(
-                            [r.ids for _, r, _ in chunk], [hit for _, _, hit in chunk], device, lane_head)
-                        offset = len(lane.rows)
-                        lane.draws.add([k for _, r, _ in chunk for k in r.keys], [r.start for _, r, _ in chunk
-                                                                                for _ in range(n)])
-                        uniform = None if params.greedy else lane.draws.draw(device, offset)
-                        seen = None
-                        if penalty:  # each row starts with its prompt's tokens seen
-                            prompt_ids = [torch.tensor(r.ids, device=device) for _, r, _ in chunk]
-                            padded = torch.nn.utils.rnn.pad_sequence(prompt_ids, batch_first=True, padding_value=-1)
-                            seen = seen_tokens(padded, logits.shape[-1]).repeat_interleave(n, dim=0)
-                            lane.seen = seen if lane.seen is None else torch.cat([lane.seen, seen])
-                        tokens, lps = sample_tokens(logits.repeat_interleave(n, dim=0) if n > 1 else logits, params,
-                                                    uniform=uniform, buffers=buffers, seen=seen)
-                        lane.mark(offset, tokens)
-                        lane.state.add_groups([i for i, _, _ in chunk], keys, values, mask)
-                        new_pos = torch.tensor([len(r.ids) for _, r, _ in chunk], device=device).repeat_interleave(n)
-                        lane.pos = new_pos if lane.pos is None else torch.cat([lane.pos, new_pos])
-                        lane.pending = tokens if lane.pending is None else torch.cat([lane.pending, tokens])
-                        for i, r, _ in chunk:
-                            lane.rows.extend(_Row(i, s, r.limit(params.max_tokens)) for s in range(n))
-                            requests[i], done[i] = r, []
-                        finished.append((lane, self._record(lane.rows, offset, tokens, lps, stop_t, self.version)))
-                if not take or (live and not waiting):  # one decode step of every live row of every lane (also
-                    # right after admitting the last waiting requests next to running rows: they do not lose a step)
-                    active = list(lanes.values())
-                    if len(active) == 1:
-                        lane = active[0]
-                        logits = self._decode_step(lane.state, lane.pending, lane.pos, decoder)
-                        uniform = None if params.greedy else lane.draws.draw(device)
-                        parts = [sample_tokens(logits, params, uniform=uniform, buffers=buffers, seen=lane.seen)]
-                    else:
-                        state = LaneStates([lane.state for lane in active])
-                        logits = self._decode_step(state, torch.cat([lane.pending for lane in active]),
-                                                   torch.cat([lane.pos for lane in active]), decoder)
-                        uniform = None if params.greedy else torch.cat([lane.draws.draw(device) for lane in active])
-                        seen = torch.cat([lane.seen for lane in active]) if penalty else None
-                        tokens, lps = sample_tokens(logits, params, uniform=uniform, buffers=buffers, seen=seen)
-                        parts = list(zip(tokens.split(state.sizes), lps.split(state.sizes)))
-                    for lane, (tokens, lps) in zip(active, parts):
-                        lane.pos, lane.pending = lane.pos + 1, tokens
-                        lane.mark(0, tokens)
-                        finished.append((lane, self._record(lane.rows, 0, tokens, lps, stop_t, self.version)))
-                for lane, rows_done in finished:
-                    complete = []
-                    for j in sorted(rows_done):
-                        row = lane.rows[j]  # _record marked it dead
-                        reason = "stop" if row.tokens[-1] in stop_ids else "length"
-                        versions = row.versions if self.version is not None else None
-                        done[row.prompt].append((row.sample, Completion(row.tokens, row.logprobs, reason,
-                                                                        token_versions=versions)))
-                        if len(done[row.prompt]) == lane.state.n:
-                            complete.append(row.prompt)
-                    for i in sorted(complete):
-                        request = requests.pop(i)
-                        if session is not None:  # keep each row's cache (all but its last token, not fed yet)
-                            first = next(j for j, row in enumerate(lane.rows) if row.prompt == i)
-                            members = lane.rows[first: first + lane.state.n]
-                            caches = row_caches(lane.state, first // lane.state.n,
-                                                [len(row.tokens) - 1 for row in members])
-                            for row, cache in zip(members, caches):
-                                session.put(request.ids + row.tokens[:-1], cache)
-                        group = [c for _, c in sorted(done.pop(i), key=lambda sc: sc[0])]
-                        if progress is not None:
-                            progress(len(group), sum(len(c.token_ids) for c in group))
-                        yield request, group
-                # compact each lane by whole groups (the rows of a group whose completions are all done): a lane stays
-                # whole groups in order, so attention needs no scatter; and lazily, since dropping rows copies the
-                # caches: when a quarter of the lane's rows are done groups' or room is needed
-                for key, lane in list(lanes.items()):
-                    gone = sum(r.prompt not in done for r in lane.rows)
-                    if gone == len(lane.rows):
-                        del lanes[key]
-                    elif gone and (4 * gone >= len(lane.rows) or waiting):
-                        keep_list = [j for j, r in enumerate(lane.rows) if r.prompt in done]
-                        lane.rows = [lane.rows[j] for j in keep_list]
-                        keep = torch.tensor(keep_list, dtype=torch.long, device=device)
-                        lane.state.keep_rows(keep)
-                        lane.pos, lane.pending = lane.pos[keep], lane.pending[keep]
-                        lane.draws.keep(keep_list)
-                        if lane.seen is not None:
-                            lane.seen = lane.seen[keep]
+            yield from call.run(source)
         finally:
             self._decoder = None
             model.train(was_training)
 
-    @staticmethod
-    def _check_requests(requests: list[DecodeRequest], params: SamplingParams) -> None:
-        for r in requests:
-            if not r.ids:
-                raise ValueError(f"request {r.tag!r} has an empty prompt; every prompt needs at least one token")
-            if r.n < 1:
-                raise ValueError(f"request {r.tag!r} has no row keys; it needs one key per completion")
-            if r.max_tokens is not None and r.max_tokens < 1:
-                raise ValueError(f"request {r.tag!r} has max_tokens={r.max_tokens}; it must be >= 1")
-
-    @staticmethod
-    def _record(rows: list[_Row], offset: int, tokens: torch.Tensor, lps: torch.Tensor,
-                stop_t: torch.Tensor, version: int | None = None) -> set[int]:
-        """Append the sampled tokens (and ``version``, if given) to rows ``offset:``; return the indices of rows
-        that just finished (a stop token, or their ``limit``)."""
-        is_stop = torch.isin(tokens, stop_t).tolist() if stop_t.numel() else [False] * tokens.shape[0]
-        finished = set()
-        for j, (tok, lp, stop) in enumerate(zip(tokens.tolist(), lps.tolist(), is_stop)):
-            row = rows[offset + j]
-            if not row.alive:
-                continue
-            row.tokens.append(tok)
-            row.logprobs.append(lp)
-            if version is not None:
-                row.versions.append(version)
-            if stop or len(row.tokens) >= row.limit:
-                row.alive = False
-                finished.add(offset + j)
-        return finished
+    def _share_head(self, requests: list[DecodeRequest], hits: list, device: torch.device):
+        """``(head ids, head keys/values)`` of the prefix common to a call's first ``requests``, prefilled once
+        (:meth:`_prefill_head`), when it is at least ``min_shared_prefix`` long and none of them continues a kept
+        cache (``hits``); else None."""
+        head_len = common_prefix_len([r.ids for r in requests]) if len(requests) > 1 else 0
+        if all(h is None for h in hits) and self.min_shared_prefix and head_len >= self.min_shared_prefix:
+            head_ids = requests[0].ids[:head_len]
+            return head_ids, self._prefill_head(head_ids, device)
+        return None
 
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
                  progress: Progress | None = None) -> list[list[Completion]]:
