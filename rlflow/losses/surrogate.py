@@ -27,6 +27,27 @@ from rlflow.losses.masks import high_entropy_mask, off_policy_sequence_mask, tru
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
+def check_options(epsilon_low: float, epsilon_high: float | None, kl_coef: float, kl_type: str,
+                  importance_sampling_level: str, top_entropy_quantile: float, entropy_coef: float,
+                  off_policy_mask_threshold: float | None) -> None:
+    """Refuse a :class:`RatioPolicyLoss` option out of its range (a :class:`~rlflow.config_error.ConfigError`)."""
+    check_kl_type(kl_type)
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ConfigError(
+            f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}"
+        )
+    if not 0.0 <= epsilon_low < 1.0:
+        raise ConfigError(f"epsilon_low must be in [0, 1), got {epsilon_low}")
+    if epsilon_high is not None and epsilon_high < 0.0:
+        raise ConfigError(f"epsilon_high must be >= 0, got {epsilon_high}")
+    if not 0.0 < top_entropy_quantile <= 1.0:
+        raise ConfigError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
+    if kl_coef < 0.0 or entropy_coef < 0.0:
+        raise ConfigError(f"kl_coef and entropy_coef must be >= 0, got {kl_coef} and {entropy_coef}")
+    if off_policy_mask_threshold is not None and not off_policy_mask_threshold >= 0.0:
+        raise ConfigError(f"off_policy_mask_threshold must be >= 0 (or null), got {off_policy_mask_threshold}")
+
+
 class RatioPolicyLoss(PolicyLoss):
     """Shared options and pipeline; a subclass supplies :meth:`objective` and its default aggregation."""
 
@@ -93,21 +114,8 @@ class RatioPolicyLoss(PolicyLoss):
             aggregation: Override the normaliser: ``grpo``, ``bnpo``, ``dr_grpo``, ``dapo`` or ``luspo``; None keeps
                 the loss's own.
         """
-        check_kl_type(kl_type)
-        if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
-            raise ConfigError(
-                f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}"
-            )
-        if not 0.0 <= epsilon_low < 1.0:
-            raise ConfigError(f"epsilon_low must be in [0, 1), got {epsilon_low}")
-        if epsilon_high is not None and epsilon_high < 0.0:
-            raise ConfigError(f"epsilon_high must be >= 0, got {epsilon_high}")
-        if not 0.0 < top_entropy_quantile <= 1.0:
-            raise ConfigError(f"top_entropy_quantile must be in (0, 1], got {top_entropy_quantile}")
-        if kl_coef < 0.0 or entropy_coef < 0.0:
-            raise ConfigError(f"kl_coef and entropy_coef must be >= 0, got {kl_coef} and {entropy_coef}")
-        if off_policy_mask_threshold is not None and not off_policy_mask_threshold >= 0.0:
-            raise ConfigError(f"off_policy_mask_threshold must be >= 0 (or null), got {off_policy_mask_threshold}")
+        check_options(epsilon_low, epsilon_high, kl_coef, kl_type, importance_sampling_level,
+                      top_entropy_quantile, entropy_coef, off_policy_mask_threshold)
         self.epsilon_low = epsilon_low
         self.epsilon_high = epsilon_low if epsilon_high is None else epsilon_high
         self.kl_coef = kl_coef
