@@ -2,10 +2,10 @@
 
 Why: every decode step turns the logits into float32 logits (of a 16-bit head), log-probs, probabilities and
 their float64 copy (:func:`~rlflow.rollout.sampling.inverse_cdf`), each a fresh ``[rows, vocabulary]`` tensor (~6-13
-MB at 32 rows of a 49k vocabulary). Blocks that large come from the C
-allocator's ``mmap``, so every step page-faults them in and unmaps them again; on SmolLM2-135M that is several
-milliseconds of a ~70 ms bfloat16 decode step. Writing the same kernels' results into buffers kept for the
-rollout call (``out=`` / in-place forms) gives bit-identical values without the churn.
+MB at 32 rows of a 49k vocabulary). Blocks that large come from the C allocator's ``mmap``, so every step
+page-faults them in and unmaps them again, a noticeable part of a small model's decode step. Writing the same
+kernels' results into buffers kept for the rollout call (``out=`` / in-place forms) gives bit-identical values
+without the churn.
 
 Simplifications: one buffer per name, grown to the largest ``rows x vocabulary`` asked for and viewed to the
 size asked for (rows leave a decode batch, so later steps take a prefix); held as long as the object (the

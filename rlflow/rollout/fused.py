@@ -78,9 +78,9 @@ NORMS = ("auto", "model", "torch")
 
 def torch_norm_for(choice: str, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the decoder's RMS norms go through ``F.rms_norm`` for the engine's ``norm`` option: ``auto`` where
-    the decoder computes in 16 bits on a CUDA GPU (there the fused kernel decoded the Qwen3-0.6B shape 1.46x
-    faster on an H100; in float32 the model's formula keeps the logits exact, and on a CPU ``F.rms_norm`` is a
-    composite of the same operators, 11% slower)."""
+    the decoder computes in 16 bits on a CUDA GPU (there ``F.rms_norm`` is one fused kernel; in float32 the
+    model's formula keeps the logits exact, and on a CPU ``F.rms_norm`` is a composite of the same operators, no
+    faster)."""
     if choice not in NORMS:
         raise ValueError(f"engine norm must be one of {', '.join(NORMS)}; got {choice!r}")
     if choice == "auto":
@@ -133,7 +133,7 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | N
 def _transposed(weight: torch.Tensor, dtype: torch.dtype | None, physical: bool = False) -> torch.Tensor:
     """``weight`` (``[out, in]``) as ``[in, out]`` for :func:`_linear`: a contiguous transposed copy in its own
     dtype (the faster layout for a float32 ``mm`` at decode batch sizes); in another ``dtype`` (None: its own), the
-    transposed view of a plain cast, unless ``physical`` (a transposing copy is ~7x slower than a cast, and bf16
+    transposed view of a plain cast, unless ``physical`` (a transposing copy costs much more than a cast, and bf16
     ``mm`` at decode sizes runs about as fast on either layout; the LM head is the exception)."""
     if dtype is None or physical:
         return weight.to(dtype or weight.dtype).t().contiguous()  # cast first: a converting transpose is slower

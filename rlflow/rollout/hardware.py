@@ -26,12 +26,13 @@ def native_bf16(device: torch.device) -> bool:
 
 
 def inference_context(model: torch.nn.Module | None = None) -> Any:
-    """``torch.inference_mode()``: no autograd view or version-counter tracking, about a tenth of a small model's
-    decode step on a CPU, where per-operator cost dominates. ``torch.no_grad()`` instead under a gloo process group,
-    whose worker threads do not carry inference mode into the tensors they write (pytorch/pytorch#86830; Lightning's
-    evaluation makes the same exception), and for a ``model`` with FSDP-sharded modules, whose unsharded weights
-    and hooks are left to the mode FSDP2 is tested in. Tensors made inside cannot be saved for a backward pass, so
-    it suits code whose results leave as numbers (the engine's token ids and log-probs)."""
+    """``torch.inference_mode()``: no autograd view or version-counter tracking, which a small model's decode step
+    on a CPU, where per-operator cost dominates, would otherwise pay on every operator. ``torch.no_grad()``
+    instead under a gloo process group, whose worker threads do not carry inference mode into the tensors they
+    write (pytorch/pytorch#86830; Lightning's evaluation makes the same exception), and for a ``model`` with
+    FSDP-sharded modules, whose unsharded weights and hooks are left to the mode FSDP2 is tested in. Tensors made
+    inside cannot be saved for a backward pass, so it suits code whose results leave as numbers (the engine's
+    token ids and log-probs)."""
     from rlflow.training.distributed import fsdp_modules  # here: it imports Lightning's strategies
 
     gloo = dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"

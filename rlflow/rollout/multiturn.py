@@ -46,8 +46,8 @@ Trajectory ``j`` samples from its own counter-based random stream ``(call key, j
 its sampled tokens (:mod:`rlflow.rollout.draws`; on ``hf`` through a logits processor,
 :class:`rlflow.rollout.hf.RowDrawsSampler`), so with a seed its tokens do not depend on when its turns were
 generated or beside whom, whatever the tools' timing (log-probs are equal up to the float rounding of the batch
-composition: at most 5e-7 in float32 in the tests); ``hf`` and the ``engine`` with the same seed sample the same
-trajectories. ``lmdeploy`` samples with the server's own generator, so its rollouts are not reproducible.
+composition); ``hf`` and the ``engine`` with the same seed sample the same trajectories. ``lmdeploy`` samples with
+the server's own generator, so its rollouts are not reproducible.
 
 :meth:`MultiTurn.run_sync` (a backend without ``serve``, e.g. a plugin's) runs turn by turn over the batch: a turn
 is one ``generate`` call over every active trajectory, and it starts when every tool of the turn before has

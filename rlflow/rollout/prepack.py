@@ -2,11 +2,10 @@
 
 Why: a decode step multiplies a few dozen rows by every weight matrix of the model, and a CPU GEMM library
 (MKL for float32, oneDNN for bfloat16 ``mm``) first repacks the weight operand into its blocked layout on every
-call. At these sizes that repacking is a good part of a step: on SmolLM2-135M with 32 rows, one thread, the
-matrix products of a step take ~114 ms in float32 and ~44 ms in bfloat16 with plain ``torch.mm``, ~84 ms and
-~31 ms with weights packed once (``tools/bench_rollout.py`` shows the effect on a whole rollout). This module
-packs a matrix once per :class:`~rlflow.rollout.fused.FusedDecoder` (whose weight copies are made once per set
-of weights anyway) with the kernels torch's own CPU inference paths use:
+call. At these sizes that repacking is a good part of a step's matrix products (``tools/bench_rollout.py``
+shows the effect on a whole rollout). This module packs a matrix once per
+:class:`~rlflow.rollout.fused.FusedDecoder` (whose weight copies are made once per set of weights anyway) with the
+kernels torch's own CPU inference paths use:
 
 * float32: MKL's packed GEMM (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``_mkl_linear``), packed for one
   row count; a product with fewer rows is padded with zero rows to it (row ``i`` of the result does not depend
@@ -18,11 +17,11 @@ of weights anyway) with the kernels torch's own CPU inference paths use:
   usable for any row count, with the residual add as its ``add`` post-op; bit-identical to ``torch.mm`` /
   ``torch.addmm`` with the same weight as a transposed view of a ``[out, in]`` matrix (checked by the same test),
   which is how the decoder holds its 16-bit layer weights. Its 16-bit LM head is a physically transposed copy,
-  whose ``mm`` takes another kernel path and rounds differently at some row counts, so it stays unpacked (it
-  would save ~1.4 of ~9 ms per step on SmolLM2-135M). Only on CPUs with native bf16 (AMX or AVX512-BF16): where
-  bf16 is emulated, ``torch.mm`` takes other kernels at some row counts (1 row; 333 rows on two threads, on a
-  Xeon with AVX-512 but neither) and rounds unlike the packed product in about a quarter of random draws; bf16
-  decoding is 4x slower than float32 there anyway, and ``dtype: auto`` does not choose it.
+  whose ``mm`` takes another kernel path and rounds differently at some row counts, so it stays unpacked (a
+  small part of a step). Only on CPUs with native bf16 (AMX or AVX512-BF16): where bf16 is emulated,
+  ``torch.mm`` takes other kernels at some row counts (1 row; 333 rows on two threads, on a Xeon with AVX-512 but
+  neither) and rounds unlike the packed product for some inputs; bf16 decoding is slower than float32 there
+  anyway, and ``dtype: auto`` does not choose it.
 
 Simplifications: CPU only, and only where torch was built with MKL (float32) or oneDNN (bfloat16); other
 dtypes and devices keep ``torch.mm``. Matrices under :data:`MIN_NUMEL` entries stay unpacked (a small matrix

@@ -1,13 +1,12 @@
 """Start the generator process before the trainer imports Lightning (``rlflow fit`` only).
 
-A pipelined run (``data.pipeline.max_staleness > 0``) generates in a second process (:mod:`rlflow.rollout.process`) that
-imports torch, transformers and rlflow before its first job: ~3 s on 2 idle cores, about as long as the trainer's
-own imports. Started from the data module's ``setup("fit")``, the earliest point that knows the config, that
-start-up shows up as the trainer's wait for step 1's completions. So the ``rlflow`` console script reads
-``data.pipeline.max_staleness`` from the command line before it imports anything heavy and, when it is above 0, starts
-the worker at once (:func:`from_argv`; also for ``data.pipeline.split_rollout: true``, whose on-policy rollouts the
-worker
-shares, :mod:`rlflow.rollout.split`): its imports run beside the trainer's, and
+A pipelined run (``data.pipeline.max_staleness > 0``) generates in a second process (:mod:`rlflow.rollout.process`)
+that imports torch, transformers and rlflow before its first job, which takes about as long as the trainer's own
+imports. Started from the data module's ``setup("fit")``, the earliest point that knows the config, that start-up
+shows up as the trainer's wait for step 1's completions. So the ``rlflow`` console script reads
+``data.pipeline.max_staleness`` from the command line before it imports anything heavy and, when it is above 0,
+starts the worker at once (:func:`from_argv`; also for ``data.pipeline.split_rollout: true``, whose on-policy
+rollouts the worker shares, :mod:`rlflow.rollout.split`): its imports run beside the trainer's, and
 :class:`~rlflow.rollout.process.GeneratorProcess` adopts it (:func:`adopt`) instead of starting another.
 
 This module and :mod:`rlflow.rollout.worker` import only the standard library and PyYAML (the worker imports

@@ -97,7 +97,7 @@ def inverse_cdf(probs: torch.Tensor, uniform: torch.Tensor, buffers: VocabBuffer
 
     A vocabulary over ``4 * CDF_BLOCK`` entries takes two levels: float64 sums of blocks of :data:`CDF_BLOCK`
     entries, their cumulative sum (which block ``u`` falls in), then the cumulative sum of that one block, instead
-    of a sequential float64 scan of the whole vocabulary (~3x less time and memory traffic on a 49k vocabulary).
+    of a sequential float64 scan of the whole vocabulary (less time and memory traffic on a large vocabulary).
     The block sums add in another order than the scan, so a boundary of the CDF moves by float64 rounding
     (~1e-16 relative): the token differs from the whole scan's only when ``u`` lands within that distance of a
     boundary, or for ``uniform`` exactly 0 (``u`` the total, where tokens whose mass is below the total's last
