@@ -1,25 +1,20 @@
-"""Shared fixtures: a tiny random Qwen3 model and tokenizer, and the synthetic arithmetic data, built once."""
+"""Shared fixtures: a tiny random Qwen3 model and tokenizer, and the synthetic arithmetic data, built once.
+
+The tests are laid out as the package is: ``unit/<package>/`` for rlflow's subpackages (``unit/`` itself for its
+top-level modules, ``unit/demo/`` for the demo builders), ``integration/`` for runs of ``rlflow fit`` (in this
+process or another), ``benchmarks/`` for the scripts in ``benchmarks/``, and ``helpers/`` for what they share
+(``tests.helpers``).
+"""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(__file__).resolve().parent / "data"
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-
-
-def load_tool(name: str):
-    """Import ``tools/<name>.py`` as a module."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class ProgressRecorder:
@@ -46,8 +41,10 @@ def progress_recorder() -> ProgressRecorder:
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """A random-init tiny Qwen3 model + char tokenizer (no SFT: fast), and its arithmetic data beside it."""
+    from rlflow.demo.tiny_model import build
+
     root = tmp_path_factory.mktemp("tiny")
-    load_tool("make_tiny_model").build(root / "model", data_dir=root / "data", sft_steps=0, seed=0)
+    build(root / "model", data_dir=root / "data", sft_steps=0, seed=0)
     return root / "model"
 
 
@@ -82,23 +79,3 @@ def one_thread():
     yield
     torch.set_num_threads(threads)
 
-
-def fit_args(tiny_model: Path, tiny_data: Path, root: Path, *extra: str, steps: int = 3) -> list[str]:
-    """Arguments of a small ``rlflow fit`` run on the tiny model, logging CSV under ``root``."""
-    return [
-        "fit",
-        f"--model.model_path={tiny_model}",
-        "--model.lr=1e-3",
-        f"--data.train_data_path={tiny_data / 'train.jsonl'}",
-        "--data.prompt_repeat_k=4",
-        "--data.global_batch_size=4",
-        "--data.max_tokens=12",
-        "--trainer.accelerator=cpu",
-        "--trainer.devices=1",
-        f"--trainer.max_steps={steps}",
-        f"--trainer.default_root_dir={root}",
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
-        f"--trainer.logger.save_dir={root}",
-        "--trainer.enable_progress_bar=false",
-        *extra,
-    ]

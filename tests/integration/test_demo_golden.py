@@ -1,0 +1,46 @@
+"""The CPU demo's first 10 rollout steps log the metrics of a checked-in record
+(``tests/data/demo_first_10_steps.csv``).
+
+The record was written by ``rlflow fit --config configs/demo_cpu.yaml --trainer.max_steps 10`` on the model that
+``tools/make_tiny_model.py`` builds (seed 0): any change to sampling, judging, advantages, packing, the loss or the
+optimizer moves these values, so a refactor that keeps them keeps the behaviour users see.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.paths import DATA, ROOT
+
+RECORD = DATA / "demo_first_10_steps.csv"
+
+
+def read(path: Path) -> list[dict[str, str]]:
+    return [row for row in csv.DictReader(path.open()) if row.get("reward")]
+
+
+@pytest.mark.slow
+def test_demo_config_reproduces_the_recorded_first_10_steps(tmp_path):
+    model, data = tmp_path / "tiny-qwen3", tmp_path / "arith"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--out", str(model),
+                    "--data-out", str(data), "--eval-prompts", "0"], check=True, cwd=ROOT, env=env,
+                   capture_output=True, timeout=600)
+    subprocess.run([sys.executable, "-m", "rlflow", "fit", "--config", "configs/demo_cpu.yaml",
+                    "--trainer.max_steps", "10", "--trainer.enable_progress_bar", "false",
+                    "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--model.export_hf", "false",
+                    "--model.model_path", str(model), "--data.train_data_path", str(data / "train.jsonl"),
+                    "--data.eval_data_path", str(data / "val.jsonl")],
+                   check=True, cwd=ROOT, env=env, capture_output=True, timeout=600)
+    logged = read(next((tmp_path / "runs").glob("demo/version_*/metrics.csv")))
+    recorded = read(RECORD)
+    assert len(logged) == len(recorded) == 10
+    for got, want in zip(logged, recorded):
+        for key, value in want.items():
+            assert float(got[key]) == pytest.approx(float(value), rel=1e-5, abs=1e-7), (want["step"], key)

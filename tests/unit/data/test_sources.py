@@ -1,0 +1,185 @@
+"""Data sources: every on-disk layout read to the same records, source specs, per-source judgers, a mixed datamodule."""
+
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlflow.data.dataset import DataError, read_jsonl
+from rlflow.data.sources import DataSource, iter_records, parse_sources, per_source_means, read_source
+from rlflow.judgers.panel import SourceJudgers
+from tests.helpers.paths import DATA
+
+
+def example_rows(n: int = 12) -> list[dict]:
+    return [json.loads(line) for line in (DATA / "train_example.jsonl").read_text().splitlines()[:n]]
+
+
+def same_records(a, b) -> None:
+    assert [(r.prompt, r.columns) for r in a] == [(r.prompt, r.columns) for r in b]
+
+
+def test_parquet_in_the_hub_layout_reads_like_the_jsonl(tmp_path):
+    rows = example_rows()
+    shard = tmp_path / "main" / "train-00000-of-00001.parquet"
+    shard.parent.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows), shard)
+    expected = read_jsonl(DATA / "train_example.jsonl")[:12]
+    records = read_source(str(shard))
+    same_records(records, expected)
+    assert records[0].columns["ground_truth"] == "72" and records[0].origin == "train-00000-of-00001"
+    assert records[3].source == f"{shard}:row 4"
+    same_records(read_source(str(tmp_path / "main")), expected)  # the directory of shards
+
+
+def test_streaming_and_cached_reads_agree(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf_cache"))
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(example_rows(5)), path)
+    streamed = [r for _, r in iter_records(path, streaming=True)]
+    cached = [r for _, r in iter_records(path, streaming=False)]
+    same_records(streamed, cached)
+    assert (tmp_path / "hf_cache").exists()  # the non-streaming read built the Arrow cache there
+
+
+def test_shards_globs_and_mixed_splits(tmp_path):
+    rows = example_rows(10)
+    folder = tmp_path / "main"
+    folder.mkdir()
+    pq.write_table(pa.Table.from_pylist(rows[:6]), folder / "train-00000-of-00002.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[6:]), folder / "train-00001-of-00002.parquet")
+    (folder / ".cache" / "huggingface").mkdir(parents=True)
+    (folder / ".cache" / "huggingface" / "stale.jsonl").write_text("not data")  # huggingface-cli's own files
+    records = read_source(str(folder))
+    assert [r.columns["extra_info"]["index"] for r in records] == list(range(10))  # shard order, then row order
+    pq.write_table(pa.Table.from_pylist(rows[:2]), folder / "test-00000-of-00001.parquet")
+    with pytest.raises(DataError, match=r"several splits \(test, train\); name one with a glob"):
+        read_source(str(folder))
+    assert len(read_source(str(folder / "train-*.parquet"))) == 10
+    with pytest.raises(DataError, match="no file matches"):
+        read_source(str(folder / "validation-*.parquet"))
+
+
+def test_datasets_save_to_disk_and_json_array(tmp_path):
+    from datasets import Dataset, DatasetDict
+
+    rows = example_rows(4)
+    Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    same_records(read_source(str(tmp_path / "saved")), read_jsonl(DATA / "train_example.jsonl")[:4])
+    splits = DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_list(rows[:1])})
+    splits.save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError,
+                       match=r"DatasetDict with splits (train, test|test, train); point the path at one split"):
+        read_source(str(tmp_path / "dd"))
+    assert len(read_source(str(tmp_path / "dd" / "train"))) == 4
+    array = tmp_path / "rows.json"
+    array.write_text(json.dumps(rows[:2] + [{"prompt": 3}], indent=1))
+    with pytest.raises(DataError, match=rf"{array}:row 3: field 'prompt' must be a string"):
+        read_source(str(array))
+    array.write_text(json.dumps(rows[:2]))
+    assert len(read_source(str(array))) == 2
+
+
+def test_bad_rows_and_paths_name_file_row_and_field(tmp_path):
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.table({"prompt": ["fine", ""], "data_source": ["x", "x"]}), path)
+    with pytest.raises(DataError, match=rf"(?s)1 malformed row\(s\).*{path}:row 2: field 'prompt' is an empty string"):
+        read_source(str(path))
+    raw = tmp_path / "raw" / "main"
+    raw.mkdir(parents=True)
+    pq.write_table(pa.table({"question": ["q"], "answer": ["#### 1"]}), raw / "train-00000-of-00001.parquet")
+    with pytest.raises(DataError, match="raw GSM8K\\? convert it with tools/convert_gsm8k.py"):
+        read_source(str(raw))
+    with pytest.raises(DataError, match="data file not found"):
+        read_source(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "notes.txt").write_text("x")
+    with pytest.raises(DataError, match="no data files .* it holds notes.txt"):
+        read_source(str(tmp_path / "docs"))
+    (tmp_path / "not.parquet").write_text("not parquet at all")
+    with pytest.raises(DataError, match=r"not\.parquet"):
+        read_source(str(tmp_path / "not.parquet"))
+    lines = tmp_path / "d.jsonl"  # jsonl keeps the foundation's file:line:field errors
+    lines.write_text('{"prompt": "ok"}\n{"prompt": [{"role": "user", "content": 1}]}\n')
+    with pytest.raises(DataError, match=rf"{lines}:2: field 'prompt\[0\].content' must be a string"):
+        read_source(str(lines))
+
+
+def test_parse_sources_specs_and_errors():
+    a, b, c = parse_sources(["x/train.jsonl", {"path": "y/train.jsonl", "weight": 3, "max_prompt_length": 64},
+                             {"path": "math.parquet", "name": "math", "judgers": "gsm8k"}])
+    assert (a.name, b.name, c.name) == ("train.0", "train.1", "math")  # same file names told apart
+    assert (b.weight, b.max_prompt_length) == (3, 64)
+    assert c.judger_routes() == {"*": "gsm8k"} and a.judger_routes() is None
+    assert DataSource("p", judgers={"openai/gsm8k": "gsm8k"}).judger_routes() == {"openai/gsm8k": "gsm8k"}
+    assert DataSource("p", judgers={"class_path": "gsm8k"}).judger_routes() == {"*": {"class_path": "gsm8k"}}
+    with pytest.raises(ValueError,
+                       match=r"data.train_data_path\[0\]: unknown key\(s\) wieght; a source takes path, weight"):
+        parse_sources([{"path": "a", "wieght": 2}])
+    with pytest.raises(ValueError, match=r"\[1\].weight must be a positive number"):
+        parse_sources(["a", {"path": "b", "weight": 0}])
+    with pytest.raises(ValueError, match="no '{prompt}' placeholder"):
+        parse_sources({"path": "a", "prompt_template": "Q: {question}"})
+
+
+def always(value):
+    def judge(prompts, completions, completion_ids=None, **columns):
+        return [value] * len(completions)
+
+    judge.__name__ = f"always_{str(value).replace('.', '_')}"
+    return judge
+
+
+def test_each_source_is_judged_by_its_own_judgers():
+    one, half = always(1.0), always(0.5)
+    sources = parse_sources([{"path": "a.jsonl", "name": "a"}, {"path": "b.jsonl", "name": "b", "judgers": half}])
+    judgers = SourceJudgers({"*": one}, {"always_0_5": 2.0}, sources, timeout=None)
+    origins = ["a", "b", "b", "a"]
+    result = judgers.judge(origins, ["p"] * 4, ["c"] * 4, [[1]] * 4, {"data_source": ["s"] * 4})
+    assert result.rewards == [1.0, 1.0, 1.0, 1.0]  # 0.5 weighted by 2 for b's rows
+    assert result.per_judger["always_0_5"] == [None, 0.5, 0.5, None]
+    assert result.metrics["rewards/always_1_0/mean"] == 1.0 and result.metrics["rewards/always_0_5/mean"] == 0.5
+    assert result.metrics["judger/unscored"] == 0.0
+    with pytest.raises(ValueError, match="reward_weights names judger 'nope'"):
+        SourceJudgers({"*": one}, {"nope": 1.0}, sources)
+    clash = parse_sources([{"path": "a", "name": "x", "judgers": one}, {"path": "b", "name": "x", "judgers": half}])
+    clash[0].name = clash[1].name = "x"  # two sources (say train and eval) given one name with different judgers
+    with pytest.raises(ValueError, match="named 'x' with different judgers"):
+        SourceJudgers({"*": one}, None, clash)
+
+
+def test_per_source_means_by_hand():
+    assert per_source_means(["a", "b", "a", None], [1.0, 0.0, 0.0, 5.0]) == {"reward/a": 0.5, "reward/b": 0.0}
+
+
+def test_datamodule_mixes_sources_with_their_own_limits(tiny_model, tmp_path):
+    from rlflow.data.datamodule import RolloutDataModule
+    from rlflow.data.mix import MixBatchSampler
+
+    short = [{"prompt": "1+1=", "data_source": "short", "reward_model": {"ground_truth": "2"}}] * 6
+    long = [
+        {"prompt": "x" * 20 + str(i), "data_source": "long", "reward_model": {"ground_truth": "1"}} for i in range(5)
+    ]
+    long += [{"prompt": "y" * 80, "data_source": "long", "reward_model": {"ground_truth": "1"}}]
+    (tmp_path / "short.jsonl").write_text("".join(json.dumps(r) + "\n" for r in short))
+    pq.write_table(pa.Table.from_pylist(long), tmp_path / "long.parquet")
+    dm = RolloutDataModule(
+        train_data_path=[
+            str(tmp_path / "short.jsonl"),
+            {"path": str(tmp_path / "long.parquet"), "weight": 3, "max_prompt_length": 40},
+        ],
+        tokenizer_path=str(tiny_model), global_batch_size=4, max_prompt_length=8, judgers={"*": "gsm8k"},
+    )
+    dm.setup("fit")
+    assert dm.train_prompts.sizes == {"short": 6, "long": 5}
+    assert dm.train_prompts.dropped_by_source == {"short": 0, "long": 1}
+    assert isinstance(dm.sampler, MixBatchSampler)
+    batch = next(iter(dm.train_dataloader()))
+    assert sorted(r.data_source for r in batch) == ["long", "long", "long", "short"]
+

@@ -1,0 +1,49 @@
+"""The run-watching callbacks of :mod:`rlflow.training.callbacks` not covered elsewhere: :class:`NoSignalWarning`.
+
+What is checked: the warning's streak logic by hand (it fires once when ``patience`` steps in a row had no group with
+differing rewards, re-arms after a step with signal, never fires with patience 0 or without the metric). Through
+``rlflow fit``: ``tests/integration/test_callbacks_fit.py``.
+"""
+
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+
+from rlflow.training.callbacks import NoSignalWarning
+
+
+def run(callback: NoSignalWarning, fractions: list[float | None], caplog) -> list[int]:
+    """Feed one ``frac_reward_zero_std`` per step (None: the metric absent); the steps (1-based) that warned."""
+    warned = []
+    for step, frac in enumerate(fractions, 1):
+        metrics = {} if frac is None else {"frac_reward_zero_std": frac, "reward": 0.0}
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="rlflow"):
+            callback.on_train_batch_end(None, SimpleNamespace(last_metrics=metrics), None, None, step - 1)
+        if any("no learning signal" in r.getMessage() for r in caplog.records):
+            warned.append(step)
+    return warned
+
+
+def test_the_streak_by_hand(caplog):
+    assert run(NoSignalWarning(patience=2), [1.0, 1.0, 1.0, 0.5, 1.0, 1.0, 1.0], caplog) == [2, 6]
+    assert run(NoSignalWarning(patience=3), [1.0, 1.0, 0.75, 1.0, 1.0, None, 1.0], caplog) == [7]  # None: no step
+    assert run(NoSignalWarning(patience=1), [0.0, 1.0, 1.0, 0.25, 1.0], caplog) == [2, 5]
+    assert run(NoSignalWarning(patience=0), [1.0] * 4, caplog) == []
+    with pytest.raises(ValueError, match="no_signal.patience must be >= 0"):
+        NoSignalWarning(patience=-1)
+
+
+def constant_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def text_reward(completions, **kwargs):
+    """A reward that differs between different completions (the tiny model's samples differ)."""
+    texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
+    return [float(sum(map(ord, t)) % 97) for t in texts]
+
