@@ -9,7 +9,7 @@ model, so a plain model is built from its config and state dict and saved (~540 
 
 Simplifications: the package's folder is found with ``importlib.util.find_spec`` (its ``__init__`` imports the
 unrelated ``llm`` CLI, so it is never imported); an existing output directory with a config, weights and a
-tokenizer is kept as is (idempotent)::
+tokenizer is kept as is (idempotent). :func:`write_model` does it; ``tools/get_smollm2.py`` is its command line::
 
     python tools/get_smollm2.py --out checkpoints/smollm2-135m-instruct
 """
@@ -75,7 +75,8 @@ def write_model(out: Path) -> Path:
     if install_readers() and "transformers" in sys.modules:
         # transformers decides once, at import, whether accelerate is available: a process that imported it
         # before accelerate was installed cannot load GGUF files, so a fresh interpreter writes the model
-        result = subprocess.run([sys.executable, __file__, "--out", str(out)], capture_output=True, text=True)
+        result = subprocess.run([sys.executable, "-m", "rlflow.demo.smollm2", "--out", str(out)], capture_output=True,
+                                text=True)
         if result.returncode != 0 or not is_done(out):
             tail = "\n".join((result.stderr or result.stdout).strip().splitlines()[-5:])
             if "get_smollm2:" in result.stderr:  # the child's SmolLM2Unavailable

@@ -2,7 +2,7 @@
 
 What it does
 ------------
-1. The character tokenizer of ``tools/make_tiny_model.py`` with a small chat template that lists the tools' names
+1. The character tokenizer of :mod:`rlflow.demo.tiny_model` with a small chat template that lists the tools' names
    in a system line (``Tools: calculator``; the full JSON schemas would triple the prompt of a 0.4M-parameter model
    that cannot read them anyway) and renders tool results as ``tool`` turns.
 2. A tiny randomly initialised Qwen3 (the demo's size), warm-started by SFT on 3-digit multiplication
@@ -24,32 +24,29 @@ What it does
 Simplifications: operands are 100-999 and the prompt has a fixed layout, so copying numbers is positional; the SFT
 has no validation split or early stopping; everything runs on the CPU.
 
-Usage::
+:func:`build` does all of it; ``tools/make_tiny_tool_model.py`` is its command line::
 
     python tools/make_tiny_tool_model.py --out checkpoints/tiny-tool-qwen3 --data-out checkpoints/mult
 
-The demo's model was built in three runs, one per phase (``--phases 400:0.3:0.005``, then ``--init`` of that with
-``--seed 1 --phases 300:0.8:0.003``, then ``--seed 2 --phases 40:0.35:0.001``), which is what the default
-``--phases`` does in one run: the one-run build gives bit-identical weights, in 46 s of SFT on 2 idle cores (the
-phased runs took 20, 9 and 1 minutes under a load of ~10). The printed warm-start figures are one sample of 64
-problems (0.48 tool calls with this seed); the demo's first step measures 0.34 over 128 trajectories.
+The default ``--phases`` runs the three phases above in one go. ``--init`` continues the SFT of an earlier build
+instead of starting from a fresh model, so the same phases can also be run one at a time (``--phases
+400:0.3:0.005``, then ``--init`` of that with ``--seed 1 --phases 300:0.8:0.003``, then ``--seed 2 --phases
+40:0.35:0.001``) with the same weights as the one-run build. The printed warm-start figures are one sample of 64
+problems.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_tiny_model import IM_END, build_model, build_tokenizer, has_model, train_sft, write_jsonl  # noqa: E402
-
-from rlflow.rollout.multiturn import MultiTurn  # noqa: E402
-from rlflow.tools.base import load_tools  # noqa: E402
+from rlflow.demo.tiny_model import IM_END, build_model, build_tokenizer, has_model, train_sft, write_jsonl
+from rlflow.rollout.multiturn import MultiTurn
+from rlflow.tools.base import load_tools
 
 TOOL_TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\nTools: ' + (tools | map(attribute='function') | map(attribute='name')"
@@ -114,7 +111,7 @@ class Encoder:
 
 def sft(model, encoder: Encoder, steps: int, seed: int, tool_fraction: float, batch_size: int = 16,
         lr: float = 5e-3) -> list[float]:
-    """:func:`make_tiny_model.train_sft` on multiplication problems; every batch holds exactly
+    """:func:`rlflow.demo.tiny_model.train_sft` on multiplication problems; every batch holds exactly
     ``round(tool_fraction * batch_size)`` tool examples."""
     rng = random.Random(seed + 1)
     n_tool = round(tool_fraction * batch_size)

@@ -1,4 +1,4 @@
-"""Build a tiny, locally trained Qwen3 checkpoint (and a matching data set) for rlflow demos/tests.
+"""A tiny, locally trained Qwen3 checkpoint (and a matching data set) for rlflow's demos and tests.
 
 What it does
 ------------
@@ -24,7 +24,7 @@ operands (200 facts, negative results included); SFT, RL and evaluation share th
 GRPO fixing the format and sharpening uncertain answers, not generalisation); the reward printed here is a tiny
 inline copy of the strict GSM8K judger; there is no validation-based early stopping; everything runs on CPU.
 
-Usage::
+:func:`build` does all of it; ``tools/make_tiny_model.py`` is its command line::
 
     python tools/make_tiny_model.py --out checkpoints/tiny-qwen3 [--data-out data/arith] \
         [--sft-steps N] [--seed 0] [--force]

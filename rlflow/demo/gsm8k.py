@@ -17,7 +17,7 @@ The bytes match the published example rows: compact separators, ASCII-only escap
 ``train.jsonl``/``test.jsonl``, or the same under ``main/``) is read too. Simplification: only the fields above
 are written; nothing is filtered, deduplicated or re-split.
 
-Usage::
+:func:`convert` does it; ``tools/convert_gsm8k.py`` is its command line::
 
     python tools/convert_gsm8k.py --input-dir ./gsm8k_data --out-dir ./gsm8k
 """

@@ -2,10 +2,11 @@ r"""Build a randomly initialised model with a real model's shape, for benchmarks
 
 Why: speed at real scale depends on the shapes (layers, widths, heads, vocabulary), not on the weights, and a
 machine without the hub (the lent GPU machines, CI) cannot fetch them. Random weights sample nearly uniformly over
-the vocabulary, so completions run to ``max_tokens``: a steady decode load::
+the vocabulary, so completions run to ``max_tokens``: a steady decode load. :func:`build` writes one;
+``tools/make_shape_model.py`` is its command line::
 
     python tools/make_shape_model.py --shape qwen3-0.6b --tokenizer checkpoints/tiny-qwen3 --out /tmp/qwen3-0.6b
-    python tools/bench_rollout.py --model /tmp/qwen3-0.6b --device cuda --dtype both --max-tokens 256
+    python benchmarks/bench_rollout.py --model /tmp/qwen3-0.6b --device cuda --dtype both --max-tokens 256
 
 The tokenizer is copied from ``--tokenizer`` (any tokenizer whose ids fit the vocabulary; the tiny model's
 character tokenizer keeps prompts at GSM8K-like lengths). ``--layers`` cuts the depth (quick CPU checks of the
