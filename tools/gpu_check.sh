@@ -40,7 +40,7 @@ if compgen -G ".whl/*.whl" >/dev/null && "$PY" -c 'import sys; sys.exit(sys.vers
   # the packages the image lacks (tools/gpu_wheels.sh; built for the image's Python 3.12)
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
 fi
-export PYTHONPATH="$SITE:$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ! "$PY" -c "import transformers" 2>/dev/null; then
   echo "the carried transformers does not import here; using the image's own"
   rm -rf "$SITE"/transformers "$SITE"/transformers-*
@@ -58,8 +58,8 @@ print("rollout backends:", ", ".join(sorted(registry.available("rlflow.rollout")
 EOF
 
 step "gpu-marked tests"
-run "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/test_gpu.py tests/test_reward_model.py \
-  tests/test_lmdeploy_rollout.py
+run "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/integration/test_gpu.py \
+  tests/unit/judgers/test_reward_model.py tests/unit/rollout/test_lmdeploy_rollout.py
 
 step "models: the tiny demo model, and a random-init model of Qwen3-0.6B's shape"
 if [ ! -f checkpoints/tiny-qwen3/config.json ]; then
@@ -69,20 +69,20 @@ SHAPE=/tmp/qwen3-0.6b-shape
 run "$PY" tools/make_shape_model.py --shape qwen3-0.6b --out "$SHAPE" ${SHAPE_LAYERS:+--layers "$SHAPE_LAYERS"}
 
 step "rollout: engine vs model.generate, tiny model, float32 and bf16"
-run "$PY" tools/bench_rollout.py --device "$DEVICE" --dtype both --model checkpoints/tiny-qwen3 \
+run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype both --model checkpoints/tiny-qwen3 \
   --prompts "$PROMPTS" --n 8 --max-tokens 32 --repeats 3 --rollouts 3 --full-warmup
 
 step "rollout: engine vs model.generate, Qwen3-0.6B shape, float32 and bf16"
-run "$PY" tools/bench_rollout.py --device "$DEVICE" --dtype both --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
+run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype both --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
   --max-tokens "$TOKENS" --repeats 3 --rollouts 1 --full-warmup
 
 step "the engine's RMS norms in bf16: F.rms_norm (norm: torch, the default on a GPU) against the model's formula"
-run "$PY" tools/bench_norm.py --device "$DEVICE" --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
+run "$PY" benchmarks/bench_norm.py --device "$DEVICE" --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
   --max-tokens "$TOKENS" --repeats 3
 
 if [ -z "${SKIP_FLOPS:-}" ]; then
 step "achieved FLOP/s against the matmul peak, Qwen3-0.6B shape, bf16"
-run "$PY" tools/bench_flops.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --seqs "$PROMPTS" \
+run "$PY" benchmarks/bench_flops.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --seqs "$PROMPTS" \
   --prompts "$PROMPTS" --n 8 --completion "$TOKENS" --repeats 2
 fi
 
@@ -109,7 +109,7 @@ fit demo_pipelined "$STEPS" --data.max_staleness=1 --data.generator_threads=4
 step "rlflow fit: Qwen3-0.6B shape under FSDP2 with gradient checkpointing, $FIT_TOKENS new tokens, a dense reward"
 fit shape_fsdp2 "$SHAPE_STEPS" --model.model_path="$SHAPE" --trainer.strategy=fsdp2_bf16 \
   --trainer.precision=32-true --model.gradient_checkpointing=true --data.max_tokens="$FIT_TOKENS" --data.eval_data_path=null --model.lr=1e-6 \
-  '--data.judgers={"*": "test_gpu:even_id_share"}'
+  '--data.judgers={"*": "tests.integration.test_gpu:even_id_share"}'
 
 step "done"
 if [ ${#failed[@]} -gt 0 ]; then

@@ -206,19 +206,3 @@ class HFRollout(CallKeys, RolloutBackend):
         logprobs = torch.stack(steps, dim=1) if steps else new.new_zeros((new.shape[0], 0), dtype=torch.float)
         return [trim_at_stop(row, lp, stop_ids, limit)
                 for row, lp, limit in zip(new.tolist(), logprobs.tolist(), limits)]
-
-
-class PlainGenerateRollout(HFRollout):
-    """``model.generate`` with transformers' own sampler (``do_sample`` with its temperature/top-k/top-p warpers,
-    torch's global generator): the benchmarks' anchor (``tools/bench_rollout.py``, ``tools/bench_flops.py``), what a
-    user of ``generate`` gets. Not a registered backend: its samples depend on the batch composition."""
-
-    def sampling_processors(self, params: SamplingParams, rows: list[tuple[DecodeRequest, int]],
-                            config: GenerationConfig) -> LogitsProcessorList:
-        if not params.greedy:
-            config.do_sample = True
-            config.temperature, config.top_p, config.top_k = params.temperature, params.top_p, params.top_k
-            config.min_p = params.min_p or None
-        if params.repetition_penalty != 1.0:  # transformers' own processor (it also counts the left padding)
-            config.repetition_penalty = params.repetition_penalty
-        return LogitsProcessorList()

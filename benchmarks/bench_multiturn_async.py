@@ -13,7 +13,7 @@ line counts them) and the time difference is the scheduling alone. Medians of ``
 
 Usage::
 
-    python tools/bench_multiturn_async.py --model checkpoints/tiny-tool-qwen3 --data checkpoints/mult/train.jsonl
+    python benchmarks/bench_multiturn_async.py --model checkpoints/tiny-tool-qwen3 --data checkpoints/mult/train.jsonl
 """
 
 from __future__ import annotations
@@ -23,11 +23,16 @@ import functools
 import math
 import random
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 import torch
-from bench_multiturn_cache import tool_prompts, trajectory_stats  # tools/ is on sys.path when run as a script
+
+if not __package__:  # run as ``python benchmarks/<name>.py``: the repository root, for ``benchmarks.`` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_multiturn_cache import tool_prompts, trajectory_stats  # noqa: E402
 
 
 class TurnBarrier:

@@ -12,7 +12,7 @@ to the machine's speed drifting between repeats) and on its last line the ratio 
 over 0) with the load before and after. Runs are deterministic for a seed, so repeats only
 re-measure time; ``--seeds`` measures the reward-gain noise.
 
-    python tools/bench_pipeline.py --config configs/demo_cpu.yaml --steps 50 --repeats 2 --seeds 0 1 2
+    python benchmarks/bench_pipeline.py --config configs/demo_cpu.yaml --steps 50 --repeats 2 --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -70,9 +70,10 @@ def run(config: str, setting: list[str], seed: int, steps: int, out: Path, extra
             "--model.export_hf=false", "--summary.enabled=false",
             "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={out}",
             "--trainer.logger.init_args.name=run",
-            f'--trainer.callbacks+={{"class_path": "bench_pipeline.WallClock", "init_args": {{"path": "{clock}"}}}}',
+            f'--trainer.callbacks+={{"class_path": "benchmarks.bench_pipeline.WallClock", '
+            f'"init_args": {{"path": "{clock}"}}}}',
             *extra]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tools"), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"rlflow fit failed ({' '.join(setting)}):\n{proc.stderr[-3000:]}")

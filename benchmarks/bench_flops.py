@@ -3,7 +3,7 @@ r"""Benchmark: achieved FLOP/s of GRPO training and of decoding, against the mac
 The physical limit of a dense decoder on a CPU is its matrix-multiply throughput, so each phase is reported as
 achieved FLOP/s and as a share of that peak, all measured in one run::
 
-    python tools/bench_flops.py --model checkpoints/smollm2-135m-instruct --data tests/data/train_example.jsonl \
+    python benchmarks/bench_flops.py --model checkpoints/smollm2-135m-instruct --data tests/data/train_example.jsonl \
         --threads 1 --dtype bfloat16
     ...
     flops (bfloat16): peak 1185.4 GFLOP/s (2048^3 bfloat16 matmul, 1 threads; float32 192.3, bfloat16 1185.4);
@@ -42,11 +42,15 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
-from bench_rollout import add_model_args, load_prompts
+
+if not __package__:  # run as ``python benchmarks/<name>.py``: the repository root, for ``benchmarks.`` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_rollout import add_model_args, load_prompts  # noqa: E402
 
 
 def linear_weights(model: torch.nn.Module) -> int:
@@ -131,9 +135,9 @@ def main(argv=None) -> dict:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from benchmarks.plain_generate import PlainGenerateRollout
     from rlflow.rollout.base import SamplingParams
     from rlflow.rollout.engine import EngineRollout
-    from rlflow.rollout.hf import PlainGenerateRollout
     from rlflow.training.logprobs import completion_logprobs
 
     if args.threads:

@@ -1,11 +1,12 @@
 r"""Benchmark: completion tokens/s of the ``engine`` rollout backend against plain ``model.generate``
-(transformers' own sampler: :class:`~rlflow.rollout.hf.PlainGenerateRollout`, not the ``hf`` backend's per-row draws).
+(transformers' own sampler: :class:`~benchmarks.plain_generate.PlainGenerateRollout`, not the ``hf`` backend's
+per-row draws).
 
 Both backends sample the same prompts with the same settings from the same model, alternately (hf, engine, hf,
 engine, ...) so that load from other processes hits both alike; the medians over ``--repeats`` runs are
 reported, and the last line (one line, wrapped here) is the ratio::
 
-    python tools/bench_rollout.py --model checkpoints/tiny-qwen3 --data checkpoints/arith/train.jsonl \
+    python benchmarks/bench_rollout.py --model checkpoints/tiny-qwen3 --data checkpoints/arith/train.jsonl \
         --threads 2 --repeats 9
     ...
     rollout engine/hf speedup: 4.30x (engine 54656.3 tok/s, hf 12717.7 tok/s, median of 9 runs x 3 rollouts;
@@ -30,10 +31,14 @@ import argparse
 import copy
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+if not __package__:  # run as ``python benchmarks/<name>.py``: the repository root, for ``benchmarks.`` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def load_prompts(path: str, tokenizer, count: int) -> list[list[int]]:
@@ -97,9 +102,9 @@ def main(argv=None) -> dict:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from benchmarks.plain_generate import PlainGenerateRollout
     from rlflow.rollout.base import SamplingParams
     from rlflow.rollout.engine import EngineRollout
-    from rlflow.rollout.hf import PlainGenerateRollout
 
     if args.threads:
         torch.set_num_threads(args.threads)

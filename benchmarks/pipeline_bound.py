@@ -3,9 +3,9 @@ r"""Predict, from on-policy phase timings, how much faster ``data.max_staleness:
 On a CPU the one-step pipeline (docs/pipelining.md) runs the trainer on one thread and the generator process on
 ``data.generator_threads`` (1), and with ``data.lend_cores`` holds the generator while the backward pass runs on
 all the trainer's threads. Whether that beats the on-policy loop depends on how each phase scales with threads,
-which this tool measures with ``tools/profile_step.py`` (each profile a process of its own)::
+which this tool measures with ``benchmarks/profile_step.py`` (each profile a process of its own)::
 
-    python tools/pipeline_bound.py --config configs/demo_cpu.yaml --steps 24 [--measure]
+    python benchmarks/pipeline_bound.py --config configs/demo_cpu.yaml --steps 24 [--measure]
 
 1. on one thread, on-policy, without ``data.split_rollout``: ``G`` = a rollout's generation and judging on one
    thread (what the generator process does), ``F1``/``B1`` = the training forward/backward on one thread, ``R`` =
@@ -72,7 +72,7 @@ def bounds(one: dict[str, float], many: dict[str, float]) -> dict[str, float]:
 def profile(config: str, steps: int, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "profile.json"
-        cmd = [sys.executable, str(ROOT / "tools" / "profile_step.py"), "--config", config, "--steps", str(steps),
+        cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--config", config, "--steps", str(steps),
                "--json", str(out), *extra]
         print("$", " ".join(cmd[1:]), flush=True)
         run = subprocess.run(cmd, capture_output=True, text=True)

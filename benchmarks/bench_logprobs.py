@@ -11,8 +11,8 @@ small CPU box can spare: when its estimated footprint exceeds ``--max-gb`` the n
 largest halving of ``--tokens`` that fits and scaled linearly (every naive tensor is ``tokens x vocab``); the
 output marks such figures ``extrapolated``. The chunked variant is always measured at full size.
 
-    python tools/bench_logprobs.py                      # vocab 151,936, 8,192 tokens, both modes
-    python tools/bench_logprobs.py --device cuda --hidden 1024
+    python benchmarks/bench_logprobs.py                      # vocab 151,936, 8,192 tokens, both modes
+    python benchmarks/bench_logprobs.py --device cuda --hidden 1024
 """
 
 from __future__ import annotations

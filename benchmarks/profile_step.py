@@ -1,11 +1,11 @@
 r"""Profile: where one ``rlflow fit`` step's milliseconds go, phase by phase (and, optionally, operator by operator).
 
 Runs ``rlflow fit`` in this process with a config as shipped (only paths, step count, logging, checkpointing and
-evaluation overridden, as ``tools/bench_step.py --config`` does), times the phases of every step after
+evaluation overridden, as ``benchmarks/bench_step.py --config`` does), times the phases of every step after
 ``--warmup`` with ``perf_counter`` (wall) and ``process_time`` (CPU of all threads, less disturbed by other
 processes on a shared machine), and prints their medians::
 
-    OMP_NUM_THREADS=1 python tools/profile_step.py --config configs/demo_cpu.yaml --steps 12 --threads 1
+    OMP_NUM_THREADS=1 python benchmarks/profile_step.py --config configs/demo_cpu.yaml --steps 12 --threads 1
     ...
     phase                                         wall ms   cpu ms  share of step
     rollout: generate + judge (make_experience)      70.1     69.5    31%

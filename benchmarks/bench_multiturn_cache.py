@@ -11,7 +11,7 @@ the median of ``--repeats`` interleaved runs, and the prefilled-token counts sho
 
 Usage::
 
-    python tools/bench_multiturn_cache.py --model checkpoints/tiny-tool-qwen3 --data checkpoints/mult/train.jsonl
+    python benchmarks/bench_multiturn_cache.py --model checkpoints/tiny-tool-qwen3 --data checkpoints/mult/train.jsonl
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ as loaded, not as the step's. A thread samples the process's resident memory (Vm
 after loading, the peak during the step and their difference (what the step itself needs: activations, gradients,
 optimizer state), plus the trainable parameter count. The last line is the LoRA/full ratio of the step's memory.
 
-    python tools/lora_memory.py --model checkpoints/tiny-qwen3
-    python tools/lora_memory.py --model checkpoints/smollm2-135m-instruct --seqs 4 --completion 32
+    python benchmarks/lora_memory.py --model checkpoints/tiny-qwen3
+    python benchmarks/lora_memory.py --model checkpoints/smollm2-135m-instruct --seqs 4 --completion 32
 
 Simplifications: CPU resident memory, not a GPU allocator's; the step is one micro-batch, not a whole rollout.
 """

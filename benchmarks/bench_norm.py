@@ -6,7 +6,7 @@ Both engines decode the same prompts in bf16 (copies of the float32 weights), al
 after one warm-up each; the ratio is the median of the paired times. The log-prob gaps are over the first two
 completions of each prompt of the last run, teacher-forced through the model (float32, and cast to bf16)::
 
-    python tools/bench_norm.py --model /tmp/qwen3-0.6b-shape --device cuda --max-tokens 128 --repeats 3
+    python benchmarks/bench_norm.py --model /tmp/qwen3-0.6b-shape --device cuda --max-tokens 128 --repeats 3
     ... bf16 norm=torch: median 2394.8 ms, time/model paired 0.687; |engine - bf16 forward| mean 0.0074 ...
 
 On a CPU ``F.rms_norm`` is a composite of the same operators (no gain; ``auto`` keeps the model's formula there).
@@ -18,10 +18,15 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
-from bench_rollout import add_model_args, load_prompts
+
+if not __package__:  # run as ``python benchmarks/<name>.py``: the repository root, for ``benchmarks.`` imports
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_rollout import add_model_args, load_prompts  # noqa: E402
 
 
 @torch.no_grad()
