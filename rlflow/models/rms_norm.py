@@ -4,17 +4,17 @@ Why: transformers' ``LlamaRMSNorm``/``Qwen3RMSNorm`` is ``weight * (x * rsqrt(me
 whose backward autograd runs operator by operator: about eleven passes over ``[tokens, hidden]`` tensors (the
 ``pow``, ``mean`` and the two products each differentiated apart, their gradients summed). A decoder has two per
 layer, plus Qwen3's q/k norms and the final one, and at small model sizes those passes are a visible share of a
-training step on a CPU (the demo: forward + backward 116.6 -> 111.2 ms, paired medians). With ``n = x * r``,
+training step on a CPU. With ``n = x * r``,
 ``r = rsqrt(mean(x^2) + eps)`` and ``gn = grad * weight``, the gradient is
 
     dL/dx = r * (gn - n * mean(gn * n))        dL/dweight = sum over tokens of grad * n
 
 which :class:`RMSNormFunction` computes in seven passes, saving ``n`` and ``r`` from the forward. The forward is
 the model's own operators in the model's order, so outputs are bit-identical; gradients agree with autograd's to
-float32 rounding (``tests/test_rms_norm.py`` checks both, and the gradient against a float64 recomputation).
+float32 rounding (the tests check both, and the gradient against a float64 recomputation).
 
-:func:`use_fast_rms_norm` puts it on a model's RMSNorm modules (``model.fast_rms_norm``, on by default), as an
-instance ``forward``: no transformers class or function is patched, so other models in the process keep theirs.
+:func:`use_fast_rms_norm` puts it on a model's RMSNorm modules (``model.policy.fast_rms_norm``, on by default), as
+an instance ``forward``: no transformers class or function is patched, so other models in the process keep theirs.
 
 Simplifications: float32 inputs and weights with gradients enabled only (the forward of any other call, bf16
 under FSDP's mixed precision or a no-grad pass, is the module's own); RMSNorm modules are recognised by a class

@@ -1,9 +1,9 @@
 """The optimizer, the learning-rate schedule, and a check that optimizer steps actually change the weights.
 
-``model.optimizer`` picks the AdamW implementation:
+``model.optim.optimizer`` picks the AdamW implementation:
 
 - ``adamw``: ``torch.optim.AdamW``, its fused kernel where the parameters allow (:func:`fused_supported`). Right
-  for float32 parameters (``model.dtype: float32``, with
+  for float32 parameters (``model.policy.dtype: float32``, with
   ``trainer.precision: bf16-mixed`` or an FSDP2 ``param_dtype: bfloat16`` for bf16 compute). On bfloat16
   parameters it loses small updates: bf16 keeps 8 significant bits, so a weight of 1e-2 moves only in steps of
   about 6e-5, and an update of lr 1e-6 is rounded away.

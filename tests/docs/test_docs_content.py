@@ -1,0 +1,63 @@
+"""README.md and the guide as a user reads them: the README is a short front door, every page it links to
+exists, and no page narrates how the work went."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+USER_DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+# words that narrate work instead of describing the software ("turn" only where it is a unit of work: the
+# model's turns of a multi-turn rollout are a feature)
+HISTORY = re.compile(
+    r"\bsessions?\b|\b(?:this|last|previous|an? (?:earlier|later)|the (?:first|second|third|next)) round\b"
+    r"|\b(?:a later|an earlier|a slower|a faster|slower|faster) day\b|\bwe (?:tried|measured|added|changed)\b"
+    r"|\b(?:this|that|previous|earlier) turn\b(?! of)",
+    re.I)
+NOT_HISTORY = re.compile(r"requests\.Session|aiohttp|ClientSession|http session", re.I)
+
+
+def test_readme_is_at_most_15_kb():
+    size = (ROOT / "README.md").stat().st_size
+    assert size <= 15 * 1024, f"README.md is {size} bytes; details belong in the guide under docs/"
+
+
+def test_no_page_narrates_history():
+    found = []
+    for path in USER_DOCS:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if HISTORY.search(line) and not NOT_HISTORY.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()[:120]}")
+    assert not found, "history words in user docs:\n" + "\n".join(found)
+
+
+def test_the_history_check_catches_narration():
+    for text in ("in the tenth session the step got faster", "this round's figures", "measured on a slower day",
+                 "we tried two threads", "as a later round found"):
+        assert HISTORY.search(text), text
+    for text in ("the model's next turn", "max_rounds rounds in all", "session_len of the engine",
+                 "later turns decode side by side"):
+        assert not HISTORY.search(text), text
+
+
+def test_readme_links_resolve():
+    text = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [t for t in targets if not re.match(r"[a-z]+://", t)]
+    assert local and all((ROOT / t).exists() for t in local), [t for t in local if not (ROOT / t).exists()]
+
+
+def test_readme_keeps_the_quick_start_commands():
+    text = (ROOT / "README.md").read_text()
+    assert "bash tools/demo.sh" in text and "bash tools/test.sh" in text
+    assert "bash tools/test.sh" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_every_file_the_docs_name_exists():
+    """A script, config or module named in README.md, CHANGELOG.md or the guide is where the text says."""
+    named = re.compile(r"\b(?:tools|benchmarks|configs|plugins|tests|rlflow)/[\w./-]*\.(?:py|sh|yaml|jsonl|md|toml)\b")
+    missing = sorted({f"{path.relative_to(ROOT)}: {name}" for path in USER_DOCS
+                      for name in named.findall(path.read_text()) if not (ROOT / name).exists()})
+    assert not missing, missing
