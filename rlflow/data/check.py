@@ -111,6 +111,27 @@ def probe_judgers(report: SourceReport, runner: Any, probes: dict[str, list[Prom
             )
 
 
+def judgeable(report: SourceReport, runner: Any, where: str, item: PromptRecord) -> list[str] | None:
+    """The judgers ``item`` is routed to, or None (counted and reported) when none can judge it: no route for its
+    ``data_source``, or a column a judger requires is missing."""
+    try:
+        names = runner.route(item.data_source)
+    except KeyError as exc:
+        report.unjudgeable += 1
+        report.error(f"{where}: {exc.args[0] if exc.args else exc}")
+        return None
+    missing = [
+        f"judger {name!r} needs column {col!r}" for name in names
+        for col in getattr(runner.judgers[name], "required_columns", ()) if item.columns.get(col) is None
+    ]
+    if missing:
+        report.unjudgeable += 1
+        report.error(f"{where}: {'; '.join(missing)}, which the row lacks (XTuner rows carry "
+                     "reward_model.ground_truth)")
+        return None
+    return names
+
+
 def check_source(dm: Any, source: DataSource, split: str, tokenizer: Any) -> SourceReport:
     """Read, route, render and tokenize every row of ``source`` the way ``dm`` would for training."""
     prompts = dm.train_prompts if split == "train" else dm.eval_prompts
@@ -145,21 +166,8 @@ def check_source(dm: Any, source: DataSource, split: str, tokenizer: Any) -> Sou
                 report.malformed += 1
                 report.error(str(item))
                 continue
-            try:
-                names = runner.route(item.data_source)
-            except KeyError as exc:
-                report.unjudgeable += 1
-                report.error(f"{where}: {exc.args[0] if exc.args else exc}")
-                continue
-            missing = [
-                f"judger {name!r} needs column {col!r}" for name in names
-                for col in getattr(runner.judgers[name], "required_columns", ()) if item.columns.get(col) is None
-            ]
-            if missing:
-                report.unjudgeable += 1
-                report.error(
-                    f"{where}: {'; '.join(missing)}, which the row lacks (XTuner rows carry reward_model.ground_truth)"
-                )
+            names = judgeable(report, runner, where, item)
+            if names is None:
                 continue
             for name in names:
                 if len(probes.setdefault(name, [])) < PROBE_ROWS:
