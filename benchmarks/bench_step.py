@@ -59,11 +59,11 @@ def rlflow_settings(args) -> list[str]:
     if args.config:
         return ["--config", args.config]
     return [
-        f"--model.lr={args.lr}", f"--model.warmup_steps={args.warmup_steps}", f"--model.loss={args.loss}",
-        f"--model.epsilon_low={args.epsilon}", f"--model.epsilon_high={args.epsilon_high}",
-        f"--model.kl_coef={args.kl_coef}", f"--model.micro_batch_size={args.micro_batch}",
+        f"--model.optim.lr={args.lr}", f"--model.optim.warmup_steps={args.warmup_steps}", f"--model.loss={args.loss}",
+        f"--model.loss.epsilon_low={args.epsilon}", f"--model.loss.epsilon_high={args.epsilon_high}",
+        f"--model.loss.kl_coef={args.kl_coef}", f"--model.update.micro_batch_size={args.micro_batch}",
         f"--data.prompt_repeat_k={args.group}", f"--data.global_batch_size={args.prompts}",
-        f"--data.max_tokens={args.max_tokens}", f"--data.temperature={args.temperature}",
+        f"--data.sampling.max_tokens={args.max_tokens}", f"--data.sampling.temperature={args.temperature}",
     ]
 
 
@@ -255,13 +255,13 @@ def main(argv=None) -> None:
     ap.add_argument("--loss", default="bnpo", help="rlflow loss / TRL loss_type (bnpo, grpo, dr_grpo, dapo)")
     ap.add_argument("--epsilon", type=float, default=0.2)
     ap.add_argument("--epsilon-high", type=float, default=0.2)
-    ap.add_argument("--kl-coef", type=float, default=0.0, help="rlflow model.kl_coef / TRL beta")
+    ap.add_argument("--kl-coef", type=float, default=0.0, help="rlflow model.loss.init_args.kl_coef / TRL beta")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--config", default=None, help="rlflow config to run as shipped (e.g. configs/demo_cpu.yaml); "
                     "TRL mirrors its settings")
     ap.add_argument("--rlflow-args", default=None,
                     help="extra rlflow fit flags (default without --config: "
-                    "'--data.rollout=engine --model.packing=true')")
+                    "'--data.rollout=engine --model.update.packing=true')")
     ap.add_argument("--bf16", action="store_true",
                     help="bf16 compute on both sides (TRL bf16=True; rlflow bf16-mixed + bf16 engine decoding)")
     ap.add_argument("--only", choices=["rlflow", "trl"], default=None, help="run one framework and print its figures")
@@ -272,7 +272,7 @@ def main(argv=None) -> None:
         ap.set_defaults(**config_settings(args.config))
         args, _ = ap.parse_known_args(argv)
     if args.rlflow_args is None:
-        args.rlflow_args = "" if args.config else "--data.rollout=engine --model.packing=true"
+        args.rlflow_args = "" if args.config else "--data.rollout=engine --model.update.packing=true"
     if args.bf16:
         engine = "" if "--data.rollout" in args.rlflow_args else "--data.rollout=engine "
         args.rlflow_args += f" --trainer.precision=bf16-mixed {engine}--data.rollout.init_args.dtype=bfloat16"

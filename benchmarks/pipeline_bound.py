@@ -1,17 +1,19 @@
-r"""Predict, from on-policy phase timings, how much faster ``data.max_staleness: 1`` can make a step on this CPU.
+r"""Predict, from on-policy phase timings, how much faster ``data.pipeline.max_staleness: 1`` can make a step on this
+CPU.
 
 On a CPU the one-step pipeline (docs/pipelining.md) runs the trainer on one thread and the generator process on
-``data.generator_threads`` (1), and with ``data.lend_cores`` holds the generator while the backward pass runs on
+``data.pipeline.generator_threads`` (1), and with ``data.pipeline.lend_cores`` holds the generator while the backward
+pass runs on
 all the trainer's threads. Whether that beats the on-policy loop depends on how each phase scales with threads,
 which this tool measures with ``benchmarks/profile_step.py`` (each profile a process of its own)::
 
     python benchmarks/pipeline_bound.py --config configs/demo_cpu.yaml --steps 24 [--measure]
 
-1. on one thread, on-policy, without ``data.split_rollout``: ``G`` = a rollout's generation and judging on one
+1. on one thread, on-policy, without ``data.pipeline.split_rollout``: ``G`` = a rollout's generation and judging on one
    thread (what the generator process does), ``F1``/``B1`` = the training forward/backward on one thread, ``R`` =
    the rest of the trainer's step on one thread (the forward included: whole step - G - B1);
 2. on the config's threads, on-policy, as shipped: ``F2``/``B2``, and the on-policy step it is compared with;
-3. ``--measure``: the pipelined run itself (``--data.max_staleness=1``), to set the prediction against.
+3. ``--measure``: the pipelined run itself (``--data.pipeline.max_staleness=1``), to set the prediction against.
 
 A pipelined step is bounded below by the busier of its two processes. The three figures printed:
 
@@ -23,7 +25,7 @@ A pipelined step is bounded below by the busier of its two processes. The three 
 Simplifications: the pipelined trainer's own extra work (collecting a job, pushing the weights, the staleness and
 importance-ratio metrics) is left out, as is judging's move from G to the trainer, so these are lower bounds on
 the pipelined step and upper bounds on its gain; a whole run adds start-up, evaluations and checkpoints to both.
-``G`` is measured on one thread: the bound is for ``data.generator_threads: 1``, the CPU default.
+``G`` is measured on one thread: the bound is for ``data.pipeline.generator_threads: 1``, the CPU default.
 """
 
 from __future__ import annotations
@@ -72,8 +74,17 @@ def bounds(one: dict[str, float], many: dict[str, float]) -> dict[str, float]:
 def profile(config: str, steps: int, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "profile.json"
-        cmd = [sys.executable, str(ROOT / "benchmarks" / "profile_step.py"), "--config", config, "--steps", str(steps),
-               "--json", str(out), *extra]
+        cmd = [
+            sys.executable,
+            str(ROOT / "benchmarks" / "profile_step.py"),
+            "--config",
+            config,
+            "--steps",
+            str(steps),
+            "--json",
+            str(out),
+            *extra,
+        ]
         print("$", " ".join(cmd[1:]), flush=True)
         run = subprocess.run(cmd, capture_output=True, text=True)
         if run.returncode:
@@ -87,18 +98,22 @@ def main(argv=None) -> dict[str, float]:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--measure", action="store_true", help="also profile the pipelined run (max_staleness 1)")
     args, extra = ap.parse_known_args(argv)
-    one = profile(args.config, args.steps, ["--threads", "1", "--data.split_rollout=false", *extra])
+    one = profile(args.config, args.steps, ["--threads", "1", "--data.pipeline.split_rollout=false", *extra])
     many = profile(args.config, args.steps, extra)
     on_policy = many["ms"]["whole step"]
-    print(f"on one thread: generation + judging {one['ms'][ROLLOUT]:.1f} ms, forward {one['ms'][FORWARD]:.1f}, "
-          f"backward {one['ms'][BACKWARD]:.1f}, whole step {one['ms']['whole step']:.1f}")
-    print(f"on {many['threads']} threads (as configured): forward {many['ms'][FORWARD]:.1f} ms, backward "
-          f"{many['ms'][BACKWARD]:.1f}, on-policy step {on_policy:.1f}")
+    print(
+        f"on one thread: generation + judging {one['ms'][ROLLOUT]:.1f} ms, forward {one['ms'][FORWARD]:.1f}, "
+        f"backward {one['ms'][BACKWARD]:.1f}, whole step {one['ms']['whole step']:.1f}"
+    )
+    print(
+        f"on {many['threads']} threads (as configured): forward {many['ms'][FORWARD]:.1f} ms, backward "
+        f"{many['ms'][BACKWARD]:.1f}, on-policy step {on_policy:.1f}"
+    )
     found = bounds(one["ms"], many["ms"])
     for label, ms in found.items():
         print(f"pipelined step >= {ms:6.1f} ms  ({label}): at most {on_policy / ms:.2f}x the on-policy step")
     if args.measure:
-        piped = profile(args.config, args.steps, ["--data.max_staleness=1", *extra])["ms"]["whole step"]
+        piped = profile(args.config, args.steps, ["--data.pipeline.max_staleness=1", *extra])["ms"]["whole step"]
         print(f"measured pipelined step {piped:.1f} ms: {on_policy / piped:.2f}x the on-policy step")
         found["measured"] = piped
     found["on-policy"] = on_policy

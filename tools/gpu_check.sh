@@ -104,12 +104,12 @@ fit demo_bf16 "$STEPS" --trainer.precision=bf16-mixed --data.rollout=engine \
   --data.rollout.init_args.dtype=auto
 
 step "rlflow fit: the demo config pipelined (max_staleness 1): a CUDA trainer, the generator process on CPU cores"
-fit demo_pipelined "$STEPS" --data.max_staleness=1 --data.generator_threads=4
+fit demo_pipelined "$STEPS" --data.pipeline.max_staleness=1 --data.pipeline.generator_threads=4
 
 step "rlflow fit: Qwen3-0.6B shape under FSDP2 with gradient checkpointing, $FIT_TOKENS new tokens, a dense reward"
 fit shape_fsdp2 "$SHAPE_STEPS" --model.model_path="$SHAPE" --trainer.strategy=fsdp2_bf16 \
-  --trainer.precision=32-true --model.gradient_checkpointing=true --data.max_tokens="$FIT_TOKENS" --data.eval_data_path=null --model.lr=1e-6 \
-  '--data.judgers={"*": "tests.integration.test_gpu:even_id_share"}'
+  --trainer.precision=32-true --model.policy.gradient_checkpointing=true --data.sampling.max_tokens="$FIT_TOKENS" --data.eval_data_path=null --model.optim.lr=1e-6 \
+  '--data.judging.judgers={"*": "tests.integration.test_gpu:even_id_share"}'
 
 step "done"
 if [ ${#failed[@]} -gt 0 ]; then

@@ -55,7 +55,7 @@ def test_tool_end_to_end(tiny_model, tiny_data, capsys):
     found = bound.main([
         "--config", str(ROOT / "configs" / "demo_cpu.yaml"), "--steps", "5", "--measure",
         f"--model.model_path={tiny_model}", f"--data.train_data_path={tiny_data / 'train.jsonl'}",
-        "--data.global_batch_size=4", "--data.prompt_repeat_k=4", "--data.max_tokens=12",
+        "--data.global_batch_size=4", "--data.prompt_repeat_k=4", "--data.sampling.max_tokens=12",
     ])
     ideal = found["ideal (any share of the forward and backward lent)"]
     assert 0 < ideal <= min(found["lend_cores: false"], found["lend_cores: true"]) + 1e-9

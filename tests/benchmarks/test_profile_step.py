@@ -26,7 +26,7 @@ def test_profile_times_each_phase_of_the_demo_config_and_restores_the_classes(ti
     profile = profile_step.main([
         "--config", str(ROOT / "configs" / "demo_cpu.yaml"), "--steps", "4", "--warmup", "1",
         f"--model.model_path={tiny_model}", f"--data.train_data_path={tiny_data / 'train.jsonl'}",
-        "--data.global_batch_size=4", "--data.prompt_repeat_k=4", "--data.max_tokens=12",
+        "--data.global_batch_size=4", "--data.prompt_repeat_k=4", "--data.sampling.max_tokens=12",
     ])
     wall = profile.wall
     steps = wall["training_step"]

@@ -10,11 +10,11 @@ def fit_args(tiny_model: Path, tiny_data: Path, root: Path, *extra: str, steps: 
     return [
         "fit",
         f"--model.model_path={tiny_model}",
-        "--model.lr=1e-3",
+        "--model.optim.lr=1e-3",
         f"--data.train_data_path={tiny_data / 'train.jsonl'}",
         "--data.prompt_repeat_k=4",
         "--data.global_batch_size=4",
-        "--data.max_tokens=12",
+        "--data.sampling.max_tokens=12",
         "--trainer.accelerator=cpu",
         "--trainer.devices=1",
         f"--trainer.max_steps={steps}",

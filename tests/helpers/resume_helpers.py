@@ -20,7 +20,8 @@ TIMINGS = {"step_time", "rollout/time", "rollout/tokens_per_s", "rollout/wait_ti
 
 
 class AdditionSolvedJudger(Judger):
-    """Reward 1.0 for every completion of an addition prompt (so its group is solved, ``data.skip_solved``), else the
+    """Reward 1.0 for every completion of an addition prompt (so its group is solved,
+    ``data.filtering.skip_solved``), else the
     share of digits in the completion over 100 (below 1: never solved, and groups differ)."""
 
     name = "addition_solved"
@@ -57,7 +58,7 @@ def run_args(tiny_model: Path, data_dir: Path, root: Path, *extra: str, steps: i
         *args,
         f"--trainer.logger.save_dir={root}",
         "--trainer.logger.flush_logs_every_n_steps=1",
-        '--data.judgers={"openai/gsm8k": {"class_path": "tests.helpers.resume_helpers.DigitJudger"}}',
+        '--data.judging.judgers={"openai/gsm8k": {"class_path": "tests.helpers.resume_helpers.DigitJudger"}}',
         "--model.export_hf=false",
         "--summary.enabled=false",
         *extra,
@@ -117,4 +118,3 @@ def assert_same_final_state(straight: Path, resumed: Path, steps: int) -> None:
     states_a, states_b = final_a["optimizer_states"][0]["state"], final_b["optimizer_states"][0]["state"]
     for sa, sb in zip(states_a.values(), states_b.values()):
         assert torch.equal(sa["exp_avg"], sb["exp_avg"])
-

@@ -31,8 +31,8 @@ def test_gdpo_through_fit_uses_each_judgers_rewards_and_weights(tiny_model, tiny
     monkeypatch.setattr(dm_module, "estimate_global", recording)
     judgers = {"*": [{"class_path": "function", "init_args": {"path": "tests.helpers.reward_helpers:reward_len"}},
                      "gsm8k"]}
-    args = fit_args(tiny_model, tiny_data, tmp_path, f"--data.judgers={json.dumps(judgers)}",
-                    '--data.reward_weights={"reward_len": 0.5, "gsm8k": 2.0}', "--data.advantage=gdpo", steps=2)
+    args = fit_args(tiny_model, tiny_data, tmp_path, f"--data.judging.judgers={json.dumps(judgers)}",
+                    '--data.judging.weights={"reward_len": 0.5, "gsm8k": 2.0}', "--data.advantage=gdpo", steps=2)
     cli = cli_main(args)
     assert cli.trainer.global_step == 2 and len(seen) == 2
     for (comp, weights), out in seen:
@@ -41,5 +41,6 @@ def test_gdpo_through_fit_uses_each_judgers_rewards_and_weights(tiny_model, tiny
         torch.testing.assert_close(out, torch.tensor(ref_gdpo(rows, weights.tolist(), 4)), rtol=1e-5, atol=1e-5)
         assert len({round(v, 3) for v in comp[:, 1].tolist()}) > 1  # reward_len varies: a real signal
     with pytest.raises(ConfigError, match="use one or the other"):
-        cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--data.advantage=gdpo", "--data.dynamic_sampling=true"))
-
+        cli_main(
+            fit_args(tiny_model, tiny_data, tmp_path, "--data.advantage=gdpo", "--data.filtering.dynamic_sampling=true")
+        )

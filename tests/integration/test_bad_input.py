@@ -161,10 +161,10 @@ def _csv(path: Path) -> list[dict]:
 def test_nan_losses_in_a_row_stop_the_run_and_keep_the_checkpoint(tiny_model, tiny_data, tmp_path, capsys):
     loss = '--model.loss={"class_path": "tests.integration.test_bad_input.NaNLoss", "init_args": {"from_call": 2}}'
     code, err = run_main(args_with_data(tiny_model, tiny_data, tmp_path, tiny_data / "train.jsonl", loss,
-                                        "--model.max_consecutive_skipped_steps=2", steps=6), capsys)
+                                        "--model.update.max_consecutive_skipped_steps=2", steps=6), capsys)
     assert code == 1
     line = next(l for l in err.splitlines() if l.startswith("rlflow: error:"))
-    assert "2 optimizer steps in a row had a NaN or infinite loss" in line and "model.lr" in line
+    assert "2 optimizer steps in a row had a NaN or infinite loss" in line and "model.optim.lr" in line
     last = next(tmp_path.rglob("last.ckpt"))
     state = torch.load(last, weights_only=True)  # the checkpoint before the run stopped is intact: rollout step 3,
     assert state["global_step"] == 3 and state["rlflow"]["consecutive_skips"] == 1  # whose update was skipped
@@ -197,7 +197,7 @@ def test_disk_full_during_checkpointing_keeps_the_previous_one(tiny_model, tiny_
 @pytest.mark.parametrize("option,line", [
     ("--model.loss={class_path: bnpo, init_args: {kl_type: bogus}}",
      "rlflow: error: model.loss (rlflow.losses.clipped.BNPOLoss): unknown kl_type 'bogus'; choose one of k1, k2, k3"),
-    ("--model.kl_type=bogus", "rlflow: error: unknown kl_type 'bogus'; choose one of k1, k2, k3"),
+    ("--model.loss.kl_type=bogus", "rlflow: error: unknown kl_type 'bogus'; choose one of k1, k2, k3"),
     ("--data.advantage.scale_rewards=grp",
      "rlflow: error: data.advantage (rlflow.advantages.grpo.GRPOAdvantage): scale_rewards must be 'group', 'batch'"),
     ("--data.rollout={class_path: engine, init_args: {max_batch_size: 0}}",
@@ -229,7 +229,7 @@ def one_reward_only(completions, **kwargs):
 
 def test_a_judger_breaking_its_contract_stops_the_run_with_one_line_naming_it(tiny_model, tiny_data, tmp_path, capsys):
     args = args_with_data(tiny_model, tiny_data, tmp_path, tiny_data / "train.jsonl",
-                          '--data.judgers={"*": "tests.integration.test_bad_input:one_reward_only"}')
+                          '--data.judging.judgers={"*": "tests.integration.test_bad_input:one_reward_only"}')
     code, err = run_main(args, capsys)
     assert code == 1
     errors = [e for e in err.splitlines() if e.startswith("rlflow: error:")]
@@ -244,7 +244,7 @@ def inf_for_odd_lengths(completions, completion_ids, **kwargs):
 
 def test_samples_a_judger_failed_on_are_marked_in_trajectories(tiny_model, tiny_data, tmp_path):
     judgers = {"*": ["tests.integration.test_bad_input:inf_for_odd_lengths", "gsm8k"]}
-    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, f"--data.judgers={json.dumps(judgers)}", steps=2))
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, f"--data.judging.judgers={json.dumps(judgers)}", steps=2))
     log_dir = Path(cli.trainer.log_dir)
     rows = [json.loads(line) for line in (log_dir / "trajectories.jsonl").read_text().splitlines()]
     odd = [r for r in rows if r["num_tokens"] % 2]

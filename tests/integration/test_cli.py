@@ -23,7 +23,7 @@ def read_metrics(log_dir):
 
 
 def test_fit_three_steps_end_to_end(tiny_model, tiny_data, tmp_path):
-    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--model.kl_coef=0.01", steps=3))
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--model.loss.kl_coef=0.01", steps=3))
     trainer = cli.trainer
     assert trainer.global_step == 3
     log_dir = __import__("pathlib").Path(trainer.log_dir)
@@ -100,22 +100,22 @@ def test_kl_coef_set_twice_differently_is_one_error_line(tiny_model, tiny_data, 
     from rlflow.cli import main
 
     loss = '--model.loss={"class_path": "grpo", "init_args": {"kl_coef": 0.01}}'
-    code = main(fit_args(tiny_model, tiny_data, tmp_path, loss, "--model.kl_coef=0", steps=1))
+    code = main(fit_args(tiny_model, tiny_data, tmp_path, loss, "--model.loss.kl_coef=0", steps=1))
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("rlflow: error:")]
     assert code == 1 and len(lines) == 1 and "Traceback" not in err
-    assert "model.kl_coef=0.0 conflicts with model.loss.init_args.kl_coef=0.01" in lines[0]
+    assert "model.loss.init_args.kl_coef=0.0 conflicts with model.loss.init_args.kl_coef=0.01" in lines[0]
 
 
 def test_shortcut_settings_and_max_tokens_reach_the_plugin_specs(tiny_model, tiny_data, tmp_path):
-    judgers = '--data.judgers={"*": ["gsm8k", {"class_path": "overlong"}]}'
+    judgers = '--data.judging.judgers={"*": ["gsm8k", {"class_path": "overlong"}]}'
     loss = '--model.loss={"class_path": "dapo", "init_args": {"clip_ratio_c": 3.0}}'
-    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, judgers, loss, "--model.epsilon_high=0.28",
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, judgers, loss, "--model.loss.epsilon_high=0.28",
                             "--data.rollout={class_path: hf, init_args: {batch_size: 2}}")[1:], run=False)
     loss_fn = cli.model.loss_fn
     assert type(loss_fn).__name__ == "DAPOLoss" and loss_fn.epsilon_high == 0.28 and loss_fn.clip_ratio_c == 3.0
     assert loss_fn.max_tokens == 12 and not cli.model.uses_reference
-    assert cli.datamodule.judges.default.judgers["overlong"].max_tokens == 12  # from data.max_tokens
+    assert cli.datamodule.judges.default.judgers["overlong"].max_tokens == 12  # from data.sampling.max_tokens
     assert cli.datamodule.rollout_spec.batch_size == 2
 
 
@@ -127,8 +127,8 @@ def test_plugin_help_documents_the_options(capsys):
     assert "--model.loss.kl_coef" in out and "--model.loss.clip_ratio_c" in out
 
 
-@pytest.mark.parametrize("args", [["--data.judgers.help", "env_reward"],
-                                  ["--data.judgers.help=tests.helpers.reward_helpers:reward_len"]])
+@pytest.mark.parametrize("args", [["--data.judging.judgers.help", "env_reward"],
+                                  ["--data.judging.judgers.help=tests.helpers.reward_helpers:reward_len"]])
 def test_judger_help_documents_a_function_judger(capsys, args):
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["fit", *args])
@@ -141,10 +141,10 @@ def test_judger_help_documents_a_function_judger(capsys, args):
 
 def test_judger_help_still_documents_classes_and_lists_names(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        cli_main(["fit", "--data.judgers.help", "gsm8k"])
-    assert exit_info.value.code == 0 and "--data.judgers.format_score" in capsys.readouterr().out
+        cli_main(["fit", "--data.judging.judgers.help", "gsm8k"])
+    assert exit_info.value.code == 0 and "--data.judging.judgers.format_score" in capsys.readouterr().out
     with pytest.raises(SystemExit) as exit_info:
-        cli_main(["fit", "--data.judgers.help", "nope"])
+        cli_main(["fit", "--data.judging.judgers.help", "nope"])
     assert exit_info.value.code != 0 and "available: " in capsys.readouterr().err
 
 

@@ -13,21 +13,21 @@ from tests.helpers.fit import fit_args
 from tests.helpers.paths import ROOT
 
 BAD_VALUES = [
-    ("data.max_tokens", "0", "data.max_tokens must be >= 1, got 0"),
-    ("data.temperature", "-1", "data.temperature must be >= 0"),
-    ("data.top_p", "0", "data.top_p must be in (0.0, 1.0]"),
-    ("data.top_p", "1.5", "data.top_p must be in (0.0, 1.0]"),
-    ("data.top_k", "-1", "data.top_k must be >= 0"),
-    ("data.min_p", "1.0", "data.min_p must be in [0.0, 1.0)"),
-    ("data.repetition_penalty", "0", "data.repetition_penalty must be > 0.0, got 0"),
+    ("data.sampling.max_tokens", "0", "data.sampling.max_tokens must be >= 1, got 0"),
+    ("data.sampling.temperature", "-1", "data.sampling.temperature must be >= 0"),
+    ("data.sampling.top_p", "0", "data.sampling.top_p must be in (0.0, 1.0]"),
+    ("data.sampling.top_p", "1.5", "data.sampling.top_p must be in (0.0, 1.0]"),
+    ("data.sampling.top_k", "-1", "data.sampling.top_k must be >= 0"),
+    ("data.sampling.min_p", "1.0", "data.sampling.min_p must be in [0.0, 1.0)"),
+    ("data.sampling.repetition_penalty", "0", "data.sampling.repetition_penalty must be > 0.0, got 0"),
     ("data.prompt_repeat_k", "1", "data.prompt_repeat_k must be >= 2"),
     ("data.global_batch_size", "0", "data.global_batch_size must be >= 1"),
-    ("model.lr", "0", "model.lr must be > 0"),
-    ("model.lr", "-1e-6", "model.lr must be > 0"),
-    ("model.optimizer_steps", "0", "model.optimizer_steps must be >= 1"),
-    ("model.micro_batch_size", "0", "model.micro_batch_size must be >= 1"),
-    ("model.epsilon_low", "1.5", "model.epsilon_low must be in [0.0, 1.0)"),
-    ("model.epsilon_high", "-0.1", "model.epsilon_high must be >= 0"),
+    ("model.optim.lr", "0", "model.optim.lr must be > 0"),
+    ("model.optim.lr", "-1e-6", "model.optim.lr must be > 0"),
+    ("model.update.optimizer_steps", "0", "model.update.optimizer_steps must be >= 1"),
+    ("model.update.micro_batch_size", "0", "model.update.micro_batch_size must be >= 1"),
+    ("model.loss.init_args.epsilon_low", "1.5", "model.loss.init_args.epsilon_low must be in [0.0, 1.0)"),
+    ("model.loss.init_args.epsilon_high", "-0.1", "model.loss.init_args.epsilon_high must be >= 0"),
 ]
 
 
@@ -50,10 +50,17 @@ def test_each_invalid_value_is_one_error_line_naming_the_option(
 
 def test_console_script_prints_one_line_and_exits_1(tiny_model, tiny_data, tmp_path):
     out = subprocess.run(
-        [sys.executable, "-m", "rlflow", *fit_args(tiny_model, tiny_data, tmp_path, "--data.max_tokens=0", steps=1)],
-        capture_output=True, text=True, cwd=ROOT, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "rlflow",
+            *fit_args(tiny_model, tiny_data, tmp_path, "--data.sampling.max_tokens=0", steps=1),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
     )
     assert out.returncode == 1, out.stderr
-    assert error_lines(out.stderr) == ["rlflow: error: data.max_tokens must be >= 1, got 0"]
+    assert error_lines(out.stderr) == ["rlflow: error: data.sampling.max_tokens must be >= 1, got 0"]
     assert "Traceback" not in out.stderr
-

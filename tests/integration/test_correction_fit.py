@@ -14,8 +14,8 @@ from tests.helpers.fit import fit_args
 def test_fit_logs_the_sampling_metrics(tiny_model, tiny_data, tmp_path):
     from rlflow.cli import cli_main
 
-    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--model.rollout_is=sequence_mask",
-                            "--model.rollout_is_cap=3.0", steps=2))
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--model.rollout_correction.mode=sequence_mask",
+                            "--model.rollout_correction.cap=3.0", steps=2))
     rows = [r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv"))]
     names = ("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max",
              "sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean",

@@ -57,9 +57,9 @@ def test_cli_maps_fsdp_to_fsdp2(tiny_model, tiny_data, tmp_path):
 # ------------------------------------------------------------------------------- end to end through Lightning
 SEEDED = [
     '--data.rollout={"class_path": "tests.integration.test_distributed_fit.SeededGroupRollout"}',
-    '--data.judgers={"*": "tests.integration.test_distributed_fit:digit_reward"}',
-    "--model.kl_coef=0.01",
-    "--model.lr=1e-4",
+    '--data.judging.judgers={"*": "tests.integration.test_distributed_fit:digit_reward"}',
+    "--model.loss.kl_coef=0.01",
+    "--model.optim.lr=1e-4",
 ]
 
 
@@ -83,10 +83,20 @@ def two_rank_run(tiny_model, tiny_data, tmp_path_factory):
     micro-batches (the default) of at most 120 tokens, so the ranks' pack counts differ (prompts are 100 tokens);
     the KL reference reset to the policy after every second step (each rank its shards), so checkpoints hold it."""
     root = tmp_path_factory.mktemp("fsdp2")
-    args = fit_args(tiny_model, tiny_data, root, *SEEDED, "--trainer.strategy=fsdp", "--model.pack_max_length=120",
-                    "--model.ref_model_sync_steps=2", "--model.ref_model_mixup_alpha=1.0",
-                    "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-                    "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_top_k=-1", steps=4)
+    args = fit_args(
+        tiny_model,
+        tiny_data,
+        root,
+        *SEEDED,
+        "--trainer.strategy=fsdp",
+        "--model.update.pack_max_length=120",
+        "--model.reference.sync_steps=2",
+        "--model.reference.mixup_alpha=1.0",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        "--trainer.callbacks.every_n_train_steps=1",
+        "--trainer.callbacks.save_top_k=-1",
+        steps=4,
+    )
     args = [a.replace("--trainer.devices=1", "--trainer.devices=2") for a in args]
     out = run_two_ranks(args, root)
     (root / "output.txt").write_text(out.stdout + out.stderr)
@@ -95,20 +105,28 @@ def two_rank_run(tiny_model, tiny_data, tmp_path_factory):
 
 @pytest.mark.slow
 def test_two_packed_ranks_give_the_same_step_one_loss_and_rewards_as_one_padded_process(
-        two_rank_run, tiny_model, tiny_data, tmp_path):
+    two_rank_run, tiny_model, tiny_data, tmp_path
+):
     """Sharding and packing together change nothing but the speed: 2 FSDP ranks training on packs (the default)
     take the step one process takes on padded micro-batches."""
     from rlflow.cli import cli_main
 
     root, log_dir, _ = two_rank_run
-    assert "model.packing: micro-batches are packs" in (root / "output.txt").read_text()
+    assert "model.update.packing: micro-batches are packs" in (root / "output.txt").read_text()
     two = read_metrics(log_dir)[0]
-    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, *SEEDED, "--model.packing=false", steps=1))
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, *SEEDED, "--model.update.packing=false", steps=1))
     assert not cli.model.packing
     one = read_metrics(Path(cli.trainer.log_dir))[0]
     assert one["reward_std"] > 0 and abs(one["loss"]) > 1e-6  # a non-trivial step
-    for key in ("reward", "reward_std", "frac_reward_zero_std", "completions/mean_length", "completions/min_length",
-                "completions/max_length", "num_tokens"):
+    for key in (
+        "reward",
+        "reward_std",
+        "frac_reward_zero_std",
+        "completions/mean_length",
+        "completions/min_length",
+        "completions/max_length",
+        "num_tokens",
+    ):
         assert two[key] == pytest.approx(one[key], rel=1e-6, abs=1e-7), key
     for key in ("loss", "grad_norm", "kl"):  # (entropy is a mean of per-micro-batch means: it depends on the split)
         assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-6), key
@@ -155,19 +173,37 @@ def test_slurm_script_passes_the_allocation_to_lightning(tmp_path):
     (bin_dir / "scontrol").write_text('#!/bin/bash\nprintf "node-a\\nnode-b\\n"\n')
     for f in bin_dir.iterdir():
         f.chmod(0o755)
-    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", SLURM_JOB_NUM_NODES="2",
-               SLURM_GPUS_PER_NODE="h100:8", SLURM_JOB_NODELIST="node-[a-b]", SLURM_JOB_ID="4242")
-    out = subprocess.run(["bash", str(ROOT / "tools" / "slurm_grpo.sh"), "cfg.yaml", "--model.lr=2e-6"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_GPUS_PER_NODE="h100:8",
+        SLURM_JOB_NODELIST="node-[a-b]",
+        SLURM_JOB_ID="4242",
+    )
+    out = subprocess.run(
+        ["bash", str(ROOT / "tools" / "slurm_grpo.sh"), "cfg.yaml", "--model.optim.lr=2e-6"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     line = next(l for l in out.stdout.splitlines() if l.startswith("SRUN"))
     assert (
-        "--kill-on-bad-exit=1 rlflow fit --config cfg.yaml --trainer.num_nodes=2 --trainer.devices=8 --model.lr=2e-6"
-        in line
+        "--kill-on-bad-exit=1 rlflow fit --config cfg.yaml --trainer.num_nodes=2 --trainer.devices=8 "
+        "--model.optim.lr=2e-6" in line
     )
     assert "MASTER=node-a:24242" in line
-    missing = subprocess.run(["bash", str(ROOT / "tools" / "slurm_grpo.sh")], cwd=tmp_path, env=env,
-                             capture_output=True, text=True, timeout=60)
+    missing = subprocess.run(
+        ["bash", str(ROOT / "tools" / "slurm_grpo.sh")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert missing.returncode != 0 and "usage" in missing.stderr
 
 
@@ -178,8 +214,21 @@ def test_lmdeploy_recipe_config_resolves(tiny_model):
     import yaml
 
     out = subprocess.run(
-        [sys.executable, "-m", "rlflow", "fit", "--config", str(ROOT / "configs" / "grpo_gsm8k_qwen3_8b_lmdeploy.yaml"),
-         f"--model.model_path={tiny_model}", "--print_config"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "rlflow",
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "grpo_gsm8k_qwen3_8b_lmdeploy.yaml"),
+            f"--model.model_path={tiny_model}",
+            "--print_config",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     cfg = yaml.safe_load(out.stdout)
     strategy = cfg["trainer"]["strategy"]
@@ -188,7 +237,12 @@ def test_lmdeploy_recipe_config_resolves(tiny_model):
     assert cfg["trainer"]["devices"] == 8
     assert cfg["data"]["rollout"]["class_path"] == "rlflow.rollout.lmdeploy.LMDeployRollout"
     m, d = cfg["model"], cfg["data"]
-    assert (d["prompt_repeat_k"], m["lr"], m["epsilon_low"], m["epsilon_high"], m["kl_coef"], m["kl_type"]) == \
-        (5, 1e-6, 0.2, 0.28, 0.001, "low_var_kl")
+    assert (d["prompt_repeat_k"], m["lr"], m["epsilon_low"], m["epsilon_high"], m["kl_coef"], m["kl_type"]) == (
+        5,
+        1e-6,
+        0.2,
+        0.28,
+        0.001,
+        "low_var_kl",
+    )
     assert (d["max_prompt_length"], d["max_tokens"], d["global_batch_size"] % 8) == (512, 1024, 0)
-

@@ -29,9 +29,14 @@ class AdditionJudger(Judger):
 
 def test_validate_reports_accuracy_per_data_source(tiny_model, tiny_data, tmp_path):
     expected = write_eval_file(tiny_data, tmp_path / "eval.jsonl")
-    args = fit_args(tiny_model, tiny_data, tmp_path, f"--data.eval_data_path={tmp_path / 'eval.jsonl'}",
-                    '--data.judgers={"*": {"class_path": "tests.integration.test_evaluation_fit.AdditionJudger"}}',
-                    "--data.eval_batch_size=4")
+    args = fit_args(
+        tiny_model,
+        tiny_data,
+        tmp_path,
+        f"--data.eval_data_path={tmp_path / 'eval.jsonl'}",
+        '--data.judging.judgers={"*": {"class_path": "tests.integration.test_evaluation_fit.AdditionJudger"}}',
+        "--data.eval.batch_size=4",
+    )
     args[0] = "validate"
     args = [a for a in args if not a.startswith("--trainer.max_steps")]
     metrics = {k: float(v) for k, v in cli_main(args).trainer.callback_metrics.items()}
@@ -45,10 +50,18 @@ def test_validate_reports_accuracy_per_data_source(tiny_model, tiny_data, tmp_pa
 
 def test_evaluate_every_n_steps_with_k_samples(tiny_model, tiny_data, tmp_path):
     write_eval_file(tiny_data, tmp_path / "eval.jsonl")
-    args = fit_args(tiny_model, tiny_data, tmp_path, f"--data.eval_data_path={tmp_path / 'eval.jsonl'}",
-                    '--data.judgers={"*": {"class_path": "tests.unit.training.test_evaluation.DigitJudger"}}',
-                    "--data.eval_k=3",
-                    "--data.eval_temperature=1.0", "--evaluate_every_n_steps=2", "--model.export_hf=false", steps=4)
+    args = fit_args(
+        tiny_model,
+        tiny_data,
+        tmp_path,
+        f"--data.eval_data_path={tmp_path / 'eval.jsonl'}",
+        '--data.judging.judgers={"*": {"class_path": "tests.unit.training.test_evaluation.DigitJudger"}}',
+        "--data.eval.k=3",
+        "--data.eval.temperature=1.0",
+        "--evaluate_every_n_steps=2",
+        "--model.export_hf=false",
+        steps=4,
+    )
     cli = cli_main(args)
     with open(Path(cli.trainer.log_dir) / "metrics.csv") as f:
         evals = [row for row in csv.DictReader(f) if row.get("eval/accuracy")]
@@ -60,8 +73,13 @@ def test_evaluate_every_n_steps_with_k_samples(tiny_model, tiny_data, tmp_path):
 
 
 def test_evaluate_every_n_steps_maps_to_lightning(tiny_model, tiny_data, tmp_path):
-    args = fit_args(tiny_model, tiny_data, tmp_path, f"--data.eval_data_path={tiny_data / 'val.jsonl'}",
-                    "--evaluate_every_n_steps=5")
+    args = fit_args(
+        tiny_model,
+        tiny_data,
+        tmp_path,
+        f"--data.eval_data_path={tiny_data / 'val.jsonl'}",
+        "--evaluate_every_n_steps=5",
+    )
     trainer = cli_main(args[1:], run=False).trainer  # [1:]: no subcommand
     assert trainer.val_check_interval == 5 and trainer.check_val_every_n_epoch is None
     with pytest.raises(ValueError, match="needs an eval set"):
@@ -96,10 +114,16 @@ def test_validate_reports_maj_at_k_as_a_plain_vote_over_the_judged_samples(tiny_
     """``rlflow validate`` with 5 samples per prompt: ``eval/maj@5`` equals a majority vote recomputed here from the
     completions the judger saw (a plain count, ties to the class seen first)."""
     write_eval_file(tiny_data, tmp_path / "eval.jsonl")
-    args = fit_args(tiny_model, tiny_data, tmp_path, f"--data.eval_data_path={tmp_path / 'eval.jsonl'}",
-                    '--data.judgers={"*": {"class_path": "tests.integration.test_evaluation_fit.FirstCharJudger"}}',
-                    "--data.eval_k=5",
-                    "--data.eval_temperature=1.0", "--data.eval_batch_size=4")
+    args = fit_args(
+        tiny_model,
+        tiny_data,
+        tmp_path,
+        f"--data.eval_data_path={tmp_path / 'eval.jsonl'}",
+        '--data.judging.judgers={"*": {"class_path": "tests.integration.test_evaluation_fit.FirstCharJudger"}}',
+        "--data.eval.k=5",
+        "--data.eval.temperature=1.0",
+        "--data.eval.batch_size=4",
+    )
     args[0] = "validate"
     args = [a for a in args if not a.startswith("--trainer.max_steps")]
     EVAL_SEEN.clear()
@@ -130,10 +154,18 @@ def test_eval_trajectories_hold_every_eval_sample_and_agree_with_the_metrics(tin
     correct flags average to the logged ``eval/reward`` and ``eval/accuracy``, and each row's reward is the judger's
     on the row's own completion (recomputed here)."""
     write_eval_file(tiny_data, tmp_path / "eval.jsonl")
-    args = fit_args(tiny_model, tiny_data, tmp_path, f"--data.eval_data_path={tmp_path / 'eval.jsonl'}",
-                    '--data.judgers={"*": {"class_path": "tests.unit.training.test_evaluation.DigitJudger"}}',
-                    "--data.eval_k=2",
-                    "--data.eval_temperature=1.0", "--evaluate_every_n_steps=2", "--model.export_hf=false", steps=4)
+    args = fit_args(
+        tiny_model,
+        tiny_data,
+        tmp_path,
+        f"--data.eval_data_path={tmp_path / 'eval.jsonl'}",
+        '--data.judging.judgers={"*": {"class_path": "tests.unit.training.test_evaluation.DigitJudger"}}',
+        "--data.eval.k=2",
+        "--data.eval.temperature=1.0",
+        "--evaluate_every_n_steps=2",
+        "--model.export_hf=false",
+        steps=4,
+    )
     cli = cli_main(args)
     log_dir = Path(cli.trainer.log_dir)
     rows = [json.loads(line) for line in (log_dir / "eval_trajectories.jsonl").read_text().splitlines()]
@@ -143,9 +175,9 @@ def test_eval_trajectories_hold_every_eval_sample_and_agree_with_the_metrics(tin
     for trained, logged in zip([2, 4], evals):
         mine = [r for r in rows if r["trained_steps"] == trained]
         assert sorted((r["prompt"], r["sample"]) for r in mine) == sorted(
-            (p, s) for p in {r["prompt"] for r in mine} for s in range(2))  # every prompt, both samples
+            (p, s) for p in {r["prompt"] for r in mine} for s in range(2)
+        )  # every prompt, both samples
         assert float(logged["eval/reward"]) == pytest.approx(sum(r["reward"] for r in mine) / len(mine))
         assert float(logged["eval/accuracy"]) == pytest.approx(sum(r["correct"] for r in mine) / len(mine))
     assert all(r["reward"] == float(any(ch.isdigit() for ch in r["completion"])) for r in rows)
     assert 0 < sum(r["reward"] for r in rows) < len(rows)  # both kinds of sample, so a mix-up would show
-

@@ -123,12 +123,23 @@ def read_metrics(log_dir: Path) -> list[dict[str, float]]:
     ("--trainer.precision=bf16-mixed",),
 ], ids=["fsdp2_bf16", "bf16-mixed"])
 def test_fit_steps_on_cuda(tiny_model, tiny_data, tmp_path, setting):
-    args = fit_args(tiny_model, tiny_data, tmp_path, "--trainer.accelerator=gpu", *setting, "--model.lr=1e-4",
-                    "--model.kl_coef=0.01", '--data.judgers={"*": "tests.integration.test_gpu:digit_share"}',
-                    "--model.export_hf=false", "--data.seed=0", steps=3)
+    args = fit_args(
+        tiny_model,
+        tiny_data,
+        tmp_path,
+        "--trainer.accelerator=gpu",
+        *setting,
+        "--model.optim.lr=1e-4",
+        "--model.loss.kl_coef=0.01",
+        '--data.judging.judgers={"*": "tests.integration.test_gpu:digit_share"}',
+        "--model.export_hf=false",
+        "--data.seed=0",
+        steps=3,
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-m", "rlflow", *args], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "rlflow", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     rows = read_metrics(next(tmp_path.glob("lightning_logs/version_*")))
     assert len(rows) == 3

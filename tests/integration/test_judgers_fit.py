@@ -24,8 +24,8 @@ def test_trl_reward_function_from_a_dotted_path_trains(tiny_model, tiny_data, tm
 
     judgers = {"*": [{"class_path": "function", "init_args": {"path": "tests.helpers.reward_helpers:reward_len"}},
                      "overlong"]}
-    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, f"--data.judgers={json.dumps(judgers)}",
-                            "--data.judger_timeout=30", steps=2))
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, f"--data.judging.judgers={json.dumps(judgers)}",
+                            "--data.judging.timeout=30", steps=2))
     assert cli.trainer.global_step == 2
     log_dir = Path(cli.trainer.log_dir)
     rows = read_metrics(log_dir)
@@ -33,7 +33,8 @@ def test_trl_reward_function_from_a_dotted_path_trains(tiny_model, tiny_data, tm
                 "grad_norm"):
         assert key in rows[-1], key
     assert rows[-1]["judger/failures"] == 0
-    # every logged reward is reward_len + DAPO's penalty with data.max_tokens=12 (a fifth, 2 tokens, of buffer),
+    # every logged reward is reward_len + DAPO's penalty with data.sampling.max_tokens=12 (a fifth, 2 tokens, of
+    # buffer),
     # recomputed here from the completion text and token count
     lines = [json.loads(l) for l in (log_dir / "trajectories.jsonl").read_text().splitlines()]
     assert len(lines) == 2 * 4 * 4
@@ -42,4 +43,3 @@ def test_trl_reward_function_from_a_dotted_path_trains(tiny_model, tiny_data, tm
         assert line["reward"] == pytest.approx(expected), line
     means = [sum(l["reward"] for l in lines if l["step"] == s) / 16 for s in (0, 1)]
     assert [r["reward"] for r in rows] == pytest.approx(means)
-

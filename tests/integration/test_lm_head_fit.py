@@ -1,4 +1,5 @@
-"""``rlflow fit`` with a bf16 policy and ``model.cast_lm_head_to_fp32``: the head stays float32 through training."""
+"""``rlflow fit`` with a bf16 policy and ``model.policy.cast_lm_head_to_fp32``: the head stays float32 through
+training."""
 
 from __future__ import annotations
 
@@ -18,8 +19,15 @@ def test_fit_with_a_bf16_policy_and_a_float32_head(tiny_model, tiny_data, tmp_pa
     with float32 weights before and after the steps, it trains, and the loss stays finite."""
     from rlflow.cli import cli_main
 
-    args = fit_args(tiny_model, tiny_data, tmp_path, "--model.dtype=bfloat16", "--model.optimizer=adamw_kahan",
-                    "--model.cast_lm_head_to_fp32=true", steps=2)
+    args = fit_args(
+        tiny_model,
+        tiny_data,
+        tmp_path,
+        "--model.policy.dtype=bfloat16",
+        "--model.optim.optimizer=adamw_kahan",
+        "--model.policy.cast_lm_head_to_fp32=true",
+        steps=2,
+    )
     pytest.importorskip("optimi")
     cli = cli_main(args)
     head = cli.model.policy.get_output_embeddings()
@@ -27,4 +35,3 @@ def test_fit_with_a_bf16_policy_and_a_float32_head(tiny_model, tiny_data, tmp_pa
     assert next(cli.model.policy.model.layers.parameters()).dtype == torch.bfloat16
     rows = [r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")) if r.get("loss")]
     assert len(rows) == 2 and all(abs(float(r["loss"])) < 1e3 for r in rows)
-

@@ -36,8 +36,8 @@ def lora_run(tiny_model, tiny_data, tmp_path_factory):
     from rlflow.cli import cli_main
 
     root = tmp_path_factory.mktemp("lora")
-    args = fit_args(tiny_model, tiny_data, root, LORA, "--model.kl_coef=0.05",
-                    '--data.judgers={"*": {"class_path": "tests.helpers.resume_helpers.DigitJudger"}}', steps=3)
+    args = fit_args(tiny_model, tiny_data, root, LORA, "--model.loss.kl_coef=0.05",
+                    '--data.judging.judgers={"*": {"class_path": "tests.helpers.resume_helpers.DigitJudger"}}', steps=3)
     cli = cli_main(args)
     return cli, Path(cli.trainer.log_dir)
 
@@ -119,9 +119,9 @@ def test_resume_with_lora_is_exact(tiny_model, small_data, tmp_path, one_thread)
     from rlflow.cli import cli_main
 
     straight, chained = tmp_path / "straight", tmp_path / "chained"
-    cli_main(run_args(tiny_model, small_data, straight, LORA, "--model.kl_coef=0.05", steps=3))
-    cli_main(run_args(tiny_model, small_data, chained, LORA, "--model.kl_coef=0.05", steps=1))
-    cli = cli_main(run_args(tiny_model, small_data, chained, LORA, "--model.kl_coef=0.05", "--ckpt_path=last",
+    cli_main(run_args(tiny_model, small_data, straight, LORA, "--model.loss.kl_coef=0.05", steps=3))
+    cli_main(run_args(tiny_model, small_data, chained, LORA, "--model.loss.kl_coef=0.05", steps=1))
+    cli = cli_main(run_args(tiny_model, small_data, chained, LORA, "--model.loss.kl_coef=0.05", "--ckpt_path=last",
                             steps=3))
     assert cli.trainer.global_step == 3
     assert_same_run(straight, chained, 3)
@@ -137,7 +137,7 @@ def test_lora_under_fsdp2_on_two_gloo_ranks_resumes_and_exports(tiny_model, tiny
     from tests.integration.test_distributed_fit import SEEDED, read_metrics, run_two_ranks
 
     root = tmp_path / "run"
-    args = fit_args(tiny_model, tiny_data, root, *SEEDED, LORA, "--trainer.strategy=fsdp", "--model.lr=1e-3",
+    args = fit_args(tiny_model, tiny_data, root, *SEEDED, LORA, "--trainer.strategy=fsdp", "--model.optim.lr=1e-3",
                     "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
                     "--trainer.callbacks.every_n_train_steps=1", "--trainer.callbacks.save_top_k=-1", steps=3)
     args = [a.replace("--trainer.devices=1", "--trainer.devices=2") for a in args]

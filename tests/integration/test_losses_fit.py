@@ -27,8 +27,17 @@ def test_fit_with_dapo_two_iterations_and_two_optimizer_steps(tiny_model, tiny_d
         return original(self, experiences, attr, model)
 
     monkeypatch.setattr(GRPOModule, "fill_logprobs", counting)
-    args = fit_args(tiny_model, tiny_data, tmp_path, "--model.loss=dapo", "--model.num_iterations=2",
-                    "--model.optimizer_steps=2", "--model.micro_batch_size=3", "--model.epsilon_high=0.28", steps=1)
+    args = fit_args(
+        tiny_model,
+        tiny_data,
+        tmp_path,
+        "--model.loss=dapo",
+        "--model.update.num_iterations=2",
+        "--model.update.optimizer_steps=2",
+        "--model.update.micro_batch_size=3",
+        "--model.loss.epsilon_high=0.28",
+        steps=1,
+    )
     cli = cli_main(args)
     module = cli.model
     # one rollout step (max_steps counts rollout steps) of 2 iterations x 2 mini-batches = 4 optimizer steps, old
@@ -49,7 +58,9 @@ def test_fit_with_vespo_token_mis_and_off_policy_masking(tiny_model, tiny_data, 
     from rlflow.cli import cli_main
 
     loss = '--model.loss={"class_path": "vespo", "init_args": {"off_policy_mask_threshold": 0.5}}'
-    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, loss, "--model.rollout_is=token_mask", steps=2))
+    cli = cli_main(
+        fit_args(tiny_model, tiny_data, tmp_path, loss, "--model.rollout_correction.mode=token_mask", steps=2)
+    )
     assert type(cli.model.loss_fn).__name__ == "VESPOLoss" and cli.model.correction.mode == "token_mask"
     rows = [r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")) if r.get("loss")]
     assert len(rows) == 2
@@ -62,7 +73,11 @@ def test_vespo_refuses_a_sequence_level_rollout_correction(tiny_model, tiny_data
     from rlflow.cli import cli_main
 
     with pytest.raises(ConfigError, match="sequence_mask is sequence-level: use token_truncate or token_mask"):
-        cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--model.loss=vespo", "--model.rollout_is=sequence_mask"))
+        cli_main(
+            fit_args(
+                tiny_model, tiny_data, tmp_path, "--model.loss=vespo", "--model.rollout_correction.mode=sequence_mask"
+            )
+        )
 
 
 @pytest.mark.slow
@@ -71,8 +86,10 @@ def test_adaptive_entropy_through_fit_and_resume(tiny_model, tiny_data, tmp_path
     continues the straight run's coefficient (the controller is in the checkpoint)."""
     from rlflow.cli import cli_main
 
-    loss = ('--model.loss={"class_path": "bnpo", "init_args": {"use_adaptive_entropy": true, "entropy_coef": 0.01, '
-            '"entropy_target": 100.0, "entropy_coef_delta": 0.01}}')
+    loss = (
+        '--model.loss={"class_path": "bnpo", "init_args": {"use_adaptive_entropy": true, "entropy_coef": 0.01, '
+        '"entropy_target": 100.0, "entropy_coef_delta": 0.01}}'
+    )
 
     def run(root, steps, *extra):
         cli = cli_main(fit_args(tiny_model, tiny_data, root, loss, *extra, steps=steps))
@@ -85,4 +102,3 @@ def test_adaptive_entropy_through_fit_and_resume(tiny_model, tiny_data, tmp_path
     ckpt = Path(first.trainer.log_dir) / "checkpoints" / "last.ckpt"
     resumed, _ = run(tmp_path / "b", 3, f"--ckpt_path={ckpt}")
     assert resumed[-1] == pytest.approx(straight[-1])
-

@@ -31,7 +31,7 @@ def test_fit_adds_the_weighted_aux_loss(tiny_model, tiny_data, tmp_path):
             shutil.copy(tiny_model / name, moe_dir / name)
 
     def first_row(root: Path, coef: str) -> dict[str, str]:
-        args = fit_args(moe_dir, tiny_data, root, f"--model.router_aux_loss_coef={coef}", steps=1)
+        args = fit_args(moe_dir, tiny_data, root, f"--model.policy.router_aux_loss_coef={coef}", steps=1)
         args = [a for a in args if not a.startswith("--model.model_path")] + [f"--model.model_path={moe_dir}"]
         cli = cli_main(args)
         return next(r for r in csv.DictReader(open(Path(cli.trainer.log_dir) / "metrics.csv")) if r.get("loss"))

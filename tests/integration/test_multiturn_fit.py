@@ -14,18 +14,18 @@ from tests.helpers.resume_helpers import assert_same_final_state, assert_same_ru
 pytestmark = pytest.mark.slow
 
 # the tiny model is random: a digit ends its turn (a stop token, ~10% per token), so turns are short and guesses
-MULTI = ["--data.environment=guess_number", "--data.max_turns=3", "--data.max_tokens=160",
-         '--data.stop=["0","1","2","3","4","5","6","7","8","9"]']
+MULTI = ["--data.multiturn.environment=guess_number", "--data.multiturn.max_turns=3", "--data.sampling.max_tokens=160",
+         '--data.sampling.stop=["0","1","2","3","4","5","6","7","8","9"]']
 
 
 @pytest.mark.parametrize("backend, extra", [
     ("hf", []),
-    ("engine", ["--data.tools=[calculator]"]),
+    ("engine", ["--data.multiturn.tools=[calculator]"]),
 ])
 def test_multiturn_fit(backend, extra, tiny_model, small_data, tmp_path, one_thread):
     root = tmp_path / backend
     args = fit_args(tiny_model, small_data, root, *MULTI, *extra, f"--data.rollout={backend}",
-                    '--data.judgers={"*": "env_reward"}', "--model.export_hf=false", steps=2)
+                    '--data.judging.judgers={"*": "env_reward"}', "--model.export_hf=false", steps=2)
     cli = cli_main(args)
     assert cli.trainer.global_step == 2
     rows = metrics_by_step(root)
@@ -79,7 +79,7 @@ def test_the_shipped_tools_demo_config_runs(tmp_path, one_thread):
                     f"--data.train_data_path={tmp_path / 'data' / 'train.jsonl'}",
                     f"--data.eval_data_path={tmp_path / 'data' / 'val.jsonl'}", "--trainer.max_steps=1",
                     f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}", "--trainer.enable_progress_bar=false",
-                    "--model.export_hf=false", "--data.max_tokens=40"])
+                    "--model.export_hf=false", "--data.sampling.max_tokens=40"])
     assert cli.trainer.global_step == 1
     metrics = cli.trainer.callback_metrics
     assert "tools/call_frequency" in metrics and "turns/mean" in metrics

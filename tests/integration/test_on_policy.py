@@ -74,7 +74,9 @@ def test_each_step_trains_on_completions_from_the_previous_steps_weights(tiny_mo
 
 
 def test_several_optimizer_steps_per_rollout_are_stamped_with_their_lag(tiny_model, tiny_data, tmp_path):
-    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--model.optimizer_steps=2", steps=2)[1:], run=False)
+    cli = cli_main(
+        fit_args(tiny_model, tiny_data, tmp_path, "--model.update.optimizer_steps=2", steps=2)[1:], run=False
+    )
     cli.trainer.fit(cli.model, cli.datamodule)
     # two rollout steps x two mini-batches: the second mini-batch of each rollout is one version behind
     assert cli.model.trained_versions == [(0, 0), (1, 0), (2, 2), (3, 2)]

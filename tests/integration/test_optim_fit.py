@@ -40,9 +40,9 @@ def fit_and_compare(tiny_model, tiny_data, tmp_path, monkeypatch, dtype: str, *e
     )
     loaded = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=getattr(torch, dtype))
     before = {k: v.float() for k, v in loaded.state_dict().items()}
-    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, f"--model.dtype={dtype}", "--model.lr=1e-6",
-                            "--model.optimizer_steps=2",
-                            '--data.judgers={"*": "tests.integration.test_optim_fit:digit_reward"}',
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, f"--model.policy.dtype={dtype}", "--model.optim.lr=1e-6",
+                            "--model.update.optimizer_steps=2",
+                            '--data.judging.judgers={"*": "tests.integration.test_optim_fit:digit_reward"}',
                             "--model.export_hf=false", *extra, steps=1))
     after = {k: v.float() for k, v in cli.model.policy.state_dict().items()}
     changed = sum((after[k] != before[k]).sum().item() for k in before) / sum(v.numel() for v in before.values())
@@ -64,7 +64,7 @@ def test_float32_master_weights_with_bf16_mixed_train_end_to_end(tiny_model, tin
 
 @pytest.mark.slow
 def test_bf16_weights_with_adamw_barely_train_end_to_end_and_warn(tiny_model, tiny_data, tmp_path, monkeypatch):
-    with pytest.warns(LostUpdatesWarning, match="model.dtype: float32 with trainer.precision: bf16-mixed"):
+    with pytest.warns(LostUpdatesWarning, match="model.policy.dtype: float32 with trainer.precision: bf16-mixed"):
         changed, row, returned, _ = fit_and_compare(tiny_model, tiny_data, tmp_path, monkeypatch, "bfloat16",
                                                     "--trainer.precision=bf16-true")
     assert changed < 0.1, changed

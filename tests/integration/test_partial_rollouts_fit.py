@@ -1,4 +1,4 @@
-"""Partial rollouts (``data.partial_rollouts``) in ``rlflow fit``: the stamps, log-probs, staleness bound and
+"""Partial rollouts (``data.pipeline.partial_rollouts``) in ``rlflow fit``: the stamps, log-probs, staleness bound and
 correction of a partial run, a slow trainer changes nothing, and kill-and-resume matches the straight run.
 
 Every log-prob is checked against a plain recomputation with transformers' own forward."""
@@ -24,7 +24,11 @@ from tests.unit.rollout.test_partial_rollouts import plain, swapped_logprobs
 
 # --------------------------------------------------------------------------------------- end to end
 STEPS = 4
-PARTIAL = ("--data.max_staleness=1", "--data.partial_rollouts=true", "--data.partial_swap_step=5")
+PARTIAL = (
+    "--data.pipeline.max_staleness=1",
+    "--data.pipeline.partial_rollouts=true",
+    "--data.pipeline.partial_swap_step=5",
+)
 
 
 @pytest.fixture(scope="module")
@@ -92,8 +96,12 @@ def test_a_slow_trainer_changes_nothing_in_a_partial_run(partial_run, tiny_model
 @pytest.mark.slow
 def test_kill_and_resume_of_a_partial_run_matches_the_straight_run(tiny_model, small_data, tmp_path, one_thread):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    extra = ("--model.optimizer_steps=2", "--data.max_staleness=2", "--data.partial_rollouts=true",
-             "--data.partial_swap_step=5")
+    extra = (
+        "--model.update.optimizer_steps=2",
+        "--data.pipeline.max_staleness=2",
+        "--data.pipeline.partial_rollouts=true",
+        "--data.pipeline.partial_swap_step=5",
+    )
     cli_main(run_args(tiny_model, small_data, straight, *extra))
     state = kill_mid_step(tiny_model, small_data, killed, tmp_path / "generator.pid", extra)
     in_flight = state["RolloutDataModule"]["pipeline"]["in_flight"]
@@ -107,4 +115,3 @@ def test_kill_and_resume_of_a_partial_run_matches_the_straight_run(tiny_model, s
     assert_same_final_state(straight, killed, 6)
     assert json.dumps(trajectories(straight)) == json.dumps(trajectories(killed))
     assert max(metrics_by_step(killed)[s]["sampling/staleness/max"] for s in range(6)) <= 2
-

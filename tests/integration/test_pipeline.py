@@ -1,4 +1,5 @@
-"""Pipelined GRPO end to end (``data.max_staleness``): the schedule, the stamps, the correction, the bound under
+"""Pipelined GRPO end to end (``data.pipeline.max_staleness``): the schedule, the stamps, the correction, the bound
+under
 adversarial timing, ``max_staleness: 0`` being today's loop, and exact resume after ``kill -9``.
 
 The stamps and the importance weights are checked against a plain recomputation: a full forward of the tiny
@@ -60,7 +61,7 @@ class Recorder(L.Callback):
 
 
 def pipelined_run(tiny_model, data, root, *extra, recorder=None):
-    args = run_args(tiny_model, data, root, "--data.max_staleness=1", *extra, steps=STEPS)
+    args = run_args(tiny_model, data, root, "--data.pipeline.max_staleness=1", *extra, steps=STEPS)
     cli = cli_main(args[1:], run=False)
     recorder = recorder or Recorder()
     cli.trainer.callbacks.append(recorder)
@@ -80,7 +81,7 @@ def plain_logprobs(model, experience, temperature: float = 1.0) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].float() / temperature
     p = len(experience.prompt_ids)
-    logp = torch.log_softmax(logits[p - 1: -1], dim=-1)
+    logp = torch.log_softmax(logits[p - 1 : -1], dim=-1)
     return logp.gather(1, torch.tensor(experience.completion_ids)[:, None])[:, 0]
 
 
@@ -129,8 +130,9 @@ def test_stamps_and_correction_weights_match_a_plain_recomputation(pipelined, ti
 
 
 @pytest.mark.parametrize("slow", ["generator", "trainer"])
-def test_the_bound_holds_and_nothing_changes_under_adversarial_timing(slow, pipelined, tiny_model, small_data,
-                                                                      tmp_path, monkeypatch):
+def test_the_bound_holds_and_nothing_changes_under_adversarial_timing(
+    slow, pipelined, tiny_model, small_data, tmp_path, monkeypatch
+):
     """A generator that sleeps 1 s per job, or a trainer that sleeps 1 s on every other step: the staleness stays
     within the bound on every step and the run is the same, metric for metric, as the undisturbed one."""
     recorder = Recorder(slow_trainer=1.0 if slow == "trainer" else 0.0)
@@ -170,8 +172,16 @@ class CoreLog(L.Callback):
 
 
 def lent_run(tiny_model, small_data, root, monkeypatch, log: CoreLog, *extra: str):
-    args = run_args(tiny_model, small_data, root, "--data.max_staleness=1", "--evaluate_every_n_steps=2",
-                    f"--data.eval_data_path={small_data / 'val.jsonl'}", *extra, steps=STEPS)
+    args = run_args(
+        tiny_model,
+        small_data,
+        root,
+        "--data.pipeline.max_staleness=1",
+        "--evaluate_every_n_steps=2",
+        f"--data.eval_data_path={small_data / 'val.jsonl'}",
+        *extra,
+        steps=STEPS,
+    )
     cli = cli_main(args[1:], run=False)
     cli.trainer.callbacks.append(log)
     generate = EngineRollout.generate
@@ -189,7 +199,8 @@ def lent_run(tiny_model, small_data, root, monkeypatch, log: CoreLog, *extra: st
 
 
 def test_the_backward_and_evaluation_take_the_generators_cores_and_the_run_stays_reproducible(
-        tiny_model, small_data, tmp_path, monkeypatch):
+    tiny_model, small_data, tmp_path, monkeypatch
+):
     """With 2 trainer threads on 2 cores the trainer keeps 1 thread and the generator process gets the other, except
     during the backward pass and evaluation, which take both while the generator is held; the run is the same,
     metric for metric, when the generator is slow (so the holds fall on other decode iterations)."""
@@ -201,8 +212,14 @@ def test_the_backward_and_evaluation_take_the_generators_cores_and_the_run_stays
         assert torch.get_num_threads() == 2  # given back when the generator closed
         monkeypatch.setattr(RolloutPipeline, "generator_delay", 0.3)
         lent_run(tiny_model, small_data, tmp_path / "slow", monkeypatch, slow_log := CoreLog())
-        kept = lent_run(tiny_model, small_data, tmp_path / "kept", monkeypatch, kept_log := CoreLog(),
-                        "--data.lend_cores=false")
+        kept = lent_run(
+            tiny_model,
+            small_data,
+            tmp_path / "kept",
+            monkeypatch,
+            kept_log := CoreLog(),
+            "--data.pipeline.lend_cores=false",
+        )
     finally:
         torch.set_num_threads(threads)
     assert base.datamodule.pipeline.lends_cores
@@ -214,14 +231,14 @@ def test_the_backward_and_evaluation_take_the_generators_cores_and_the_run_stays
     for step in range(STEPS):
         for key in base_log.metrics[step].keys() - TIMINGS:
             assert slow_log.metrics[step][key] == base_log.metrics[step][key], (step, key)
-    # data.lend_cores=false: the trainer keeps its one thread throughout and never holds the generator
+    # data.pipeline.lend_cores=false: the trainer keeps its one thread throughout and never holds the generator
     assert not kept.datamodule.pipeline.lends_cores
     assert set(kept_log.backward) == {(1, True)} and {g[1:] for g in kept_log.generate} == {(1, True)}
 
 
 def test_max_staleness_zero_is_todays_loop_bit_for_bit(tiny_model, small_data, tmp_path, one_thread):
     default = cli_main(run_args(tiny_model, small_data, tmp_path / "default", steps=3))
-    zero = cli_main(run_args(tiny_model, small_data, tmp_path / "zero", "--data.max_staleness=0", steps=3))
+    zero = cli_main(run_args(tiny_model, small_data, tmp_path / "zero", "--data.pipeline.max_staleness=0", steps=3))
     assert default.datamodule.pipeline is None and zero.datamodule.pipeline is None
     assert zero.model.correction is None  # nothing turned on behind the user's back
     assert_same_run(tmp_path / "default", tmp_path / "zero", 3)
@@ -231,9 +248,17 @@ def test_max_staleness_zero_is_todays_loop_bit_for_bit(tiny_model, small_data, t
 def test_a_bound_below_the_pipelines_staleness_is_a_config_error(tiny_model, small_data, tmp_path):
     from rlflow.config_error import ConfigError
 
-    with pytest.raises(ConfigError, match="data.max_staleness=1 is below"):
-        cli_main(run_args(tiny_model, small_data, tmp_path, "--data.max_staleness=1", "--model.optimizer_steps=2",
-                          steps=1))
+    with pytest.raises(ConfigError, match="data.pipeline.max_staleness=1 is below"):
+        cli_main(
+            run_args(
+                tiny_model,
+                small_data,
+                tmp_path,
+                "--data.pipeline.max_staleness=1",
+                "--model.update.optimizer_steps=2",
+                steps=1,
+            )
+        )
 
 
 class KillMidStep(L.Callback):
@@ -252,10 +277,15 @@ class KillMidStep(L.Callback):
 def kill_mid_step(tiny_model, small_data, out: Path, pid_file: Path, extra: tuple[str, ...]) -> dict:
     """Run ``rlflow fit`` in a subprocess killed with SIGKILL between the two optimizer steps of rollout step 3
     (:class:`KillMidStep`); return its last checkpoint."""
-    kill = ('--trainer.callbacks+={"class_path": "tests.integration.test_pipeline.KillMidStep", '
-            f'"init_args": {{"step": 3, "pid_file": "{pid_file}"}}}}')
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    kill = (
+        '--trainer.callbacks+={"class_path": "tests.integration.test_pipeline.KillMidStep", '
+        f'"init_args": {{"step": 3, "pid_file": "{pid_file}"}}}}'
+    )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     command = [sys.executable, "-m", "rlflow", *run_args(tiny_model, small_data, out, *extra, kill)]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
@@ -264,7 +294,7 @@ def kill_mid_step(tiny_model, small_data, out: Path, pid_file: Path, extra: tupl
 
 def test_kill_and_resume_of_a_pipelined_run_matches_the_straight_run(tiny_model, small_data, tmp_path, one_thread):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    extra = ("--model.optimizer_steps=2", "--data.max_staleness=2")
+    extra = ("--model.update.optimizer_steps=2", "--data.pipeline.max_staleness=2")
     cli_main(run_args(tiny_model, small_data, straight, *extra))
     pid_file = tmp_path / "generator.pid"
     state = kill_mid_step(tiny_model, small_data, killed, pid_file, extra)
@@ -304,8 +334,12 @@ class OwnWeightsEngine(EngineRollout):
 
 
 def test_a_backend_with_its_own_weights_generates_from_a_thread(tiny_model, small_data, tmp_path):
-    cli, rec = pipelined_run(tiny_model, small_data, tmp_path,
-                             '--data.rollout={"class_path": "tests.integration.test_pipeline.OwnWeightsEngine"}')
+    cli, rec = pipelined_run(
+        tiny_model,
+        small_data,
+        tmp_path,
+        '--data.rollout={"class_path": "tests.integration.test_pipeline.OwnWeightsEngine"}',
+    )
     assert isinstance(cli.datamodule.backend, OwnWeightsEngine)
     assert cli.model.trained_versions == [(0, 0), (1, 0), (2, 1), (3, 2)]
     models = [model_at(tiny_model, w) for w in rec.weights]
@@ -354,15 +388,29 @@ class SlowGeneratorOnRank(L.Callback):
 def fsdp_run(tiny_model, tiny_data, root, steps, *extra):
     """``rlflow fit`` on 2 gloo ranks under ``trainer.strategy=fsdp`` with pipelining, rank 1's generator 2 s slower
     per job (longer than a step on a slow machine, so that rank 1 always waits)."""
-    slow = ('--trainer.callbacks+={"class_path": "tests.integration.test_pipeline.SlowGeneratorOnRank", '
-            '"init_args": {"rank": 1}}')
-    args = run_args(tiny_model, tiny_data, root, "--trainer.strategy=fsdp", "--data.max_staleness=1", slow, *extra,
-                    steps=steps)
+    slow = (
+        '--trainer.callbacks+={"class_path": "tests.integration.test_pipeline.SlowGeneratorOnRank", '
+        '"init_args": {"rank": 1}}'
+    )
+    args = run_args(
+        tiny_model,
+        tiny_data,
+        root,
+        "--trainer.strategy=fsdp",
+        "--data.pipeline.max_staleness=1",
+        slow,
+        *extra,
+        steps=steps,
+    )
     args = [a.replace("--trainer.devices=1", "--trainer.devices=2") for a in args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "rlflow", *args], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=600)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "rlflow", *args], cwd=root, env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-4000:]
 
 

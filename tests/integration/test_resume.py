@@ -26,7 +26,8 @@ pytestmark = pytest.mark.slow
 
 class KillMidStep(L.Callback):
     """Sends SIGKILL to its own process in the middle of the rollout step after ``step`` checkpointed ones: after
-    its generation and first optimizer step, just before its second (``model.optimizer_steps=2``), so the weights,
+    its generation and first optimizer step, just before its second (``model.update.optimizer_steps=2``), so the
+    weights,
     optimizer and RNG in memory are half a step past the last checkpoint."""
 
     def __init__(self, step: int = 3) -> None:
@@ -39,14 +40,17 @@ class KillMidStep(L.Callback):
 
 def test_kill_and_resume_matches_straight_run(tiny_model, small_data, tmp_path, one_thread):
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    two_updates = "--model.optimizer_steps=2"
+    two_updates = "--model.update.optimizer_steps=2"
     cli_main(run_args(tiny_model, small_data, straight, two_updates))
 
     # a real `rlflow fit` process, killed with SIGKILL between the two optimizer steps of the step after step 3's
     # checkpoint (one thread, as in-process: the same float reductions)
     kill = '--trainer.callbacks+={"class_path": "tests.integration.test_resume.KillMidStep", "init_args": {"step": 3}}'
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     command = [sys.executable, "-m", "rlflow", *run_args(tiny_model, small_data, killed, two_updates, kill)]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
@@ -87,8 +91,9 @@ def test_kill_during_save_never_leaves_a_broken_checkpoint(tmp_path):
     for attempt, delay in enumerate((0.5, 0.9, 1.4, 0.7, 1.1, 0.6, 1.3, 0.8, 1.2, 1.0)):
         if attempt >= 3 and mid_save:
             break
-        proc = subprocess.Popen([sys.executable, "-c", SAVE_LOOP, str(path)], cwd=ROOT, stdout=subprocess.PIPE,
-                                text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SAVE_LOOP, str(path)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        )
         assert proc.stdout.readline().strip()  # at least one save finished
         time.sleep(delay)
         os.kill(proc.pid, signal.SIGKILL)

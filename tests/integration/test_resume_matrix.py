@@ -26,20 +26,30 @@ from tests.helpers.resume_helpers import (
 
 pytestmark = pytest.mark.slow
 
-EVAL = ["--evaluate_every_n_steps=2", "--data.eval_data_path={data}/val.jsonl", "--data.eval_batch_size=4"]
+EVAL = ["--evaluate_every_n_steps=2", "--data.eval_data_path={data}/val.jsonl", "--data.eval.batch_size=4"]
 SOURCES = '--data.train_data_path=[{"path": "{data}/a.jsonl", "weight": 3}, {"path": "{data}/b.jsonl", "weight": 1}]'
-BINARY_REWARD = ('--data.judgers={"openai/gsm8k": {"class_path": "tests.helpers.resume_helpers.DigitJudger", '
+BINARY_REWARD = ('--data.judging.judgers={"openai/gsm8k": {"class_path": "tests.helpers.resume_helpers.DigitJudger", '
                  '"init_args": {"binary": true}}}')
-SOLVED_REWARD = '--data.judgers={"openai/gsm8k": {"class_path": "tests.helpers.resume_helpers.AdditionSolvedJudger"}}'
+SOLVED_REWARD = (
+    '--data.judging.judgers={"openai/gsm8k": {"class_path": "tests.helpers.resume_helpers.AdditionSolvedJudger"}}'
+)
 CASES = {  # id: (extra arguments, the steps the chain stops at, steps in all)
     # (a) + (c): a finished run extended, twice: its last.ckpt comes from the end-of-run save (every_n_train_steps
     # never fires), first mid-epoch, then right after the last batch of epoch 0
     "finished-run-extended": (["--checkpoint.every_n_train_steps=5"], (1, 2), 3),
     # (d) several optimizer steps per rollout step: max_steps, the checkpoint and the logged steps count rollout steps
-    "optimizer-steps-4": (["--model.optimizer_steps=4"], (1,), 3),
+    "optimizer-steps-4": (["--model.update.optimizer_steps=4"], (1,), 3),
     # (e) dynamic sampling's extra draws are seeded with the rollout step (not the optimizer step: 2 per rollout)
-    "dynamic-sampling": (["--data.dynamic_sampling=true", "--data.max_sampling_rounds=2", "--model.optimizer_steps=2",
-                          BINARY_REWARD], (1,), 3),
+    "dynamic-sampling": (
+        [
+            "--data.filtering.dynamic_sampling=true",
+            "--data.filtering.max_rounds=2",
+            "--model.update.optimizer_steps=2",
+            BINARY_REWARD,
+        ],
+        (1,),
+        3,
+    ),
     # (f) evaluation at the step of the checkpoint (run before the next step) and after the resume; stopping at an
     # eval step shows that evaluating does not move the training RNG (else step 3 would differ)
     "eval-between-steps": (EVAL, (2,), 4),
@@ -51,14 +61,21 @@ CASES = {  # id: (extra arguments, the steps the chain stops at, steps in all)
     # (i) a KL reference moved toward the policy after steps 2 and 4 (rlflow.training.reference): the checkpoint at
     # step 3
     # holds the moved one (the loaded weights would give step 3 another KL)
-    "reference-sync": (["--model.kl_coef=0.05", "--model.ref_model_sync_steps=2", "--model.ref_model_mixup_alpha=0.5"],
-                       (3,), 4),
+    "reference-sync": (
+        ["--model.loss.kl_coef=0.05", "--model.reference.sync_steps=2", "--model.reference.mixup_alpha=0.5"],
+        (3,),
+        4,
+    ),
     # (j) solved prompts left out of later epochs: the solved set and each epoch's left-out set are checkpointed
     # (stopping at 3: inside the second shortened epoch)
-    "skip-solved": (["--data.skip_solved=true", SOLVED_REWARD], (3,), 5),
+    "skip-solved": (["--data.filtering.skip_solved=true", SOLVED_REWARD], (3,), 5),
     # (k) the same pipelined, stopped at the end of epoch 0: the generator's look-ahead fixed epoch 1's set then, and
     # its job in flight is the first batch of the shortened epoch 1
-    "skip-solved-pipelined": (["--data.skip_solved=true", SOLVED_REWARD, "--data.max_staleness=1"], (2,), 5),
+    "skip-solved-pipelined": (
+        ["--data.filtering.skip_solved=true", SOLVED_REWARD, "--data.pipeline.max_staleness=1"],
+        (2,),
+        5,
+    ),
 }
 
 
@@ -90,7 +107,7 @@ def test_continuing_from_a_checkpoint_matches_the_straight_run(case, tiny_model,
 def test_a_finished_run_extended_follows_the_longer_lr_schedule(tiny_model, small_data, tmp_path, one_thread):
     """A decaying schedule spans the run's ``max_steps``; continuing with a larger one stretches it to the new end
     from the optimizer step reached, as a straight run of the new length has it (it stayed at the old end, lr 0)."""
-    extra = ["--model.lr_schedule=linear", "--model.optimizer_steps=2"]
+    extra = ["--model.optim.lr_schedule=linear", "--model.update.optimizer_steps=2"]
     straight, chained = tmp_path / "straight", tmp_path / "chained"
     cli_main(run_args(tiny_model, small_data, straight, *extra, steps=4))
     cli_main(run_args(tiny_model, small_data, chained, *extra, steps=2))
@@ -102,12 +119,15 @@ def test_a_finished_run_extended_follows_the_longer_lr_schedule(tiny_model, smal
     assert torch.load(last_checkpoint(chained), weights_only=True)["lr_schedulers"] == final_a
 
 
-def test_continuing_a_finished_run_says_it_is_finished_and_trains_nothing(tiny_model, small_data, tmp_path, one_thread,
-                                                                         caplog):
+def test_continuing_a_finished_run_says_it_is_finished_and_trains_nothing(
+    tiny_model, small_data, tmp_path, one_thread, caplog
+):
     cli_main(run_args(tiny_model, small_data, tmp_path, steps=2))
     before = torch.load(last_checkpoint(tmp_path), weights_only=False)["global_step"]
     with caplog.at_level(logging.INFO, logger="rlflow"):
         cli = cli_main(run_args(tiny_model, small_data, tmp_path, "--ckpt_path=last", steps=2))
     assert before == 2 and cli.trainer.global_step == 2
-    assert ("the checkpoint is at rollout step 2 and trainer.max_steps=2: the run is already finished, nothing is "
-            "trained (raise --trainer.max_steps to continue it)") in caplog.text
+    assert (
+        "the checkpoint is at rollout step 2 and trainer.max_steps=2: the run is already finished, nothing is "
+        "trained (raise --trainer.max_steps to continue it)"
+    ) in caplog.text

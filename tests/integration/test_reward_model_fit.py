@@ -24,8 +24,8 @@ def test_fit_one_step_with_the_reward_model_as_a_judger(rm_path, tiny_model, tin
     judgers = {
         "*": ["gsm8k", {"class_path": "reward_model", "init_args": {"model_path": str(rm_path), "batch_size": 4}}]
     }
-    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, f"--data.judgers={json.dumps(judgers)}",
-                            '--data.reward_weights={"reward_model": 0.5}', steps=1))
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, f"--data.judging.judgers={json.dumps(judgers)}",
+                            '--data.judging.weights={"reward_model": 0.5}', steps=1))
     assert cli.trainer.global_step == 1
     with open(Path(cli.trainer.log_dir) / "metrics.csv") as f:
         row = {k: float(v) for k, v in next(csv.DictReader(f)).items() if v != ""}

@@ -1,4 +1,5 @@
-"""``data.skip_solved`` in ``rlflow fit``: on policy and pipelined, no prompt solved before an epoch's set was fixed
+"""``data.filtering.skip_solved`` in ``rlflow fit``: on policy and pipelined, no prompt solved before an epoch's set
+was fixed
 is trained in that epoch, and the run's epochs shrink accordingly; a weighted mix is refused; with dynamic sampling
 the groups it drops are still marked."""
 
@@ -35,10 +36,18 @@ def test_solved_prompts_are_not_trained_in_later_epochs(tiny_model, small_data, 
     step of the previous epoch is still being judged, so epoch 1 leaves out the additions of step 0 and epoch 2 all."""
     solved = additions(small_data)
     assert 1 <= len(solved) <= 4  # leaves at least a batch to train on, so epochs shrink
-    args = run_args(tiny_model, small_data, tmp_path, "--data.skip_solved=true", f"--data.max_staleness={staleness}",
-                    ('--data.judgers={"openai/gsm8k": '
-                     '{"class_path": "tests.helpers.resume_helpers.AdditionSolvedJudger"}}'),
-                    steps=5)
+    args = run_args(
+        tiny_model,
+        small_data,
+        tmp_path,
+        "--data.filtering.skip_solved=true",
+        f"--data.pipeline.max_staleness={staleness}",
+        (
+            '--data.judging.judgers={"openai/gsm8k": '
+            '{"class_path": "tests.helpers.resume_helpers.AdditionSolvedJudger"}}'
+        ),
+        steps=5,
+    )
     cli = cli_main(args)
     assert cli.trainer.global_step == 5
     trained = trained_prompts(tmp_path)
@@ -57,23 +66,33 @@ def test_skip_solved_refuses_a_weighted_mix(tiny_model, small_data, tmp_path):
     rows = (small_data / "train.jsonl").read_text().splitlines()
     (tmp_path / "a.jsonl").write_text("\n".join(rows[:6]) + "\n")
     (tmp_path / "b.jsonl").write_text("\n".join(rows[6:]) + "\n")
-    mix = (f'--data.train_data_path=[{{"path": "{tmp_path / "a.jsonl"}", "weight": 3}}, '
-           f'{{"path": "{tmp_path / "b.jsonl"}", "weight": 1}}]')
-    with pytest.raises(Exception, match="data.skip_solved works with one training source"):
-        cli_main(run_args(tiny_model, small_data, tmp_path, "--data.skip_solved=true", mix, steps=1))
+    mix = (
+        f'--data.train_data_path=[{{"path": "{tmp_path / "a.jsonl"}", "weight": 3}}, '
+        f'{{"path": "{tmp_path / "b.jsonl"}", "weight": 1}}]'
+    )
+    with pytest.raises(Exception, match="data.filtering.skip_solved works with one training source"):
+        cli_main(run_args(tiny_model, small_data, tmp_path, "--data.filtering.skip_solved=true", mix, steps=1))
 
 
-def test_with_dynamic_sampling_the_solved_groups_it_drops_are_still_marked(tiny_model, small_data, tmp_path,
-                                                                           one_thread):
+def test_with_dynamic_sampling_the_solved_groups_it_drops_are_still_marked(
+    tiny_model, small_data, tmp_path, one_thread
+):
     """Dynamic sampling drops the solved groups (equal rewards) before training; the step's own prompts are marked
     from their first judging, so later epochs still leave every addition out."""
     solved = additions(small_data)
-    args = run_args(tiny_model, small_data, tmp_path, "--data.skip_solved=true", "--data.dynamic_sampling=true",
-                    ('--data.judgers={"openai/gsm8k": '
-                     '{"class_path": "tests.helpers.resume_helpers.AdditionSolvedJudger"}}'),
-                    steps=3)
+    args = run_args(
+        tiny_model,
+        small_data,
+        tmp_path,
+        "--data.filtering.skip_solved=true",
+        "--data.filtering.dynamic_sampling=true",
+        (
+            '--data.judging.judgers={"openai/gsm8k": '
+            '{"class_path": "tests.helpers.resume_helpers.AdditionSolvedJudger"}}'
+        ),
+        steps=3,
+    )
     cli = cli_main(args)
     assert cli.model.last_metrics["data/solved_prompts"] == len(solved)
     assert cli.model.last_metrics["data/skipped_prompts"] == len(solved)
     assert sum(row["sampling/groups_dropped"] for row in metrics_by_step(tmp_path).values()) > 0  # it dropped some
-

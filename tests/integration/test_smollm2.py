@@ -112,7 +112,7 @@ def test_the_shipped_cpu_config_trains_a_step_on_the_real_model_and_the_export_r
     cli = cli_main(["fit", f"--config={ROOT / 'configs' / 'smollm2_gsm8k_cpu.yaml'}", f"--model.model_path={smollm2}",
                     f"--data.train_data_path={DATA}", "--trainer.max_steps=1", f"--trainer.default_root_dir={tmp_path}",
                     f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
-                    '--data.judgers={"*": "tests.integration.test_optim_fit:digit_reward"}'])
+                    '--data.judging.judgers={"*": "tests.integration.test_optim_fit:digit_reward"}'])
     assert cli.trainer.global_step == 1
     assert type(cli.datamodule.backend).__name__ == "EngineRollout" and cli.model.packing  # the defaults apply
     # bf16 compute (autocast training, bf16 decoding copies where the CPU has bf16 units) over float32 master

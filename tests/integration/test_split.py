@@ -1,4 +1,4 @@
-"""On-policy rollouts shared with the generator process (``data.split_rollout``, :mod:`rlflow.rollout.split`).
+"""On-policy rollouts shared with the generator process (``data.pipeline.split_rollout``, :mod:`rlflow.rollout.split`).
 
 The split's completions are checked against the trainer's engine decoding the whole call alone (the plain loop),
 token for token, and a split ``rlflow fit`` against the plain one, metric for metric; the trainer's random stream,
@@ -104,32 +104,43 @@ def test_a_failing_share_in_the_trainer_still_collects_the_generators(policy, ti
 
 def test_a_split_fit_logs_what_the_plain_fit_logs_and_continues_exactly(tiny_model, small_data, tmp_path, two_threads):
     plain, split, continued = tmp_path / "plain", tmp_path / "split", tmp_path / "continued"
-    cli_main(run_args(tiny_model, small_data, plain, "--data.split_rollout=false", steps=4))
-    cli = cli_main(run_args(tiny_model, small_data, split, "--data.split_rollout=true", steps=4))
+    cli_main(run_args(tiny_model, small_data, plain, "--data.pipeline.split_rollout=false", steps=4))
+    cli = cli_main(run_args(tiny_model, small_data, split, "--data.pipeline.split_rollout=true", steps=4))
     assert cli.datamodule.split is None  # torn down with the fit
     assert_same_run(plain, split, 4)  # every metric but timings, the evaluations and every trajectory
-    cli_main(run_args(tiny_model, small_data, continued, "--data.split_rollout=true", steps=2))
-    cli_main(run_args(tiny_model, small_data, continued, "--data.split_rollout=true", "--ckpt_path=last", steps=4))
+    cli_main(run_args(tiny_model, small_data, continued, "--data.pipeline.split_rollout=true", steps=2))
+    cli_main(
+        run_args(tiny_model, small_data, continued, "--data.pipeline.split_rollout=true", "--ckpt_path=last", steps=4)
+    )
     assert_same_run(split, continued, 4)  # a finished run continued: the call keys go on where they were
     assert_same_final_state(split, continued, 4)
 
 
 def test_the_split_goes_off_with_a_reason_where_it_cannot_run(tiny_model, small_data, tmp_path, caplog):
     with torch_threads(1), caplog.at_level(logging.INFO, logger="rlflow"):
-        cli = cli_main(fit_args(tiny_model, small_data, tmp_path, "--data.split_rollout=true", steps=1))
+        cli = cli_main(fit_args(tiny_model, small_data, tmp_path, "--data.pipeline.split_rollout=true", steps=1))
     assert cli.datamodule.split is None and not cli.datamodule.split_rollout
-    assert "data.split_rollout is off for this run: the trainer has 1 torch thread(s)" in caplog.text
+    assert "data.pipeline.split_rollout is off for this run: the trainer has 1 torch thread(s)" in caplog.text
 
 
-def test_an_fsdp2_run_leaves_the_split_off_and_starts_no_process(tiny_model, small_data, tmp_path, caplog, two_threads,
-                                                                  monkeypatch):
+def test_an_fsdp2_run_leaves_the_split_off_and_starts_no_process(
+    tiny_model, small_data, tmp_path, caplog, two_threads, monkeypatch
+):
     started = []
     monkeypatch.setattr("rlflow.data.datamodule.GeneratorProcess", lambda *a, **k: started.append(a))
     environ = dict(os.environ)
     try:
         with caplog.at_level(logging.INFO, logger="rlflow"):
-            cli = cli_main(fit_args(tiny_model, small_data, tmp_path, "--data.split_rollout=true",
-                                    "--trainer.strategy=fsdp", steps=1))
+            cli = cli_main(
+                fit_args(
+                    tiny_model,
+                    small_data,
+                    tmp_path,
+                    "--data.pipeline.split_rollout=true",
+                    "--trainer.strategy=fsdp",
+                    steps=1,
+                )
+            )
     finally:  # the one-rank process group would make later tests' metrics sync as if distributed
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -139,7 +150,7 @@ def test_an_fsdp2_run_leaves_the_split_off_and_starts_no_process(tiny_model, sma
         os.environ.clear()
         os.environ.update(environ)
     assert cli.trainer.global_step == 1 and cli.datamodule.split is None and started == []
-    assert "data.split_rollout is off for this run: the policy is sharded (FSDP2)" in caplog.text
+    assert "data.pipeline.split_rollout is off for this run: the policy is sharded (FSDP2)" in caplog.text
 
 
 def test_split_problems_name_the_reason(policy):
@@ -160,21 +171,30 @@ def test_split_problems_name_the_reason(policy):
         assert "policy is on meta" in split_problem(1, 1, False, "cpu", meta)
 
 
-@pytest.mark.parametrize("extra, why", [
-    (["--data.max_staleness=1"], "data.max_staleness=1: the generator process generates ahead instead"),
-    (["--data.tools=[calculator]"], "multi-turn rollouts"),
-])
-def test_pipelined_or_multi_turn_runs_leave_the_split_off_and_say_so(tiny_model, small_data, tmp_path, extra, why,
-                                                                     caplog):
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        (
+            ["--data.pipeline.max_staleness=1"],
+            "data.pipeline.max_staleness=1: the generator process generates ahead instead",
+        ),
+        (["--data.multiturn.tools=[calculator]"], "multi-turn rollouts"),
+    ],
+)
+def test_pipelined_or_multi_turn_runs_leave_the_split_off_and_say_so(
+    tiny_model, small_data, tmp_path, extra, why, caplog
+):
     with caplog.at_level(logging.INFO, logger="rlflow"):
-        cli = cli_main(fit_args(tiny_model, small_data, tmp_path, "--data.split_rollout=true", *extra)[1:], run=False)
+        cli = cli_main(
+            fit_args(tiny_model, small_data, tmp_path, "--data.pipeline.split_rollout=true", *extra)[1:], run=False
+        )
     assert not cli.datamodule.split_rollout
-    assert f"data.split_rollout is off for this run: {why}" in caplog.text
+    assert f"data.pipeline.split_rollout is off for this run: {why}" in caplog.text
 
 
 def test_rlflow_fit_starts_the_generator_early_for_a_split(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("data: {split_rollout: true}\n")
     assert prestart.predict(["--config", str(config)]) == (0, 1)
-    assert prestart.predict(["--config", str(config), "--data.generator_threads=2"]) == (0, 2)
-    assert prestart.predict(["--config", str(config), "--data.split_rollout=false"]) is None
+    assert prestart.predict(["--config", str(config), "--data.pipeline.generator_threads=2"]) == (0, 2)
+    assert prestart.predict(["--config", str(config), "--data.pipeline.split_rollout=false"]) is None

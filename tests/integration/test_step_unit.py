@@ -65,13 +65,25 @@ def test_every_step_count_is_in_rollout_steps(tiny_model, small_data, tmp_path, 
     loggers = json.dumps([{"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": save_dir},
                           {"class_path": "tests.integration.test_step_unit.TableRecorder", "init_args": save_dir}])
     args = [a for a in run_args(tiny_model, small_data, tmp_path, steps=21) if not a.startswith("--trainer.logger")]
-    cli = cli_main([
-        *args, f"--trainer.logger={loggers}", "--trainer.callbacks+=tests.integration.test_step_unit.EvalSteps",
-        "--model.optimizer_steps=4", "--data.global_batch_size=2", "--data.prompt_repeat_k=2", "--data.max_tokens=4",
-        "--samples.every_n_steps=10", "--checkpoint.every_n_train_steps=10", "--checkpoint.save_top_k=-1",
-        f"--data.eval_data_path={small_data / 'val.jsonl'}", "--data.eval_batch_size=4", "--evaluate_every_n_steps=10",
-        "--trainer.log_every_n_steps=5", "--model.lr_schedule=linear",
-    ])
+    cli = cli_main(
+        [
+            *args,
+            f"--trainer.logger={loggers}",
+            "--trainer.callbacks+=tests.integration.test_step_unit.EvalSteps",
+            "--model.update.optimizer_steps=4",
+            "--data.global_batch_size=2",
+            "--data.prompt_repeat_k=2",
+            "--data.sampling.max_tokens=4",
+            "--samples.every_n_steps=10",
+            "--checkpoint.every_n_train_steps=10",
+            "--checkpoint.save_top_k=-1",
+            f"--data.eval_data_path={small_data / 'val.jsonl'}",
+            "--data.eval.batch_size=4",
+            "--evaluate_every_n_steps=10",
+            "--trainer.log_every_n_steps=5",
+            "--model.optim.lr_schedule=linear",
+        ]
+    )
     trainer = cli.trainer
     assert trainer.global_step == 21 and cli.model.policy_version == 84  # 21 rollout steps x 4 optimizer steps
     # the table of rollout steps 1, 11 and 21; W&B's step is the 0-based index metrics.csv and trajectories use

@@ -46,9 +46,18 @@ def image_judger(completions, images, ground_truth, **kwargs):
 def test_fit_one_step_on_hf_and_the_export_reloads_with_its_processor(vlm_dir, squares, tmp_path):
     from rlflow.cli import cli_main
 
-    args = fit_args(vlm_dir, squares.parent, tmp_path, "--data.rollout=auto", "--data.max_tokens=6",
-                    "--data.judgers={'*': 'tests.integration.test_vision_fit:image_judger'}", "--model.kl_coef=0.01",
-                    f"--data.eval_data_path={squares}", "--evaluate_every_n_steps=1", steps=1)
+    args = fit_args(
+        vlm_dir,
+        squares.parent,
+        tmp_path,
+        "--data.rollout=auto",
+        "--data.sampling.max_tokens=6",
+        "--data.judging.judgers={'*': 'tests.integration.test_vision_fit:image_judger'}",
+        "--model.loss.kl_coef=0.01",
+        f"--data.eval_data_path={squares}",
+        "--evaluate_every_n_steps=1",
+        steps=1,
+    )
     args = [a for a in args if not a.startswith("--data.train_data_path")] + [f"--data.train_data_path={squares}"]
     cli = cli_main(args)
     module = cli.model
@@ -74,8 +83,9 @@ def test_fit_one_step_on_hf_and_the_export_reloads_with_its_processor(vlm_dir, s
     with torch.no_grad():
         assert torch.isfinite(reloaded(**enc).logits).all()
     # a finished run continues (the replay buffer and its image references come back from the checkpoint)
-    resumed = cli_main([*[a for a in args if not a.startswith("--trainer.max_steps")], "--trainer.max_steps=2",
-                        "--ckpt_path=last"])
+    resumed = cli_main(
+        [*[a for a in args if not a.startswith("--trainer.max_steps")], "--trainer.max_steps=2", "--ckpt_path=last"]
+    )
     assert resumed.trainer.global_step == 2
     resumed_rows = [r for r in csv.DictReader((Path(resumed.trainer.log_dir) / "metrics.csv").open()) if r["loss"]]
     assert [int(r["step"]) for r in resumed_rows] == [1]  # it went on from the checkpoint: one more step only
@@ -85,9 +95,14 @@ def test_fit_one_step_on_hf_and_the_export_reloads_with_its_processor(vlm_dir, s
 def test_pipelined_generation_with_images_is_one_config_error(vlm_dir, squares, tmp_path):
     from rlflow.cli import cli_main
 
-    args = fit_args(vlm_dir, squares.parent, tmp_path, "--data.max_staleness=1",
-                    "--data.judgers={'*': 'tests.integration.test_vision_fit:image_judger'}", steps=1)
+    args = fit_args(
+        vlm_dir,
+        squares.parent,
+        tmp_path,
+        "--data.pipeline.max_staleness=1",
+        "--data.judging.judgers={'*': 'tests.integration.test_vision_fit:image_judger'}",
+        steps=1,
+    )
     args = [a for a in args if not a.startswith("--data.train_data_path")] + [f"--data.train_data_path={squares}"]
-    with pytest.raises(ConfigError, match="images are not pipelined.*data.max_staleness=0"):
+    with pytest.raises(ConfigError, match="images are not pipelined.*data.pipeline.max_staleness=0"):
         cli_main(args)
-

@@ -122,8 +122,8 @@ def test_a_judger_that_hangs_times_out_under_data_judger_timeout(tiny_model, tin
     config = tmp_path / "c.yaml"
     config.write_text(f"model:\n  model_path: {tiny_model}\ndata:\n  train_data_path: {tiny_data / 'val.jsonl'}\n")
     start = time.perf_counter()
-    rc = main(["data", "check", "--config", str(config), "--data.judger_timeout=0.5",
-               '--data.judgers={"*": "tests.unit.data.test_data_check.stuck"}'])
+    rc = main(["data", "check", "--config", str(config), "--data.judging.timeout=0.5",
+               '--data.judging.judgers={"*": "tests.unit.data.test_data_check.stuck"}'])
     assert time.perf_counter() - start < 20  # the probe was abandoned after 0.5 s, not waited for (30 s)
     out = capsys.readouterr().out
     assert rc == 1

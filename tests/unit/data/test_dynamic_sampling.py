@@ -116,5 +116,5 @@ def test_ranks_run_the_same_number_of_rounds(tiny_model, tiny_data):
 
 def test_bad_round_cap_is_refused(tiny_model, tiny_data):
     with pytest.raises(ValueError, match="max_sampling_rounds"):
-        RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), max_sampling_rounds=0)
+        RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), filtering={"max_rounds": 0})
 

@@ -105,10 +105,16 @@ def test_datamodule_settings_and_per_source_overrides(tiny_model, tmp_path):
     plain.write_text(json.dumps({"prompt": "1+1", "data_source": "p"}) + "\n")
     dm = RolloutDataModule(
         train_data_path=[
-            str(chat), {"path": str(plain), "prompt_template": "Solve: {prompt} =", "system_prompt": "unused"}
+            str(chat),
+            {"path": str(plain), "prompt_template": "Solve: {prompt} =", "system_prompt": "unused"},
         ],
-        tokenizer_path=str(tiny_model), system_prompt="Data-level.", prompt_template="Q: {prompt}",
-        chat_template_kwargs={"enable_thinking": False}, judgers={"*": "gsm8k"},
+        tokenizer_path=str(tiny_model),
+        prompts={
+            "system_prompt": "Data-level.",
+            "template": "Q: {prompt}",
+            "chat_template_kwargs": {"enable_thinking": False},
+        },
+        judging={"judgers": {"*": "gsm8k"}},
     )
     dm.load_tokenizer().chat_template = THINKING_TEMPLATE
     chat_rec, plain_rec = dm.train_prompts.load(dm.tokenizer)
@@ -116,9 +122,9 @@ def test_datamodule_settings_and_per_source_overrides(tiny_model, tmp_path):
         "<|im_start|>system\nData-level.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\n<think>\n\n</think>\n\n"
     )
-    assert plain_rec.prompt_text == "Solve: 1+1 ="  # the source's template wins over data.prompt_template
+    assert plain_rec.prompt_text == "Solve: 1+1 ="  # the source's template wins over data.prompts.template
     plain_source = dm.train_prompts.sources[1]
     assert dm.train_prompts.format_for(plain_source).render(plain_rec, dm.tokenizer) == "Solve: 1+1 ="
     assert dm.tokenizer.decode(plain_rec.prompt_ids) == plain_rec.prompt_text
     with pytest.raises(ValueError, match="no '{prompt}' placeholder"):
-        RolloutDataModule(train_data_path=str(plain), prompt_template="{question}")
+        RolloutDataModule(train_data_path=str(plain), prompts={"template": "{question}"})

@@ -169,17 +169,14 @@ def test_datamodule_mixes_sources_with_their_own_limits(tiny_model, tmp_path):
     long += [{"prompt": "y" * 80, "data_source": "long", "reward_model": {"ground_truth": "1"}}]
     (tmp_path / "short.jsonl").write_text("".join(json.dumps(r) + "\n" for r in short))
     pq.write_table(pa.Table.from_pylist(long), tmp_path / "long.parquet")
-    dm = RolloutDataModule(
-        train_data_path=[
+    dm = RolloutDataModule(train_data_path=[
             str(tmp_path / "short.jsonl"),
             {"path": str(tmp_path / "long.parquet"), "weight": 3, "max_prompt_length": 40},
-        ],
-        tokenizer_path=str(tiny_model), global_batch_size=4, max_prompt_length=8, judgers={"*": "gsm8k"},
-    )
+        ], tokenizer_path=str(tiny_model), global_batch_size=4, max_prompt_length=8,
+        judging={"judgers": {"*": "gsm8k"}})
     dm.setup("fit")
     assert dm.train_prompts.sizes == {"short": 6, "long": 5}
     assert dm.train_prompts.dropped_by_source == {"short": 0, "long": 1}
     assert isinstance(dm.sampler, MixBatchSampler)
     batch = next(iter(dm.train_dataloader()))
     assert sorted(r.data_source for r in batch) == ["long", "long", "long", "short"]
-

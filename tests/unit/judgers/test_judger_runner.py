@@ -86,7 +86,7 @@ def test_config_errors_are_specific():
         JudgerRunner({"a": "gsm8k"}, reward_weights={"nope": 1.0})
     with pytest.raises(ValueError, match="judger_timeout must be positive"):
         JudgerRunner({"a": "gsm8k"}, timeout=0)
-    with pytest.raises(ValueError, match="data.judgers is empty"):
+    with pytest.raises(ValueError, match="data.judging.judgers is empty"):
         JudgerRunner({})
     runner = JudgerRunner({"a": J1})
     with pytest.raises(KeyError, match=r"no judger for data_source 'zzz'.*\['a'\]"):

@@ -21,8 +21,12 @@ K = 4
 
 def make_dm(tiny_model, tiny_data, judgers, **kw):
     dm = RolloutDataModule(
-        train_data_path=str(tiny_data / "train.jsonl"), tokenizer_path=str(tiny_model), prompt_repeat_k=K,
-        global_batch_size=8, max_tokens=8, **kw,
+        train_data_path=str(tiny_data / "train.jsonl"),
+        tokenizer_path=str(tiny_model),
+        prompt_repeat_k=K,
+        global_batch_size=8,
+        **kw,
+        sampling={"max_tokens": 8},
     )
     dm.setup("fit")
     dm.judges.default = JudgerRunner(judgers, timeout=10.0)
@@ -37,7 +41,7 @@ def judge_whole(dm, records, completions):
 
 def run(dm, records):
     """``generate_and_judge`` the way the datamodule calls it."""
-    return generate_and_judge(dm.backend, dm.judges.judge, records, dm.sampling, K, dm.overlap_judging)
+    return generate_and_judge(dm.backend, dm.judges.judge, records, dm.sampling, K, dm.judging.overlap)
 
 
 def half_none(completions, **kwargs):
@@ -102,8 +106,9 @@ def test_shuffled_stream_equals_whole_batch_judging(tiny_model, tiny_data, token
     groups = premade(dm, records, tokenizer)
     dm.backend, dm.rollout_progress = ShuffledStream(groups), progress_recorder
     overlap = OverlappedJudging(dm.judges.judge, K)
-    out_groups, result, texts = overlap.run(dm.backend.stream([r.prompt_ids for r in records], None, K),
-                                            records, dm.rollout_progress)
+    out_groups, result, texts = overlap.run(
+        dm.backend.stream([r.prompt_ids for r in records], None, K), records, dm.rollout_progress
+    )
     rewards, metrics = result.rewards, result.metrics
     assert len(overlap.jobs) > 1  # judged in several chunks, not once at the end
     assert all(sorted(chunk) == chunk for chunk, _ in overlap.jobs)
@@ -114,8 +119,11 @@ def test_shuffled_stream_equals_whole_batch_judging(tiny_model, tiny_data, token
     assert len(set(rewards)) > 2 and 0 < metrics["judger/unscored"] < len(flat)  # the comparison is not vacuous
     # the listener saw the whole batch, group by group in finishing order
     order = dm.backend.order
-    assert dm.rollout_progress.calls == [("start", 8 * K), *[
-        ("update", K, sum(len(c.token_ids) for c in groups[i])) for i in order], ("close",)]
+    assert dm.rollout_progress.calls == [
+        ("start", 8 * K),
+        *[("update", K, sum(len(c.token_ids) for c in groups[i])) for i in order],
+        ("close",),
+    ]
 
 
 def test_make_experience_paths_agree(tiny_model, tiny_data, tokenizer):
@@ -128,8 +136,12 @@ def test_make_experience_paths_agree(tiny_model, tiny_data, tokenizer):
         metrics = dm.make_experience(records, policy_version=0, step=0).metrics
         assert (dm.backend.stream_calls, dm.backend.generate_calls) == ((1, 0) if overlap else (0, 1))
         drop = {"rollout/time", "rollout/tokens_per_s"}
-        results.append(({k: v for k, v in metrics.items() if k not in drop},
-                        [(e.reward, e.advantage, e.completion_ids) for e in dm.buffer.items]))
+        results.append(
+            (
+                {k: v for k, v in metrics.items() if k not in drop},
+                [(e.reward, e.advantage, e.completion_ids) for e in dm.buffer.items],
+            )
+        )
     assert results[0] == results[1]
 
 

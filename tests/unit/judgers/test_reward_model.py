@@ -140,7 +140,7 @@ def test_on_cuda_in_bfloat16_the_scores_are_close_to_float32_on_cpu(rm_path):
 
 
 def test_in_the_panel_a_hanging_or_broken_reward_model_is_a_counted_failure(rm_path, tmp_path, caplog):
-    """A reward model slower than ``data.judger_timeout`` and one whose weights cannot load each give None for
+    """A reward model slower than ``data.judging.timeout`` and one whose weights cannot load each give None for
     their samples, are counted in ``judger/failures`` (the error naming the model and the cause), and the other
     judgers' rewards stand."""
     import shutil

@@ -1,4 +1,5 @@
-"""rlflow/models/dropout.py: ``model.disable_dropout`` makes the policy's train-mode forward the deterministic eval-mode
+"""rlflow/models/dropout.py: ``model.policy.disable_dropout`` makes the policy's train-mode forward the deterministic
+eval-mode
 one, for both forms of dropout transformers' models use, and GRPOModule applies it at load time by default."""
 
 from __future__ import annotations

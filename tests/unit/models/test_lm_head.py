@@ -1,8 +1,8 @@
-"""``model.cast_lm_head_to_fp32`` (:mod:`rlflow.models.lm_head`): the head's parameters and product in float32, in the
+"""``model.policy.cast_lm_head_to_fp32`` (:mod:`rlflow.models.lm_head`): the head's parameters and product in
+float32, in the
 model's own forward, rlflow's chunked log-probs (autocast or not) and the engine's bf16 decode; tied embeddings
 keep their output dtype; a PEFT adapter on the head is refused. Precision is checked against a float64 product
 of the same bf16 hidden states and weights, worked out separately."""
-
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def exact_logprobs(model: torch.nn.Module, batch: dict[str, torch.Tensor], head_
     """float64 log-softmax of the model's own last hidden states (bf16) times ``head_weight`` (the bf16 values)."""
     width = batch["completion_ids"].shape[1]
     with torch.no_grad():
-        hidden = model.model(input_ids=batch["input_ids"]).last_hidden_state[:, -width - 1: -1]
+        hidden = model.model(input_ids=batch["input_ids"]).last_hidden_state[:, -width - 1 : -1]
         logits = hidden.double() @ head_weight.double().t()
     return torch.log_softmax(logits, -1).gather(-1, batch["completion_ids"][..., None])[..., 0]
 
@@ -118,7 +118,7 @@ def test_the_engine_decodes_in_bf16_with_a_float32_head(tied, source):
         for c in group:
             ids = torch.tensor([prompt + c.token_ids])
             with torch.no_grad():
-                logits = forward(input_ids=ids).logits[0, len(prompt) - 1: -1].double()
+                logits = forward(input_ids=ids).logits[0, len(prompt) - 1 : -1].double()
             want = torch.log_softmax(logits, -1).gather(1, torch.tensor(c.token_ids)[:, None])[:, 0]
             torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), want, atol=0.02, rtol=0)
 
@@ -132,7 +132,7 @@ def test_a_lora_adapter_on_the_head_is_refused():
 
 
 def test_the_pipelined_generators_copy_keeps_the_float32_head():
-    """``data.max_staleness`` runs the engine in a process on a copy of the policy: the copy's layers keep the
+    """``data.pipeline.max_staleness`` runs the engine in a process on a copy of the policy: the copy's layers keep the
     policy's dtype (not the float32 of a tied head that comes first), its head is an FP32Linear with the same
     float32 weights, and it pickles (the tied embedding's hook included), as handing it to the process needs."""
     import pickle
@@ -149,4 +149,3 @@ def test_the_pipelined_generators_copy_keeps_the_float32_head():
         logits = copy_(input_ids=ids).logits
         assert logits.dtype == torch.float32
         torch.testing.assert_close(pickle.loads(pickle.dumps(copy_))(input_ids=ids).logits, logits, rtol=0, atol=0)
-

@@ -186,7 +186,7 @@ def test_gradient_checkpointing_keeps_the_adapters_gradients():
     for checkpointing in (False, True):
         model = tiny_causal_lm("qwen3")
         if checkpointing:
-            enable_activation_checkpointing(model)  # as model.gradient_checkpointing does
+            enable_activation_checkpointing(model)  # as model.policy.gradient_checkpointing does
         random_lora(model)
         model.train()
         ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(3))

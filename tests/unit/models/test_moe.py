@@ -1,7 +1,7 @@
-"""``model.router_aux_loss_coef`` (:mod:`rlflow.models.moe`): an MoE policy's load-balancing loss, caught from rlflow's
+"""``model.policy.router_aux_loss_coef`` (:mod:`rlflow.models.moe`): an MoE policy's load-balancing loss, caught from
+rlflow's
 own log-prob forward, equals transformers' ``aux_loss`` of the same batch; the coefficient defaults to the config's
 and is refused for dense models."""
-
 
 from __future__ import annotations
 
@@ -14,8 +14,18 @@ from rlflow.models.moe import collect_router_logits, router_aux_coef
 from rlflow.training.logprobs import completion_logprobs
 from tests.helpers.tiny_archs import tiny_causal_lm
 
-MOE = dict(hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-           num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, max_position_embeddings=256)
+MOE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+)
 
 
 def tiny_moe(vocab: int = 64, seed: int = 0) -> torch.nn.Module:
@@ -47,8 +57,9 @@ def test_the_aux_loss_is_found_through_a_wrapper_subclass():
     model.__class__ = type("FSDPQwen3MoeForCausalLM", (type(model),), {"__module__": "torch.distributed.fsdp"})
     ids = torch.randint(2, 64, (2, 9), generator=torch.Generator().manual_seed(2))
     with collect_router_logits(model) as caught:
-        completion_logprobs(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                                    "completion_ids": ids[:, 4:]})
+        completion_logprobs(
+            model, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_ids": ids[:, 4:]}
+        )
     torch.testing.assert_close(caught.aux_loss(), model(input_ids=ids, output_router_logits=True).aux_loss)
 
 
@@ -63,4 +74,3 @@ def test_the_coefficient_defaults_to_the_config_and_is_refused_for_dense_models(
     with collect_router_logits(dense) as caught:  # nothing to catch: no hook, zero loss
         dense(torch.tensor([[3, 4, 5]]))
     assert float(caught.aux_loss()) == 0.0
-

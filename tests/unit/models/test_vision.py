@@ -307,12 +307,12 @@ def test_data_check_validates_every_image_with_file_and_line(tmp_path, vlm_dir, 
 def test_replay_buffer_with_images_survives_a_weights_only_checkpoint(tmp_path):
     from rlflow.data.datamodule import RolloutDataModule
 
-    dm = RolloutDataModule(train_data_path=str(tmp_path / "unused.jsonl"), judgers={"*": "gsm8k"})
+    dm = RolloutDataModule(train_data_path=str(tmp_path / "unused.jsonl"), judging={"judgers": {"*": "gsm8k"}})
     exps = [Experience([1, 2], [3], [0.0], 1.0, 0.5, 0, "stop", 0, images=["/data/a.png", b"\x89PNG..."]),
             Experience([1, 2], [4], [0.0], 0.0, -0.5, 0, "stop", 0)]
     dm.buffer.add(exps)
     torch.save(dm.state_dict(), tmp_path / "state.pt")
-    other = RolloutDataModule(train_data_path=str(tmp_path / "unused.jsonl"), judgers={"*": "gsm8k"})
+    other = RolloutDataModule(train_data_path=str(tmp_path / "unused.jsonl"), judging={"judgers": {"*": "gsm8k"}})
     other.load_state_dict(torch.load(tmp_path / "state.pt", weights_only=True))
     assert [e.images for e in other.buffer.drain(1)[0]] == [["/data/a.png", b"\x89PNG..."], None]
 

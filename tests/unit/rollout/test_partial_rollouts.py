@@ -1,4 +1,5 @@
-"""Partial rollouts (``data.partial_rollouts``): a completion interrupted by a weight update continues under the new
+"""Partial rollouts (``data.pipeline.partial_rollouts``): a completion interrupted by a weight update continues under
+the new
 weights from its KV cache, each token stamped with the version that sampled it.
 
 Every log-prob is checked against a plain recomputation with transformers' own forward: the tokens sampled before
@@ -6,7 +7,6 @@ the swap against a full forward of the old weights, those after it against the n
 from the old weights' cache of the prefix (what "keeping the KV cache" computes), which differs from both a full
 forward of the old and of the new weights.
 """
-
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from rlflow.config_error import ConfigError
+from rlflow.data.settings import PipelineSettings
 from rlflow.rollout.base import SamplingParams
 from rlflow.rollout.engine import EngineRollout
 from rlflow.rollout.engine_support import cache_kwargs
@@ -28,8 +29,9 @@ from tests.helpers.tiny_archs import IdTokenizer, tiny_causal_lm
 TESTS = ROOT / "tests"
 
 
-def swapped_logprobs(old, new, prompt: list[int], tokens: list[int], versions: list[int],
-                     old_version: int) -> torch.Tensor:
+def swapped_logprobs(
+    old, new, prompt: list[int], tokens: list[int], versions: list[int], old_version: int
+) -> torch.Tensor:
     """log p(token | prefix) of a completion whose tokens from index ``m`` on (the first not of ``old_version``)
     were sampled by ``new`` on the cache ``old`` built for the prompt and the tokens before ``m - 1`` (the token fed
     at the first new step is fed through ``new``)."""
@@ -38,19 +40,22 @@ def swapped_logprobs(old, new, prompt: list[int], tokens: list[int], versions: l
     ids = torch.tensor([prompt + tokens])
     p = len(prompt)
     with torch.no_grad():
-        logp_old = torch.log_softmax(old(input_ids=ids).logits[0, p - 1: -1].float(), -1)
+        logp_old = torch.log_softmax(old(input_ids=ids).logits[0, p - 1 : -1].float(), -1)
         out = logp_old.gather(1, torch.tensor(tokens)[:, None])[:, 0]
         if m == len(tokens):
             return out
         if m == 0:  # admitted after the swap: all new
-            logp_new = torch.log_softmax(new(input_ids=ids).logits[0, p - 1: -1].float(), -1)
+            logp_new = torch.log_softmax(new(input_ids=ids).logits[0, p - 1 : -1].float(), -1)
             return logp_new.gather(1, torch.tensor(tokens)[:, None])[:, 0]
         cache = DynamicCache(config=old.config)
         old(input_ids=torch.tensor([prompt + tokens[: m - 1]]), use_cache=True, **cache_kwargs(old, cache))
-        rest = tokens[m - 1:]
+        rest = tokens[m - 1 :]
         positions = torch.arange(p + m - 1, p + len(tokens))[None]
-        logits = new(input_ids=torch.tensor([rest]), position_ids=positions, use_cache=True,
-                     **cache_kwargs(new, cache)).logits[0, :-1].float()
+        logits = (
+            new(input_ids=torch.tensor([rest]), position_ids=positions, use_cache=True, **cache_kwargs(new, cache))
+            .logits[0, :-1]
+            .float()
+        )
         tail = torch.log_softmax(logits, -1).gather(1, torch.tensor(tokens[m:])[:, None])[:, 0]
         return torch.cat([out[:m], tail])
 
@@ -58,7 +63,7 @@ def swapped_logprobs(old, new, prompt: list[int], tokens: list[int], versions: l
 def plain(model, prompt, tokens) -> torch.Tensor:
     ids = torch.tensor([prompt + tokens])
     with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1: -1].float(), -1)
+        logp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float(), -1)
     return logp.gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
@@ -105,27 +110,27 @@ def test_a_swap_mid_decode_continues_rows_under_the_new_weights_from_their_cache
 
 
 def test_the_oldest_token_bounds_a_groups_staleness():
-    groups = [[([1, 2, 3], [0.0] * 3, "length", [4, 4, 5]), ([1], [0.0], "stop", [4])],
-              [([1, 2], [0.0] * 2, "length", [5, 5]), ([3], [0.0], "stop", [5])],
-              [([1], [0.0], "stop", None)]]
+    groups = [
+        [([1, 2, 3], [0.0] * 3, "length", [4, 4, 5]), ([1], [0.0], "stop", [4])],
+        [([1, 2], [0.0] * 2, "length", [5, 5]), ([3], [0.0], "stop", [5])],
+        [([1], [0.0], "stop", None)],
+    ]
     result = JobResult(step=3, version=4, prompts=[[1], [2], [3]], groups=groups, seconds=0.0, swapped_to=5)
     assert group_versions(result) == [4, 5, 4]  # oldest token; the job's version without stamps
     assert JobResult.from_state(result.to_state()) == result
 
 
 def test_partial_rollouts_need_pipelining_the_engine_and_one_process():
-    from types import SimpleNamespace
 
     from rlflow.rollout.hf import HFRollout
     from rlflow.rollout.pipeline import check_partial
 
-    with pytest.raises(ConfigError, match="data.partial_rollouts .* needs data.max_staleness >= 1"):
-        make_pipeline(0, "regenerate", 1, 0, partial_rollouts=True)
-    with pytest.raises(ConfigError, match="data.partial_swap_step"):
-        make_pipeline(1, "regenerate", 1, 0, partial_rollouts=True, partial_swap_step=-1)
+    with pytest.raises(ConfigError, match="data.pipeline.partial_rollouts .* needs data.pipeline.max_staleness >= 1"):
+        make_pipeline(PipelineSettings(partial_rollouts=True), seed=0)
+    with pytest.raises(ConfigError, match="data.pipeline.partial_swap_step"):
+        PipelineSettings(max_staleness=1, partial_rollouts=True, partial_swap_step=-1)
     with pytest.raises(ConfigError, match="needs the engine rollout backend.*HFRollout"):
-        check_partial(SimpleNamespace(backend=HFRollout(), world_size=1))
+        check_partial(HFRollout(), 1)
     with pytest.raises(ConfigError, match="not supported with 2 ranks"):
-        check_partial(SimpleNamespace(backend=EngineRollout(), world_size=2))
-    check_partial(SimpleNamespace(backend=EngineRollout(), world_size=1))
-
+        check_partial(EngineRollout(), 2)
+    check_partial(EngineRollout(), 1)

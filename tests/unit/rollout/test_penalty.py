@@ -1,4 +1,4 @@
-"""``data.repetition_penalty`` (:mod:`rlflow.rollout.penalty`): the penalty against transformers'
+"""``data.sampling.repetition_penalty`` (:mod:`rlflow.rollout.penalty`): the penalty against transformers'
 ``RepetitionPenaltyLogitsProcessor``; the engine's and the ``hf`` backend's log-probs against a plain recomputation
 (one full forward per completion, the penalty applied by transformers' processor to the prompt and the tokens so
 far, then the temperature), through admissions in several waves, compaction and left padding; greedy decoding
@@ -133,12 +133,12 @@ def test_greedy_decoding_takes_the_best_penalised_token(kind):
 def test_bad_penalties_are_refused():
     with pytest.raises(ConfigError, match="repetition_penalty must be > 0"):
         SamplingParams(repetition_penalty=0.0)
-    with pytest.raises(ConfigError, match="data.repetition_penalty must be > 0"):
+    with pytest.raises(ConfigError, match="data.sampling.repetition_penalty must be > 0"):
         check_values("data", DATA_RULES, {"repetition_penalty": -1.0})
 
 
 def test_the_datamodule_hands_the_penalty_to_training_rollouts_only(tiny_model, tiny_data):
     from rlflow.data.datamodule import RolloutDataModule
 
-    dm = RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), repetition_penalty=1.2)
+    dm = RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), sampling={"repetition_penalty": 1.2})
     assert dm.sampling.repetition_penalty == 1.2 and dm.eval_sampling.repetition_penalty == 1.0

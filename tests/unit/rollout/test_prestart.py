@@ -25,9 +25,11 @@ def test_predicts_the_staleness_and_threads_a_fit_command_sets(config):
     assert prestart.predict(["--config", pipelined]) == (1, 1)
     assert prestart.predict([f"--config={pipelined}", "--trainer.max_steps=3"]) == (1, 1)
     assert prestart.predict(["-c", plain]) is None  # the default: on-policy
-    assert prestart.predict(["--config", plain, "--data.max_staleness", "2", "--data.generator_threads=2"]) == (2, 2)
+    assert prestart.predict(
+        ["--config", plain, "--data.pipeline.max_staleness", "2", "--data.pipeline.generator_threads=2"]
+    ) == (2, 2)
     # the last word wins, as in jsonargparse: a later file or override
-    assert prestart.predict(["--config", pipelined, "--data.max_staleness=0"]) is None
+    assert prestart.predict(["--config", pipelined, "--data.pipeline.max_staleness=0"]) is None
     assert prestart.predict(["--config", pipelined, "--config", plain]) == (1, 1)  # plain leaves the key alone
     assert prestart.predict(["--config", pipelined, "--config", config("data: {max_staleness: 0}\n")]) is None
     # a flag without a value does not swallow the next option
@@ -35,12 +37,12 @@ def test_predicts_the_staleness_and_threads_a_fit_command_sets(config):
 
 
 def test_predicts_nothing_it_cannot_read_or_that_needs_no_process(config):
-    assert prestart.predict(["--config", "/no/such/file.yaml", "--data.max_staleness=1"]) is None
+    assert prestart.predict(["--config", "/no/such/file.yaml", "--data.pipeline.max_staleness=1"]) is None
     assert prestart.predict(["--config", config("data: [unclosed\n")]) is None
-    assert prestart.predict(["--data.max_staleness=one"]) is None
-    assert prestart.predict(["--data.max_staleness=1", "--data.generator_threads=0"]) is None
+    assert prestart.predict(["--data.pipeline.max_staleness=one"]) is None
+    assert prestart.predict(["--data.pipeline.max_staleness=1", "--data.pipeline.generator_threads=0"]) is None
     # lmdeploy sends its requests from a thread: no generator process
-    assert prestart.predict(["--data.max_staleness=1", "--data.rollout=lmdeploy"]) is None
+    assert prestart.predict(["--data.pipeline.max_staleness=1", "--data.rollout=lmdeploy"]) is None
     lmdeploy = config("data:\n  max_staleness: 1\n  rollout: {class_path: rlflow.rollout.lmdeploy.LMDeployRollout}\n")
     assert prestart.predict(["--config", lmdeploy]) is None
 

@@ -7,6 +7,7 @@ import pytest
 from rlflow.config_error import ConfigError
 from rlflow.data.mix import MixBatchSampler
 from rlflow.data.sampler import PromptBatchSampler
+from rlflow.data.settings import PipelineSettings
 from rlflow.rollout.pipeline import make_pipeline, peek_next_batch
 from rlflow.rollout.staleness import StalenessGate
 
@@ -37,21 +38,22 @@ def test_gate_counters_survive_a_checkpoint():
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "1"])
 def test_bad_max_staleness_is_a_config_error(value):
-    with pytest.raises(ConfigError, match="data.max_staleness"):
+    with pytest.raises(ConfigError, match="data.pipeline.max_staleness"):
         StalenessGate(value)
 
 
 def test_pipeline_settings_are_checked():
-    assert make_pipeline(0, "regenerate", 1, 0) is None  # today's loop: no pipeline, no generator process
-    with pytest.raises(ConfigError, match="data.stale_policy"):
-        make_pipeline(1, "ignore", 1, 0)
-    with pytest.raises(ConfigError, match="data.generator_threads"):
-        make_pipeline(1, "drop", 0, 0)
-    with pytest.raises(ConfigError, match="data.dynamic_sampling"):
-        make_pipeline(1, "drop", 1, 0, dynamic_sampling=True)
-    with pytest.raises(ConfigError, match="multi-turn .*data.max_staleness=0"):
-        make_pipeline(1, "drop", 1, 0, multiturn=True)
-    assert make_pipeline(2, "drop", 1, 0).gate.max_staleness == 2
+    assert make_pipeline(PipelineSettings(), seed=0) is None  # today's loop: no pipeline, no generator process
+    with pytest.raises(ConfigError, match="data.pipeline.stale_policy"):
+        PipelineSettings(max_staleness=1, stale_policy="ignore")
+    with pytest.raises(ConfigError, match="data.pipeline.generator_threads"):
+        PipelineSettings(max_staleness=1, generator_threads=0)
+    with pytest.raises(ConfigError, match="data.filtering.dynamic_sampling"):
+        make_pipeline(PipelineSettings(max_staleness=1), seed=0, dynamic_sampling=True)
+    with pytest.raises(ConfigError, match="multi-turn .*data.pipeline.max_staleness=0"):
+        make_pipeline(PipelineSettings(max_staleness=1), seed=0, multiturn=True)
+    pipeline = make_pipeline(PipelineSettings(max_staleness=2, stale_policy="drop", generator_threads=2), seed=3)
+    assert (pipeline.gate.max_staleness, pipeline.gate.policy, pipeline.threads, pipeline.seed) == (2, "drop", 2, 3)
 
 
 def _replay(sampler, epochs: int) -> tuple[list[list[int]], list[list[int]]]:

@@ -45,7 +45,7 @@ def test_tool_without_docstring_or_duplicate_is_a_config_error():
     def nodoc(x: int) -> int:
         return x
 
-    with pytest.raises(ConfigError, match="data.tools.*nodoc"):
+    with pytest.raises(ConfigError, match="data.multiturn.tools.*nodoc"):
         load_tools([nodoc])
     with pytest.raises(ConfigError, match="two tools are named 'add'"):
         load_tools([add, "tests.helpers.multiturn_helpers:add"])

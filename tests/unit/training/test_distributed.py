@@ -144,7 +144,7 @@ def _sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> 
         mine = estimate_global(gdpo, torch.zeros(8), 4, components=(comp[8 * rank: 8 * rank + 8], weights))
         whole = estimate(gdpo, torch.zeros(16), 4, components=(comp, weights))
         results["gdpo_err"] = float((mine - whole[8 * rank: 8 * rank + 8]).abs().max())
-        # data.skip_solved: each rank's solved groups (its share of the batch) reach both samplers
+        # data.filtering.skip_solved: each rank's solved groups (its share of the batch) reach both samplers
         from types import SimpleNamespace
 
         from rlflow.data.datamodule import RolloutDataModule

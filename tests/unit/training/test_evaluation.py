@@ -102,9 +102,14 @@ def test_eval_sampling_is_seeded_and_leaves_training_rng_alone(tiny_model, tiny_
     from transformers import AutoModelForCausalLM
 
     write_eval_file(tiny_data, tmp_path / "eval.jsonl")
-    dm = RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), eval_data_path=str(tmp_path / "eval.jsonl"),
-                           tokenizer_path=str(tiny_model), eval_k=2, eval_temperature=1.0, max_tokens=8,
-                           judgers={"*": DigitJudger()})
+    dm = RolloutDataModule(
+        train_data_path=str(tiny_data / "train.jsonl"),
+        eval_data_path=str(tmp_path / "eval.jsonl"),
+        tokenizer_path=str(tiny_model),
+        eval={"k": 2, "temperature": 1.0},
+        sampling={"max_tokens": 8},
+        judging={"judgers": {"*": DigitJudger()}},
+    )
     dm.setup("validate")
     dm.bind(AutoModelForCausalLM.from_pretrained(tiny_model))
     torch.manual_seed(123)
@@ -121,13 +126,18 @@ def test_eval_sampling_is_seeded_and_leaves_training_rng_alone(tiny_model, tiny_
 
 def test_k_samples_need_a_temperature(tiny_data):
     with pytest.raises(ValueError, match="eval_temperature"):
-        RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), eval_k=4)
+        RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), eval={"k": 4})
 
 
 def test_eval_judger_failures_are_counted_by_hand():
     metrics = EvalMetrics(k=2, sources=["a"])
-    metrics.update(["a", "a"], [[True, False], [True, True]], [[1.0, 0.0], [1.0, 1.0]], [[3, 4], [5, 6]],
-                   [[False, True], [True, True]])
+    metrics.update(
+        ["a", "a"],
+        [[True, False], [True, True]],
+        [[1.0, 0.0], [1.0, 1.0]],
+        [[3, 4], [5, 6]],
+        [[False, True], [True, True]],
+    )
     metrics.update(["a"], [[False, False]], [[0.0, 0.0]], [[1, 1]])  # no failures given: none
     m = metrics.compute()
     assert m["eval/judger_failures"] == 3.0 and m["eval/accuracy"] == 3 / 6
@@ -145,9 +155,14 @@ def test_evaluate_flags_the_samples_a_judger_failed_on(tiny_model, tiny_data, tm
     from transformers import AutoModelForCausalLM
 
     write_eval_file(tiny_data, tmp_path / "eval.jsonl")
-    dm = RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), eval_data_path=str(tmp_path / "eval.jsonl"),
-                           tokenizer_path=str(tiny_model), eval_k=2, eval_temperature=1.0, max_tokens=8,
-                           judgers={"*": "tests.unit.training.test_evaluation:fails_on_some_answers"})
+    dm = RolloutDataModule(
+        train_data_path=str(tiny_data / "train.jsonl"),
+        eval_data_path=str(tmp_path / "eval.jsonl"),
+        tokenizer_path=str(tiny_model),
+        eval={"k": 2, "temperature": 1.0},
+        sampling={"max_tokens": 8},
+        judging={"judgers": {"*": "tests.unit.training.test_evaluation:fails_on_some_answers"}},
+    )
     dm.setup("validate")
     dm.bind(AutoModelForCausalLM.from_pretrained(tiny_model))
     truths = [str(r.columns["ground_truth"]) for r in dm.eval_records]
@@ -159,14 +174,17 @@ def test_evaluate_flags_the_samples_a_judger_failed_on(tiny_model, tiny_data, tm
     assert out["rewards"] == [[0.0 if f else 1.0 for f in fs] for fs in expected]  # scored without the failed judger
 
 
-@pytest.mark.parametrize("answers,correct,expected", [
-    (["7", "3", "7", None], [True, False, True, False], True),     # 7 twice: right
-    (["3", "7", "7", "3"], [False, True, True, False], False),    # a tie of 3 and 7: the first stated, 3, wrong
-    (["7", "3", "3", "7"], [True, False, False, True], True),     # the same tie, 7 stated first
-    ([None, None, "3", "3", "7"], [False, False, False, False, True], False),  # 3 beats the single right 7
-    ([None, None], [False, False], False),                        # no answer stated
-    (["5"], [True], True),
-])
+@pytest.mark.parametrize(
+    "answers,correct,expected",
+    [
+        (["7", "3", "7", None], [True, False, True, False], True),  # 7 twice: right
+        (["3", "7", "7", "3"], [False, True, True, False], False),  # a tie of 3 and 7: the first stated, 3, wrong
+        (["7", "3", "3", "7"], [True, False, False, True], True),  # the same tie, 7 stated first
+        ([None, None, "3", "3", "7"], [False, False, False, False, True], False),  # 3 beats the single right 7
+        ([None, None], [False, False], False),  # no answer stated
+        (["5"], [True], True),
+    ],
+)
 def test_majority_vote_by_hand(answers, correct, expected):
     assert majority_correct(answers, correct) is expected
 
@@ -181,11 +199,20 @@ def test_eval_metrics_maj_at_k_by_hand():
     in two batches: maj@3 is 1/2 for a (the prompt without answers left out), 1/2 for b, 2/4 overall."""
     metrics = EvalMetrics(k=3, sources=["a", "b"])
     ones = [[1, 1, 1]] * 3
-    metrics.update(["a", "a", "b"], [[True, False, True], [True, False, False], [False, False, True]],
-                   [[1.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]], ones,
-                   answers=[["4", "2", "4"], ["4", "2", "2"], [None, None, None]])
-    metrics.update(["a", "b"], [[True, True, False], [False, True, True]], [[1.0, 1.0, 0.0], [0.0, 1.0, 1.0]],
-                   ones[:2], answers=[None, ["9", "8", "8"]])
+    metrics.update(
+        ["a", "a", "b"],
+        [[True, False, True], [True, False, False], [False, False, True]],
+        [[1.0, 0.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 1.0]],
+        ones,
+        answers=[["4", "2", "4"], ["4", "2", "2"], [None, None, None]],
+    )
+    metrics.update(
+        ["a", "b"],
+        [[True, True, False], [False, True, True]],
+        [[1.0, 1.0, 0.0], [0.0, 1.0, 1.0]],
+        ones[:2],
+        answers=[None, ["9", "8", "8"]],
+    )
     m = metrics.compute()
     assert m["eval/maj@3"] == pytest.approx(2 / 4)
     assert m["eval/a/maj@3"] == pytest.approx(1 / 2) and m["eval/b/maj@3"] == pytest.approx(1 / 2)
@@ -193,4 +220,3 @@ def test_eval_metrics_maj_at_k_by_hand():
     only_without = EvalMetrics(k=3, sources=["a"])
     only_without.update(["a"], [[True, True, True]], [[1.0] * 3], ones[:1])  # no answers given at all
     assert "eval/maj@3" not in only_without.compute()
-

@@ -23,10 +23,13 @@ def test_unset_shortcuts_keep_the_losss_own_values():
 
 
 def test_a_conflict_names_both_keys():
-    with pytest.raises(ConfigError, match=r"model.kl_coef=0.0 conflicts with the loss's own kl_coef=0.01 "
-                                          r"\(model.loss.init_args.kl_coef\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.loss.init_args.kl_coef=0.0 conflicts with the loss's own kl_coef=0.01 "
+        r"\(model.loss.init_args.kl_coef\)",
+    ):
         build_loss({"class_path": "grpo", "init_args": {"kl_coef": 0.01}}, {**UNSET, "kl_coef": 0.0}, max_tokens=12)
-    with pytest.raises(ConfigError, match="model.epsilon_low=0.1 conflicts"):
+    with pytest.raises(ConfigError, match="model.loss.init_args.epsilon_low=0.1 conflicts"):
         build_loss(GRPOLoss(epsilon_low=0.3), {**UNSET, "epsilon_low": 0.1}, max_tokens=12)
 
 
@@ -35,7 +38,9 @@ def test_a_shortcut_the_loss_does_not_have_is_an_error():
         def __call__(self, *args, **kwargs):
             raise NotImplementedError
 
-    with pytest.raises(ConfigError, match="model.kl_coef=0.1 does not apply: the loss Plain has no kl_coef"):
+    with pytest.raises(
+        ConfigError, match="model.loss.init_args.kl_coef=0.1 does not apply: the loss Plain has no kl_coef"
+    ):
         build_loss(Plain(), {**UNSET, "kl_coef": 0.1}, max_tokens=12)
 
 
@@ -43,7 +48,9 @@ def test_the_reference_model_follows_the_losss_kl_coef(tiny_model):
     with_kl = GRPOModule(str(tiny_model), loss=GRPOLoss(kl_coef=0.01))
     assert with_kl.uses_reference and with_kl.hparams.kl_coef is None
     assert not GRPOModule(str(tiny_model), loss="grpo").uses_reference
-    assert GRPOModule(str(tiny_model), kl_coef=0.02).loss_fn.kl_coef == 0.02
+    assert (
+        GRPOModule(str(tiny_model), loss={"class_path": "bnpo", "init_args": {"kl_coef": 0.02}}).loss_fn.kl_coef == 0.02
+    )
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -62,4 +69,3 @@ def test_bf16_precision_on_a_cpu_without_bf16_hardware_is_named(monkeypatch, nat
             assert f"trainer.precision={precision}" in message and "--trainer.precision 32-true" in message
     assert emulated_bf16("32-true", cpu) is None and emulated_bf16("16-mixed", cpu) is None
     assert emulated_bf16("bf16-mixed", torch.device("meta")) is None  # not a CPU: not this check's business
-

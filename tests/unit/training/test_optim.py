@@ -90,7 +90,7 @@ def test_unknown_or_missing_optimizer_is_one_clear_error(monkeypatch):
     from rlflow.training.module import GRPOModule
 
     with pytest.raises(ConfigError, match="torch-optimi"):
-        GRPOModule(model_path=str(ROOT), optimizer="adamw_kahan")
+        GRPOModule(model_path=str(ROOT), optim={"optimizer": "adamw_kahan"})
 
 
 # ---------------------------------------------------------------- (c) the metric against a recomputation
@@ -152,8 +152,11 @@ def test_lr_schedule_spans_the_rollout_steps_optimizer_steps(
     from rlflow.training.module import GRPOModule
 
     rollout_steps = 5
-    module = GRPOModule(model_path=str(ROOT), lr=2e-3, lr_schedule=schedule, warmup_steps=warmup, optimizer=optimizer,
-                        optimizer_steps=optimizer_steps, num_iterations=num_iterations)
+    module = GRPOModule(
+        model_path=str(ROOT),
+        optim={"lr": 2e-3, "lr_schedule": schedule, "warmup_steps": warmup, "optimizer": optimizer},
+        update={"optimizer_steps": optimizer_steps, "num_iterations": num_iterations},
+    )
     module.policy = torch.nn.Linear(4, 4)
     module._trainer = SimpleNamespace(estimated_stepping_batches=rollout_steps)  # counted in rollout steps
     config = module.configure_optimizers()
@@ -215,10 +218,9 @@ def test_adamw_takes_torchs_fused_kernel_where_the_parameters_allow_and_steps_as
             start[i] *= 1 - lr * wd
             m[i] = b1 * m[i] + (1 - b1) * g
             v[i] = b2 * v[i] + (1 - b2) * g * g
-            start[i] -= lr * (m[i] / (1 - b1 ** t)) / ((v[i] / (1 - b2 ** t)).sqrt() + eps)
+            start[i] -= lr * (m[i] / (1 - b1**t)) / ((v[i] / (1 - b2**t)).sqrt() + eps)
     for p, want in zip(params, start):
         assert torch.allclose(p.detach().double(), want, rtol=0, atol=1e-6)
     assert not fused_supported([torch.zeros(3, dtype=torch.long)])  # not floating point
     assert not fused_supported([torch.zeros(3, device="meta")])
     assert fused_supported([{"params": [torch.zeros(3)]}])  # parameter groups too
-

@@ -1,4 +1,5 @@
-"""``model.packing`` on by default: the fit-start check keeps packs where they are exact, else padded micro-batches."""
+"""``model.update.packing`` on by default: the fit-start check keeps packs where they are exact, else padded
+micro-batches."""
 
 from __future__ import annotations
 
@@ -44,18 +45,21 @@ def test_packing_is_the_default_and_kept_where_exact(caplog):
     assert inspect.signature(GRPOModule).parameters["packing"].default is True
     with caplog.at_level(logging.INFO, logger="rlflow"):
         assert resolve_packing(True, [tiny_causal_lm("qwen3"), None], False, 64) is True
-    assert any("model.packing: micro-batches are packs of at most 64 tokens" in r.getMessage() for r in caplog.records)
+    assert any(
+        "model.update.packing: micro-batches are packs of at most 64 tokens" in r.getMessage() for r in caplog.records
+    )
 
 
 def test_an_unsupported_model_falls_back_to_padded_micro_batches_with_the_reason(tiny_model, caplog):
-    module = GRPOModule(model_path=str(tiny_model), micro_batch_size=2, pack_max_length=64)
+    module = GRPOModule(model_path=str(tiny_model), update={"micro_batch_size": 2, "pack_max_length": 64})
     module.policy = tiny_causal_lm("stablelm")
     assert module.packing  # as configured (the default) until the fit-start check
     with caplog.at_level(logging.INFO, logger="rlflow"):
         module.packing_checked = resolve_packing(True, [module.policy], False, 64)
     warned = [r for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 1 and re.search(
-        "model.packing: training on padded micro-batches .* because a packed forward", warned[0].getMessage())
+        "model.update.packing: training on padded micro-batches .* because a packed forward", warned[0].getMessage()
+    )
     assert not module.packing
     exps = [Experience([5, 6], [7] * n, [0.0] * n, 0.0, 0.0, 0, "stop", 0) for n in (1, 2, 3, 4, 5)]
     assert [len(mb) for mb in module.micro_batches(exps)] == [2, 2, 1]  # micro_batch_size sequences

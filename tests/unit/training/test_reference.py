@@ -1,4 +1,4 @@
-"""``model.ref_model_sync_steps``: the KL reference moved toward the policy (rlflow/training/reference.py).
+"""``model.reference.sync_steps``: the KL reference moved toward the policy (rlflow/training/reference.py).
 
 The update is checked against the soft-update formula computed apart in float64. End to end (a reset makes the
 next step's KL exactly 0, the checkpoint carries the moved reference): ``tests/integration/test_reference_fit.py``;
@@ -55,7 +55,7 @@ def test_alpha_one_resets_the_reference_to_the_policy_exactly(tiny_model):
     ((-1, 0.6, True, False), "ref_model_sync_steps must be an integer >= 0"),
     ((2, 0.0, True, False), "ref_model_mixup_alpha must be in (0, 1]"),
     ((2, 1.5, True, False), "ref_model_mixup_alpha must be in (0, 1]"),
-    ((2, 0.6, False, False), "no KL term (model.kl_coef is 0)"),
+    ((2, 0.6, False, False), "no KL term (model.loss.init_args.kl_coef is 0)"),
     ((2, 0.6, True, True), "not supported with model.lora"),
 ])
 def test_settings_that_cannot_act_are_config_errors(args, message):
