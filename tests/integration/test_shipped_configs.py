@@ -39,4 +39,4 @@ def test_help_shows_the_settings_groups_with_their_docstrings(capsys):
                   "model.rollout_correction", "model.policy"):
         assert f"--{group}." in text, group
     assert "--data.sampling.max_tokens MAX_TOKENS Most tokens generated per completion" in text
-    assert "--data.sampling.max_tokens " not in text and "--model.optim.lr " not in text
+    assert "--data.max_tokens " not in text and "--model.lr " not in text

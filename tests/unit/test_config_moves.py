@@ -28,11 +28,11 @@ def test_every_moved_key_names_a_place_that_exists_in_the_new_signatures():
 
 
 @pytest.mark.parametrize(("arg", "new"), [
-    ("--data.sampling.max_tokens=32", "data.sampling.max_tokens"),
-    ("--data.judging.judgers", "data.judging.judgers"),
-    ("--model.optim.lr=1e-4", "model.optim.lr"),
-    ("--model.loss.kl_coef=0.1", "model.loss.init_args.kl_coef"),
-    ("--data.sampling.temperature=0.5", "data.sampling.temperature"),
+    ("--data.max_tokens=32", "data.sampling.max_tokens"),
+    ("--data.judgers", "data.judging.judgers"),
+    ("--model.lr=1e-4", "model.optim.lr"),
+    ("--model.kl_coef=0.1", "model.loss.init_args.kl_coef"),
+    ("--model.temperature=0.5", "data.sampling.temperature"),
 ])
 def test_an_old_key_on_the_command_line_is_one_error(arg, new):
     with pytest.raises(ConfigError) as err:
@@ -62,6 +62,6 @@ def test_rlflow_fit_prints_one_error_line_for_an_old_key(tmp_path, capsys):
     config.write_text("data:\n  train_data_path: t.jsonl\n  max_tokens: 16\n")
     assert main(["fit", "--config", str(config)]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[0] == (f"rlflow: error: {config}, line 3: data.sampling.max_tokens is now data.sampling.max_tokens "
+    assert err[0] == (f"rlflow: error: {config}, line 3: data.max_tokens is now data.sampling.max_tokens "
                       "(settings are grouped; see the guide's configuration reference)")
     assert len(err) == 2 and "RLFLOW_TRACEBACK" in err[1]
