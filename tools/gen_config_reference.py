@@ -118,14 +118,11 @@ def show_type(annotation: Any) -> str:
 
 
 # --------------------------------------------------------------------------------------------- the config reference
-REQUIRED = "\0required"  # a key without a default (a string no default shows as)
-
-
 @dataclasses.dataclass
 class Key:
     name: str
     type: str
-    default: str
+    default: str | None  # None: required
     doc: str
 
 
@@ -189,49 +186,41 @@ def summary(obj: Any) -> str:
     return markdown(inspect.cleandoc(doc).split("\n\n", 1)[0])
 
 
-def default_of(field: dataclasses.Field) -> str:
-    if field.default is not dataclasses.MISSING:
-        return show_value(field.default)
-    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        return show_value(field.default_factory())  # type: ignore[misc]
-    return REQUIRED
-
-
-def dataclass_group(prefix: str, cls: type) -> Group:
-    docs = docstring_params(cls)
-    hints = resolved_hints(cls)
+def group_of(prefix: str, cls: type, documented: Any, members: list[tuple[str, str, str | None]]) -> Group:
+    """``cls``'s keys under ``prefix``: ``members`` are ``(name, type, default)``, ``documented`` the object whose
+    docstring and annotations describe them; a member typed with a dataclass becomes a group of its own."""
+    docs, hints = docstring_params(documented), resolved_hints(documented)
     keys, groups = [], []
-    for field in dataclasses.fields(cls):
-        if not field.init:
+    for name, type_text, default in members:
+        nested = settings_class(hints.get(name))
+        if nested is None:
+            keys.append(Key(f"{prefix}.{name}", type_text, default, markdown(docs.get(name))))
             continue
-        nested = settings_class(hints.get(field.name))
-        name = f"{prefix}.{field.name}"
-        if nested is not None:
-            groups.append(dataclass_group(name, nested))
-            continue
-        keys.append(Key(name, show_type(field.type), default_of(field), markdown(docs.get(field.name))))
+        group = dataclass_group(f"{prefix}.{name}", nested)
+        group.doc = markdown(docs.get(name)) or group.doc  # the parameter's own words where it has them
+        groups.append(group)
     doc = re.sub(rf"^`{re.escape(prefix)}`: ", "", summary(cls))  # the heading names the key already
     return Group(prefix, cls.__name__, doc[:1].upper() + doc[1:], keys, groups)
 
 
+def dataclass_group(prefix: str, cls: type) -> Group:
+    def default(field: dataclasses.Field) -> str | None:
+        if field.default is not dataclasses.MISSING:
+            return show_value(field.default)
+        if field.default_factory is not dataclasses.MISSING:
+            return show_value(field.default_factory())
+        return None
+
+    fields = [f for f in dataclasses.fields(cls) if f.init]
+    return group_of(prefix, cls, cls, [(f.name, show_type(f.type), default(f)) for f in fields])
+
+
 def signature_group(prefix: str, cls: type) -> Group:
-    init = cls.__init__
-    docs = docstring_params(init)
-    hints = resolved_hints(init)
-    keys, groups = [], []
-    for name, param in inspect.signature(init).parameters.items():
-        if name == "self" or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            continue
-        nested = settings_class(hints.get(name))
-        key = f"{prefix}.{name}"
-        if nested is not None:
-            group = dataclass_group(key, nested)
-            group.doc = markdown(docs.get(name)) or group.doc  # the parameter's own words where it has them
-            groups.append(group)
-            continue
-        default = REQUIRED if param.default is param.empty else show_value(param.default)
-        keys.append(Key(key, show_type(param.annotation), default, markdown(docs.get(name))))
-    return Group(prefix, cls.__name__, summary(cls), keys, groups)
+    params = [p for name, p in inspect.signature(cls.__init__).parameters.items()
+              if name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    members = [(p.name, show_type(p.annotation), None if p.default is p.empty else show_value(p.default))
+               for p in params]
+    return group_of(prefix, cls, cls.__init__, members)
 
 
 def callback_sections() -> list[tuple[str, str]]:
@@ -261,7 +250,7 @@ def render_group(group: Group, depth: int) -> Iterator[str]:
         yield "| key | type | default | description |"
         yield "| --- | --- | --- | --- |"
         for key in group.keys:
-            default = "required" if key.default == REQUIRED else code(key.default)
+            default = "required" if key.default is None else code(key.default)
             yield f"| `{key.name}` | {code(key.type) if key.type else ''} | {default} | {key.doc} |"
         yield ""
     for sub in group.groups:
@@ -426,15 +415,15 @@ def message_of(call: ast.Call, inits: dict[str, Template], helpers: dict[str, Te
     return fill(helpers[called(first)], first) if called(first) in helpers else template(first)
 
 
-def text_helpers(tree: ast.AST) -> dict[str, Template]:
-    """``{function: (parameters, text)}`` of a module's functions that return a built string."""
-    helpers = {}
+def returns(tree: ast.AST) -> dict[str, Template]:
+    """``{function: (parameters, what it returns)}`` of a module's functions (the last ``return`` with a value)."""
+    found = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef):
             for ret in ast.walk(node):
-                if isinstance(ret, ast.Return) and ret.value is not None and is_text(ret.value):
-                    helpers[node.name] = ([a.arg for a in node.args.args], ret.value)
-    return helpers
+                if isinstance(ret, ast.Return) and ret.value is not None:
+                    found[node.name] = ([a.arg for a in node.args.args], ret.value)
+    return found
 
 
 def message_templates(errors: set[str]) -> dict[str, Template]:
@@ -467,15 +456,10 @@ def error_messages() -> list[Message]:
     for path in sorted(PACKAGE.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
         tree = ast.parse(path.read_text())
-        helpers = text_helpers(tree)
-        # helpers that build an error for their caller to raise (``raise _unknown(group, name)``)
-        builders = {}
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef):
-                for ret in ast.walk(node):
-                    if (isinstance(ret, ast.Return) and isinstance(ret.value, ast.Call)
-                            and isinstance(ret.value.func, ast.Name) and ret.value.func.id in errors):
-                        builders[node.name] = ret.value
+        functions = returns(tree)
+        helpers = {name: spec for name, spec in functions.items() if is_text(spec[1])}  # functions building text
+        # functions building an error for their caller to raise (``raise _unknown(group, name)``)
+        builders = {name: spec[1] for name, spec in functions.items() if called(spec[1]) in errors}
         for scope, node in walk_scoped(tree):
             if not isinstance(node, ast.Raise) or not isinstance(node.exc, ast.Call):
                 continue

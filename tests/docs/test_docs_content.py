@@ -4,6 +4,8 @@ exists, and no page narrates how the work went."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,3 +63,33 @@ def test_every_file_the_docs_name_exists():
     missing = sorted({f"{path.relative_to(ROOT)}: {name}" for path in USER_DOCS
                       for name in named.findall(path.read_text()) if not (ROOT / name).exists()})
     assert not missing, missing
+
+
+def test_readme_minimal_config_parses(tmp_path):
+    """The README's minimal config is valid for ``rlflow fit`` (its keys and types; nothing is loaded)."""
+    section = (ROOT / "README.md").read_text().split("## A minimal config", 1)[1]
+    config = tmp_path / "minimal.yaml"
+    config.write_text(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
+    done = subprocess.run([sys.executable, "-m", "rlflow", "fit", "--config", str(config), "--print_config"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "max_tokens: 512" in done.stdout and "epsilon_high: 0.28" in done.stdout
+
+
+def test_every_flag_the_docs_pass_to_a_script_exists():
+    """``python tools/x.py --flag`` and ``python benchmarks/x.py --flag`` in the docs name flags the script has."""
+    command = re.compile(r"python ((?:tools|benchmarks)/\w+\.py)([^`|\n;&]*)")
+    uses: dict[str, set[str]] = {}
+    for path in USER_DOCS:
+        for script, args in command.findall(path.read_text()):
+            uses.setdefault(script, set()).update(re.findall(r"(?<![\w-])--[a-z][\w-]*", args.split(" -- ")[0]))
+    assert "benchmarks/bench_step.py" in uses
+    unknown = []
+    for script, flags in sorted(uses.items()):
+        if not flags:
+            continue
+        done = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, f"{script} --help: {done.stderr}"
+        unknown += [f"{script} {flag}" for flag in sorted(flags) if flag not in done.stdout]
+    assert not unknown, unknown

@@ -73,7 +73,7 @@ def test_a_signature_becomes_keys_and_groups():
     gen = generator()
     group = gen.signature_group("x", Thing)
     assert [(k.name, k.type, k.default) for k in group.keys] == [
-        ("x.path", "str", gen.REQUIRED), ("x.size", "int", "3"), ("x.flag", "bool", "true")]
+        ("x.path", "str", None), ("x.size", "int", "3"), ("x.flag", "bool", "true")]
     assert group.keys[1].doc == "How big (`size` > 0, see `rlflow.Thing`)."
     (opts,) = group.groups
     assert opts.prefix == "x.opts" and opts.doc == "The options group."
