@@ -1,7 +1,7 @@
 """LoRA adapters on the policy (``model.lora``), with PEFT: set-up, the frozen reference, checkpoints and exports.
 
-Why: an 8B policy with float32 master weights and AdamW needs ~130 GB before activations; with LoRA only the
-adapters (a few tens of MB) carry gradients and optimizer state, and the base weights can stay in bfloat16
+Why: full fine-tuning keeps float32 master weights, their gradients and AdamW's two moments for every parameter;
+with LoRA only the adapters carry gradients and optimizer state, and the base weights can stay in bfloat16
 (PEFT keeps the adapters in float32: ``autocast_adapter_dtype``). The adapters are PEFT's own (``get_peft_model``);
 this module only wires them into rlflow:
 
@@ -11,9 +11,10 @@ this module only wires them into rlflow:
 * **the reference** of the KL term is the same model under ``PeftModel.disable_adapter()``, no second copy;
 * **checkpoints** hold the trainable (adapter) tensors only (:func:`trainable_state`; the frozen base is filled
   back from the live model on load, :func:`complete_state`); the optimizer only ever sees adapter parameters;
-* **exports** at the end of ``fit``: the adapter with ``PeftModel.save_pretrained`` (loadable by
-  ``PeftModel.from_pretrained``) and the merged model, ``merge_and_unload`` on a CPU copy of the base loaded
-  from ``model.model_path`` with the adapter (loadable by ``AutoModelForCausalLM``);
+* **exports** (at the end of ``fit`` and by ``rlflow export``, :mod:`rlflow.training.export`): the adapter with
+  ``PeftModel.save_pretrained`` (loadable by ``PeftModel.from_pretrained``) and the merged model,
+  ``merge_and_unload`` on a CPU copy of the base loaded from ``model.model_path`` with the adapter (loadable by
+  ``AutoModelForCausalLM``);
 * **rollout engines without adapters** get the deltas folded in: the ``engine`` backend's fused decoder reads
   each LoRA projection's effective weight (:func:`linear_weights`, PEFT's ``get_delta_weight``), and lmdeploy
   receives merged tensors (:func:`merge_lora_tensors`).

@@ -5,7 +5,8 @@ transformers) is a VLM here. For it rlflow
 
 * loads the policy and the reference with ``AutoModelForImageTextToText`` (:func:`model_auto_class`) and the
   processor with ``AutoProcessor`` (:func:`load_processor`), and freezes the vision tower unless
-  ``model.freeze_vision_tower: false`` (:func:`freeze_vision_tower`);
+  ``model.policy.freeze_vision_tower: false`` (:func:`freeze_vision_tower`; :mod:`rlflow.models.loading` does
+  both);
 * renders each prompt with its images through the processor's chat template and tokenizes it with the processor,
   which expands every image placeholder into the image's tokens, so ``prompt_ids`` hold the image tokens and
   they count in ``data.max_prompt_length`` (:func:`encode_prompt`);
@@ -187,8 +188,8 @@ class ImageInputs:
     """Processed pixel inputs of image lists (the image processor's tensors), with a small LRU cache so a group's
     images are processed about once per training pass rather than once per sequence.
 
-    ``cache_size``: image lists kept (0: none). Each entry holds float32 pixels (a 1000 x 1000 image is ~6 MB for
-    Qwen2.5-VL), so the default of 64 bounds the cache to a few hundred MB of host memory.
+    ``cache_size``: image lists kept (0: none). Each entry holds its images' float32 pixels, so the size bounds the
+    host memory the cache takes.
     """
 
     def __init__(self, processor: Any, cache_size: int = 64) -> None:
