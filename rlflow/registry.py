@@ -23,7 +23,8 @@ error listing what is available. It is the only jsonargparse internal rlflow tou
 (``jsonargparse._typehints.resolve_class_path_by_name``, stable since 4.20); ``tests/test_registry.py``
 fails if a jsonargparse release changes it. :func:`build` accepts the objects jsonargparse instantiates as
 they are; :func:`init_defaults` and :func:`apply_settings` let the CLI put settings that live elsewhere in the
-config (``data.max_tokens``, ``model.kl_coef``) into a mapping's ``init_args`` before it is instantiated.
+config (``data.sampling.max_tokens``) into a mapping's ``init_args`` before it is
+instantiated.
 """
 
 from __future__ import annotations
@@ -35,8 +36,15 @@ from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
-GROUPS = ("rlflow.judgers", "rlflow.losses", "rlflow.advantages", "rlflow.rollout", "rlflow.tools",
-          "rlflow.tool_parsers", "rlflow.environments")
+GROUPS = (
+    "rlflow.judgers",
+    "rlflow.losses",
+    "rlflow.advantages",
+    "rlflow.rollout",
+    "rlflow.tools",
+    "rlflow.tool_parsers",
+    "rlflow.environments",
+)
 #: The base class (import path) a plugin argument of each group is typed with; see the module docstring.
 PLUGIN_BASES = {
     "rlflow.judgers": "rlflow.judgers.base.Judger",
@@ -199,8 +207,10 @@ def check_spec(group: str, spec: str) -> None:
             unknown = sorted(set(init_args) - set(params))
             if unknown:
                 name = parsed["class_path"] if isinstance(parsed, dict) else parsed
-                raise PluginError(f"{group} plugin {name!r} has no argument {', '.join(map(repr, unknown))}; its "
-                                  f"arguments: {', '.join(n for n in params if n != 'self')}")
+                raise PluginError(
+                    f"{group} plugin {name!r} has no argument {', '.join(map(repr, unknown))}; its "
+                    f"arguments: {', '.join(n for n in params if n != 'self')}"
+                )
 
 
 def build(group: str, spec: Any, **defaults: Any) -> Any:

@@ -5,7 +5,7 @@ Why: GRPO sums the judgers' rewards before normalising, so a judger with a wide 
 drowns one with a narrow spread (a 0.1-wide format reward), and groups whose summed rewards tie lose every
 judger's signal. GDPO gives each judger its own group statistics (TRL's ``multi_objective_aggregation:
 normalize_then_sum``, whose formula this follows): per judger ``(r - mean_group) / (std_group + eps)`` with the
-unbiased std over the rewards it gave, ``nansum`` with ``data.reward_weights``, then ``(s - mean) / (std + eps)``
+unbiased std over the rewards it gave, ``nansum`` with ``data.judging.weights``, then ``(s - mean) / (std + eps)``
 over the generation batch (every rank's). A judger that did not score a completion (another source's judger, or
 one that failed) is left out of that completion's statistics; a completion no judger scored gets advantage 0.
 

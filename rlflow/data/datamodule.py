@@ -180,6 +180,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.global_batch_size = global_batch_size
         self.eval_batch_size = eval_.batch_size
         self.eval_k = eval_.k
+        self.eval_pass_threshold = eval_.pass_threshold  # also train/accuracy's bar (rlflow.training.callbacks)
         self.seed = seed
         self.max_staleness = pipelining.max_staleness
         split_rollout = pipelining.split_rollout

@@ -1,7 +1,7 @@
 """The environment contract: multi-turn tasks that are not tool calls (a game, a user simulator, a code checker).
 
 An environment class registers in the ``rlflow.environments`` entry-point group (or is named by import path in
-``data.environment``) and subclasses :class:`Environment`. The multi-turn rollout
+``data.multiturn.environment``) and subclasses :class:`Environment`. The multi-turn rollout
 (:mod:`rlflow.rollout.multiturn`) builds **one instance per trajectory** with the configured ``init_args``, then:
 
 1. ``reset(row)`` with the dataset row (``prompt`` as messages and every other column, ``ground_truth`` included)
@@ -11,7 +11,8 @@ An environment class registers in the ``rlflow.environments`` entry-point group 
    the conversation, usually one ``user`` message), an optional reward and whether the episode is done.
 
 The trajectory ends when the environment says ``done``, when the model's turn produced neither a tool call nor an
-observation, at ``data.max_turns`` or at the ``data.max_tokens`` budget. Rewards returned by ``step`` are summed
+observation, at ``data.multiturn.max_turns`` or at the ``data.sampling.max_tokens`` budget. Rewards returned by
+``step`` are summed
 into the sample's ``env_reward`` column, which the ``env_reward`` judger (``rlflow.judgers``) turns into a reward;
 any other judger still scores the finished trajectory and sees the whole conversation as the completion.
 Environments are plain synchronous objects (they run on the rollout's thread); an environment that raises ends

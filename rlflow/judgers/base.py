@@ -6,12 +6,13 @@ A judger is any callable ``fn(prompts, completions, completion_ids, **columns) -
 every dataset column (``ground_truth``, ``data_source``, ``extra_info``, ...) as one list entry per sample. A
 ``None`` reward means "not applicable" and is skipped when several judgers are summed. So a reward function
 written for ``trl.GRPOTrainer`` is a judger as it is; :class:`Judger` is a convenience base class, and the type
-of ``data.judgers`` entries: a judger *class* configured with ``class_path``/``init_args`` must subclass it (so
+of ``data.judging.judgers`` entries: a judger *class* configured with ``class_path``/``init_args`` must subclass it (so
 jsonargparse can validate its arguments); a function, or any callable, is named by its import path as a string.
 
 A judger may be ``async def`` (several run concurrently) or plain (run in a thread, so it may block). Optional
 extras the runner honours: a ``name`` attribute (the metric key, else the function's ``__name__`` as in TRL);
-a constructor argument ``max_tokens`` (filled from ``data.max_tokens`` when the config does not set it); and, for
+a constructor argument ``max_tokens`` (filled from ``data.sampling.max_tokens`` when the config does not set it);
+and, for
 judgers that fail per sample rather than per call, a ``consume_failed()`` method returning the positions (in its
 last call) of the samples it gave ``None`` because of an error: counted in ``judger/failures`` and named on
 those samples in ``trajectories.jsonl`` (``judgers_failed``). A ``consume_failures()`` method returning only how

@@ -3,7 +3,7 @@
 An environment (:mod:`rlflow.environments.base`) may return a reward after each model turn; the multi-turn
 rollout sums them into the sample's ``env_reward`` column. This judger passes that sum on (``None`` where the
 environment gave none, so it is skipped in the weighted sum like any "not applicable" reward). Combine it with
-other judgers in ``data.judgers`` as usual.
+other judgers in ``data.judging.judgers`` as usual.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ cannot be parsed gives ``None`` (the sample is skipped, not punished). The refer
 ``solution`` column (TRL's name) or ``ground_truth`` (XTuner's ``reward_model.ground_truth``); a list holds
 acceptable answers, any of which scores. Needs the optional extra: ``pip install 'rlflow[math]'``.
 Simplification: math-verify's own timeouts use ``signal.alarm``, which only works on the main thread; off it
-(rlflow runs plain judgers in a thread) they are off, as in TRL, and the runner's ``data.judger_timeout`` bounds
+(rlflow runs plain judgers in a thread) they are off, as in TRL, and the runner's ``data.judging.timeout`` bounds
 the call instead.
 """
 

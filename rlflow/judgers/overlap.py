@@ -8,11 +8,11 @@ adapts to how fast judging keeps up), and the rest after the stream ends. The ca
 order and the rewards, texts and judge metrics the whole batch judged at once would give: per-sample rewards do
 not depend on the batch, and ``rewards/<name>/mean|std`` and ``judger/unscored`` are recomputed over the whole
 batch from the per-sample per-judger values (:func:`rlflow.judgers.runner.judge_metrics`); ``judger/failures``
-counts add up. A backend that does not stream (``hf``), or ``data.overlap_judging=false``, takes the plain path:
+counts add up. A backend that does not stream (``hf``), or ``data.judging.overlap=false``, takes the plain path:
 generate everything, then judge once.
 
 Simplifications: one worker, so chunks are judged one after another (judgers inside a chunk still run
-concurrently, see :class:`~rlflow.judgers.runner.JudgerRunner`); ``data.judger_timeout`` applies per chunk; a
+concurrently, see :class:`~rlflow.judgers.runner.JudgerRunner`); ``data.judging.timeout`` applies per chunk; a
 judger whose reward depends on the other samples of its call (none of the built-in ones) would see chunks.
 """
 

@@ -7,7 +7,7 @@ With ``L_max = max_tokens`` and ``L_cache = buffer_tokens``, a completion of ``|
     -1                                        if |y| > L_max
 
 times ``penalty_factor`` (verl's ``overlong_penalty_factor``). It is meant to be added to a correctness
-judger (list both on a route). ``max_tokens`` defaults to ``data.max_tokens``; counts come from the
+judger (list both on a route). ``max_tokens`` defaults to ``data.sampling.max_tokens``; counts come from the
 ``completion_ids`` keyword TRL passes to every reward function.
 """
 
@@ -25,7 +25,7 @@ class OverlongJudger(Judger):
     Args:
         buffer_tokens: Length of the soft-punishment zone before ``max_tokens`` (DAPO's ``L_cache``); default a fifth
             of ``max_tokens`` (DAPO's 4096 of 20480).
-        max_tokens: The generation budget ``L_max``; filled from ``data.max_tokens`` when not set.
+        max_tokens: The generation budget ``L_max``; filled from ``data.sampling.max_tokens`` when not set.
         penalty_factor: Scale of the penalty (the reward at or over ``max_tokens`` is ``-penalty_factor``).
     """
 
@@ -35,7 +35,9 @@ class OverlongJudger(Judger):
         self, buffer_tokens: int | None = None, max_tokens: int | None = None, penalty_factor: float = 1.0
     ) -> None:
         if max_tokens is None:
-            raise ValueError("the overlong judger needs max_tokens (set init_args.max_tokens or data.max_tokens)")
+            raise ValueError(
+                "the overlong judger needs max_tokens (set init_args.max_tokens or data.sampling.max_tokens)"
+            )
         if buffer_tokens is None:
             buffer_tokens = max(1, max_tokens // 5)
         if not 0 < buffer_tokens <= max_tokens:

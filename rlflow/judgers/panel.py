@@ -1,7 +1,7 @@
 """The judge panel: every judger of a run, routed per data source, turning completions into rewards.
 
 :class:`SourceJudgers` routes a batch whose rows come from several sources, each with the data-level routing
-(``data.judgers``) or its own (a source's ``judgers``), and merges the per-sample results. :class:`JudgePanel`
+(``data.judging.judgers``) or its own (a source's ``judgers``), and merges the per-sample results. :class:`JudgePanel`
 is the part the datamodule composes: it checks before training that every row can be judged, and decodes and
 judges sampled completions in TRL's layout (chat completions for chat prompts).
 """
@@ -21,10 +21,10 @@ log = logging.getLogger(__name__)
 
 
 class SourceJudgers:
-    """Judges batches mixing sources: each source's rows go to its own judgers, the rest to ``data.judgers``.
+    """Judges batches mixing sources: each source's rows go to its own judgers, the rest to ``data.judging.judgers``.
 
     Args:
-        judgers: The data-level ``{data_source: spec}`` routing (``data.judgers``).
+        judgers: The data-level ``{data_source: spec}`` routing (``data.judging.judgers``).
         reward_weights: Weight of each judger by name, over all sources' judgers.
         sources: The configured sources; those with ``judgers`` get their own :class:`JudgerRunner`.
         **runner_kwargs: Passed to every :class:`JudgerRunner` (``timeout``, ``defaults``...).
@@ -95,10 +95,10 @@ class JudgePanel:
     """Scores completions with the run's judgers; the datamodule's reward stage.
 
     Args:
-        judgers: The data-level ``{data_source: spec}`` routing (``data.judgers``).
+        judgers: The data-level ``{data_source: spec}`` routing (``data.judging.judgers``).
         reward_weights: Weight of each judger by name.
         sources: Every configured train and eval source (sources with ``judgers`` get their own routing).
-        timeout: Seconds one judger may take on one batch (``data.judger_timeout``).
+        timeout: Seconds one judger may take on one batch (``data.judging.timeout``).
         max_tokens: The completion budget, a default for judgers that take it (``overlong``).
     """
 
@@ -145,8 +145,11 @@ class JudgePanel:
                 problems.append(problem)
         if problems:
             more = f"\n  ... and {count - len(problems)} more" if count > len(problems) else ""
-            raise DataError(f"{count} {split} row(s) cannot be judged; fix them (or data.judgers) before training:\n  "
-                            + "\n  ".join(problems) + more)
+            raise DataError(
+                f"{count} {split} row(s) cannot be judged; fix them (or data.judging.judgers) before training:\n  "
+                + "\n  ".join(problems)
+                + more
+            )
 
     def answers(self, records: list[PromptRecord], texts: list[str], k: int) -> list[list[str | None] | None]:
         """Per record, the final answer each of its ``k`` completions (``texts``, record-major) states, by the first
@@ -155,9 +158,15 @@ class JudgePanel:
         out: list[list[str | None] | None] = []
         for i, record in enumerate(records):
             runner = self.runner_for(record)
-            judger = next((runner.judgers[name] for name in runner.route(record.data_source)
-                           if callable(getattr(runner.judgers[name], "answer", None))), None)
-            out.append(None if judger is None else [_stated(judger, t) for t in texts[i * k:(i + 1) * k]])
+            judger = next(
+                (
+                    runner.judgers[name]
+                    for name in runner.route(record.data_source)
+                    if callable(getattr(runner.judgers[name], "answer", None))
+                ),
+                None,
+            )
+            out.append(None if judger is None else [_stated(judger, t) for t in texts[i * k : (i + 1) * k]])
         return out
 
     def judge(self, records: list[PromptRecord], completions: list[Any], k: int) -> tuple[JudgeResult, list[str]]:
@@ -179,8 +188,9 @@ class JudgePanel:
             shaped = [c.messages if c.messages is not None else s for c, s in zip(completions, shaped)]
             texts = self.tokenizer.batch_decode(ids, skip_special_tokens=False)
             columns["env_reward"] = [getattr(c, "env_reward", None) for c in completions]
-        result = self.routing.judge([r.origin for r in reps], [r.prompt for r in reps], shaped, ids, columns,
-                                    default=self.default)
+        result = self.routing.judge(
+            [r.origin for r in reps], [r.prompt for r in reps], shaped, ids, columns, default=self.default
+        )
         return result, texts
 
 
@@ -190,8 +200,12 @@ def _stated(judger: Any, text: str) -> str | None:
         answer = judger.answer(text)
     except Exception as exc:  # noqa: BLE001 - a judger's bug must not stop the evaluation
         if not getattr(judger, "_rlflow_answer_warned", False):
-            log.warning("%s.answer raised %s: %s; its samples count as stating no answer in eval/maj@k",
-                        type(judger).__name__, type(exc).__name__, exc)
+            log.warning(
+                "%s.answer raised %s: %s; its samples count as stating no answer in eval/maj@k",
+                type(judger).__name__,
+                type(exc).__name__,
+                exc,
+            )
             with contextlib.suppress(AttributeError, TypeError):
                 judger._rlflow_answer_warned = True
         return None

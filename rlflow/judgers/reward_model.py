@@ -16,7 +16,7 @@ Usage::
 
 Building is cheap and checks the config (a missing local path, an unknown dtype or device, CUDA asked for but
 absent, the model's ``num_labels`` from its ``config.json``); tokenizer and weights load on the first call
-(or :meth:`RewardModelJudger.load`), so the first call's time, which ``data.judger_timeout`` covers, includes
+(or :meth:`RewardModelJudger.load`), so the first call's time, which ``data.judging.timeout`` covers, includes
 loading. Differences from TRL: ``num_labels != 1`` is an error (TRL loads with ``num_labels=1``, so a checkpoint without
 such a head would score with a random one), and ``max_length``
 (off by default, as in TRL) drops tokens from the left, keeping the completion's end where the score is read.

@@ -68,7 +68,7 @@ class JudgerContractError(registry.PluginError, ValueError, TypeError):
 
 
 class JudgerTimeout(TimeoutError):
-    """A judger did not return within ``data.judger_timeout`` seconds."""
+    """A judger did not return within ``data.judging.timeout`` seconds."""
 
 
 @dataclass
@@ -172,11 +172,11 @@ class JudgerRunner:
     ) -> None:
         if not judgers:
             raise ValueError(
-                "data.judgers is empty: map each data_source to a judger, e.g. {'openai/gsm8k': 'gsm8k'}; "
+                "data.judging.judgers is empty: map each data_source to a judger, e.g. {'openai/gsm8k': 'gsm8k'}; "
                 f"available judgers: {', '.join(registry.available(GROUP))}"
             )
         if timeout is not None and timeout <= 0:
-            raise ValueError(f"data.judger_timeout must be positive seconds (or null to wait forever), got {timeout}")
+            raise ValueError(f"data.judging.timeout must be positive seconds (or null to wait forever), got {timeout}")
         self.timeout = timeout
         self.routes: dict[str, list[str]] = {}
         self.judgers: dict[str, Callable[..., Any]] = {}
@@ -229,7 +229,7 @@ class JudgerRunner:
         names = self.routes.get(data_source or "", self.routes.get("*"))
         if names is None:
             raise KeyError(
-                f"no judger for data_source {data_source!r}; data.judgers routes: {sorted(self.routes)} "
+                f"no judger for data_source {data_source!r}; data.judging.judgers routes: {sorted(self.routes)} "
                 "(add the source, or a '*' entry for every source)"
             )
         return names
@@ -290,7 +290,7 @@ class JudgerRunner:
         except asyncio.TimeoutError:
             if is_async(self.judgers[name]):
                 self._abandoned.setdefault(name, []).append(ended)
-            return None, JudgerTimeout(f"judger {name!r} did not answer within data.judger_timeout={self.timeout} s")
+            return None, JudgerTimeout(f"judger {name!r} did not answer within data.judging.timeout={self.timeout} s")
 
     async def _call_all(self, jobs: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, BaseException | None]]:
         results = await asyncio.gather(*(self._call(name, kwargs) for name, kwargs in jobs.items()))

@@ -59,8 +59,10 @@ class VESPOLoss(RatioPolicyLoss):
             log_w = (log_ratio * m).sum(-1, keepdim=True)  # already clamped to [-20, 20] per token
             if rollout_is_weights is not None:
                 if rollout_is_weights.shape[-1] == 1 and mask.shape[-1] != 1:
-                    raise ConfigError("vespo folds token-level rollout correction weights: set model.rollout_is to "
-                                      "token_truncate or token_mask, not a sequence mode")
+                    raise ConfigError(
+                        "vespo folds token-level rollout correction weights: set model.rollout_correction.mode to "
+                        "token_truncate or token_mask, not a sequence mode"
+                    )
                 log_is = torch.log(rollout_is_weights.to(logprobs.dtype)).clamp(LOG_MIN, 20.0)
                 log_w = log_w + (log_is * m).sum(-1, keepdim=True)
             log_w = log_w.clamp(LOG_MIN, 20.0)

@@ -19,7 +19,8 @@ dtype than the live weights': its weight copies are made in that dtype (bfloat16
 weights, as vLLM and lmdeploy decode), with the model's own order of operations for that dtype, so its logits are
 those of the model cast to ``dtype`` up to rounding (no folds: they would round differently from that model).
 The engine's KV caches are then in that dtype too (half the bytes a decode step's attention reads). An
-:class:`~rlflow.models.lm_head.FP32Linear` head (``model.cast_lm_head_to_fp32``) keeps a float32 copy and its product in
+:class:`~rlflow.models.lm_head.FP32Linear` head (``model.policy.cast_lm_head_to_fp32``) keeps a float32 copy and its
+product in
 float32 whatever ``dtype`` is. With ``norm`` (the engine's ``norm`` option; by default on a CUDA GPU in 16 bits) the
 RMS norms run as ``F.rms_norm``, one kernel instead of eight, rounding once where the model rounds twice.
 
@@ -96,16 +97,18 @@ def _linear(x: torch.Tensor, weight_t: torch.Tensor | PackedWeight, bias: torch.
     return torch.mm(x, weight_t) if bias is None else torch.addmm(bias, x, weight_t)
 
 
-def _residual(h: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor | PackedWeight,
-              bias: torch.Tensor | None) -> torch.Tensor:
+def _residual(
+    h: torch.Tensor, x: torch.Tensor, weight_t: torch.Tensor | PackedWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
     """``h + F.linear(x, weight, bias)``; without a bias the residual add rides in the matrix product (addmm)."""
     if isinstance(weight_t, PackedWeight):
         return weight_t.addmm(h, x)
     return torch.addmm(h, x, weight_t) if bias is None else h + torch.addmm(bias, x, weight_t)
 
 
-def _packed(weight_t: torch.Tensor | PackedWeight, bias: torch.Tensor | None, rows: int,
-            residual: bool = False) -> torch.Tensor | PackedWeight:
+def _packed(
+    weight_t: torch.Tensor | PackedWeight, bias: torch.Tensor | None, rows: int, residual: bool = False
+) -> torch.Tensor | PackedWeight:
     """``weight_t`` packed for products of ``rows`` rows where :mod:`rlflow.rollout.prepack` packs it exactly (no
     bias; a float32 residual product stays ``addmm``), else as it is."""
     plain = weight_t.weight_t if isinstance(weight_t, PackedWeight) else weight_t
@@ -114,8 +117,9 @@ def _packed(weight_t: torch.Tensor | PackedWeight, bias: torch.Tensor | None, ro
     return PackedWeight(plain, rows)
 
 
-def _cat(*linears: tuple[torch.Tensor, torch.Tensor | None],
-         dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _cat(
+    *linears: tuple[torch.Tensor, torch.Tensor | None], dtype: torch.dtype | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Concatenated weights and biases (None if no projection has one) of ``(weight, bias)`` pairs, the weights
     those the projections apply (:func:`rlflow.models.lora.linear_weights`: under LoRA, base plus the adapters' delta);
     the weights cast to ``dtype`` first (None: kept)."""
@@ -149,8 +153,9 @@ class _Layer:
         self.ln1_w, self.ln1_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         post_norm = layer.post_attention_layernorm
         self.ln2_w, self.ln2_eps = post_norm.weight, post_norm.variance_epsilon
-        self.qkv_w, self.qkv_b = _cat(*(linear_weights(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)),
-                                      dtype=dtype)
+        self.qkv_w, self.qkv_b = _cat(
+            *(linear_weights(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)), dtype=dtype
+        )
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
         self.o_w, self.o_b = linear_weights(attn.o_proj)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
@@ -162,8 +167,7 @@ class _Layer:
         elif q_norm is not None or k_norm is not None:
             raise ValueError("FusedDecoder: q_norm and k_norm must both exist with one epsilon")
         self.scaling = attn.scaling
-        self.gate_up_w, self.gate_up_b = _cat(linear_weights(mlp.gate_proj), linear_weights(mlp.up_proj),
-                                              dtype=dtype)
+        self.gate_up_w, self.gate_up_b = _cat(linear_weights(mlp.gate_proj), linear_weights(mlp.up_proj), dtype=dtype)
         if fold:  # W @ (g * x) == (W * g) @ x; scale * q == q computed with scaled weights (RoPE is linear)
             self.qkv_w, self.ln1_w = self.qkv_w * self.ln1_w, None
             self.gate_up_w, self.ln2_w = self.gate_up_w * self.ln2_w, None
@@ -182,7 +186,8 @@ class _Layer:
         self.qkv_w, self.o_w = _transposed(self.qkv_w, dtype), _transposed(self.o_w, dtype)
         self.gate_up_w, self.down_w = _transposed(self.gate_up_w, dtype), _transposed(self.down_w, dtype)
         self.qkv_b, self.o_b, self.gate_up_b, self.down_b = (
-            _cast(b, dtype) for b in (self.qkv_b, self.o_b, self.gate_up_b, self.down_b))
+            _cast(b, dtype) for b in (self.qkv_b, self.o_b, self.gate_up_b, self.down_b)
+        )
         self.ln1_w, self.ln2_w = _cast(self.ln1_w, dtype), _cast(self.ln2_w, dtype)
         if self.qk_norm is not None:
             self.qk_norm = (_cast(self.qk_norm[0], dtype), self.qk_norm[1])
@@ -223,7 +228,7 @@ class FusedDecoder:
         fold = own == torch.float32 and self.dtype == torch.float32
         self.layers = [_Layer(layer, fold, cast) for layer in inner.layers]
         self.norm_w, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
-        self.head_fp32 = is_fp32_head(model.lm_head)  # model.cast_lm_head_to_fp32: the product in float32
+        self.head_fp32 = is_fp32_head(model.lm_head)  # model.policy.cast_lm_head_to_fp32: the product in float32
         head_cast = torch.float32 if self.head_fp32 else cast
         self.lm_head_w, self.lm_head_b = model.lm_head.weight, _cast(model.lm_head.bias, head_cast)
         self.rms_norm = _torch_rms_norm if torch_norm_for(norm, self.dtype, self.embed.device) else _rms_norm
@@ -329,7 +334,7 @@ class FusedDecoder:
             x = self.rms_norm(h, layer.ln1_w, layer.ln1_eps)
             qkv = _linear(x, layer.qkv_w, layer.qkv_b)
             qk = qkv[:, : layer.q_size + layer.kv_size].view(rows, heads + kv_heads, dim)
-            v = qkv[:, layer.q_size + layer.kv_size:].view(rows, kv_heads, 1, dim)
+            v = qkv[:, layer.q_size + layer.kv_size :].view(rows, kv_heads, 1, dim)
             if layer.qk_norm is not None:
                 qk = self.rms_norm(qk, *layer.qk_norm)
             qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)[:, :, None]  # RoPE on q and k at once

@@ -72,7 +72,7 @@ def generate_payload(prompt_ids: list[int], params: SamplingParams, model_name: 
     if not prompt_ids:
         raise ValueError("lmdeploy: an empty prompt cannot be generated from (input_ids must not be empty)")
     if params.temperature > 2.0:
-        raise ValueError(f"lmdeploy accepts temperatures in [0, 2]; data.temperature={params.temperature}")
+        raise ValueError(f"lmdeploy accepts temperatures in [0, 2]; data.sampling.temperature={params.temperature}")
     body: dict[str, Any] = {
         "input_ids": list(prompt_ids),
         "max_tokens": params.max_tokens,

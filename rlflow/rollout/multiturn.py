@@ -10,7 +10,7 @@ no log-prob, no KL). Each turn:
 
 1. the backend generates from the token ids of the trajectory so far (the first turn: ``n`` = group size from the
    prompt, so the engine shares the prompt's prefill; later turns: one request per trajectory), with the rest of
-   the ``data.max_tokens`` budget as the turn's limit;
+   the ``data.sampling.max_tokens`` budget as the turn's limit;
 2. the turn's text is decoded (for the parser and the messages only: the sampled ids themselves are kept), the tool
    parser finds the calls, every active trajectory's calls run concurrently in the :class:`ToolRunner` (timeout per
    call; failures become tool messages), the environment (if any) answers the turn;
@@ -23,7 +23,7 @@ no log-prob, no KL). Each turn:
    (Qwen3 drops earlier turns' ``<think>`` blocks) cannot make the trained ids drift from the sampled ones.
 
 A trajectory ends when a turn has no tool call and no environment observation, the environment says ``done``, at
-``data.max_turns`` model turns, or when the budget is spent (``finish_reason`` ``length``).
+``data.multiturn.max_turns`` model turns, or when the budget is spent (``finish_reason`` ``length``).
 
 Scheduling. Trajectories run at their own pace on every built-in backend (:meth:`MultiTurn.run_async`, for a
 backend with ``serve``): the backend takes requests from a :class:`TurnSource` (:mod:`rlflow.rollout.requests`); a
@@ -136,7 +136,7 @@ class MultiTurn:
                  max_turns: int = 4, tool_timeout: float | None = 30.0,
                  chat_template_kwargs: dict[str, Any] | None = None) -> None:
         if max_turns < 1:
-            raise ValueError(f"data.max_turns must be >= 1, got {max_turns}")
+            raise ValueError(f"data.multiturn.max_turns must be >= 1, got {max_turns}")
         self.tokenizer = tokenizer
         self.tools = tools
         self.runner = ToolRunner(tools, tool_timeout)

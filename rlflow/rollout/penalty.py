@@ -1,10 +1,11 @@
-"""The repetition penalty (``data.repetition_penalty``; CTRL's, as transformers, vLLM and LMDeploy apply it).
+"""The repetition penalty (``data.sampling.repetition_penalty``; CTRL's, as transformers, vLLM and LMDeploy apply it).
 
 A token that already occurs in the row (its prompt or its completion so far) has its logit divided by the penalty
 when positive and multiplied by it when negative, before the temperature: a penalty above 1 makes repeats less
 likely. The rollout backends apply it in their sampler, and the log-probs they return are those of the penalised
 distribution at the temperature (vLLM's ``processed_logprobs``, which TRL asks for), so the rollout importance
-correction (``model.rollout_is``) sees what the penalty changed; the trainer's own log-probs are the policy's.
+correction (``model.rollout_correction.mode``) sees what the penalty changed; the trainer's own log-probs are the
+policy's.
 
 Simplification: "occurs" is presence over the prompt's and the completion's token ids (padding excluded), not a
 count: repeated occurrences are penalised once, as everywhere.

@@ -238,9 +238,11 @@ class ThreadGenerator:
         if getattr(backend, "colocated", False) and getattr(backend, "sleep_level", None) is not None:
             from rlflow.config_error import ConfigError
 
-            raise ConfigError("data.max_staleness > 0 with a colocated lmdeploy engine that sleeps during training "
-                              "(data.rollout.init_args.sleep_level): pipelining needs the engine awake while the "
-                              "trainer steps; set sleep_level: null (engines on GPUs of their own) or server_url")
+            raise ConfigError(
+                "data.pipeline.max_staleness > 0 with a colocated lmdeploy engine that sleeps during training "
+                "(data.rollout.init_args.sleep_level): pipelining needs the engine awake while the "
+                "trainer steps; set sleep_level: null (engines on GPUs of their own) or server_url"
+            )
         self.backend = backend
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlflow-generator")
         self.future: Any = None

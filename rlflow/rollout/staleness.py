@@ -1,16 +1,17 @@
 """The staleness bound of pipelined GRPO, enforced in one place and measured on every rollout step.
 
-With ``data.max_staleness: N`` (> 0) completions are generated ahead of training (:mod:`rlflow.rollout.pipeline`),
+With ``data.pipeline.max_staleness: N`` (> 0) completions are generated ahead of training
+(:mod:`rlflow.rollout.pipeline`),
 so the weights that sampled an experience (its ``policy_version`` stamp) can be older than the weights that
 start training on it. The *staleness* of an experience is ``trained_version - policy_version``, where
 ``trained_version`` is the policy version (optimizer steps taken) when its rollout step starts updating. The
-optimizer steps *inside* a rollout step (``model.optimizer_steps`` > 1, ``num_iterations`` > 1) are not counted:
+optimizer steps *inside* a rollout step (``model.update.optimizer_steps`` > 1, ``num_iterations`` > 1) are not counted:
 the strictly on-policy loop has them too, and the ratio against the old log-probs already handles them, so
 today's loop has staleness 0 by this definition.
 
 :class:`StalenessGate` is the only place that decides: every experience of a step passes through
 :meth:`StalenessGate.check`, which measures ``sampling/staleness/mean|max`` and splits the groups into those
-within the bound and those beyond it; what happens to the latter is ``data.stale_policy``: ``drop`` (removed
+within the bound and those beyond it; what happens to the latter is ``data.pipeline.stale_policy``: ``drop`` (removed
 and counted in ``sampling/staleness/dropped_groups``) or ``regenerate`` (sampled again from the current
 weights, counted in ``sampling/staleness/regenerated_groups``). Simplification: a group is judged by its
 oldest completion (a group is sampled by one job, so its completions share a version anyway).
@@ -44,9 +45,9 @@ class StalenessGate:
 
     def __init__(self, max_staleness: int = 0, policy: str = "regenerate") -> None:
         if not isinstance(max_staleness, int) or isinstance(max_staleness, bool) or max_staleness < 0:
-            raise ConfigError(f"data.max_staleness must be an integer >= 0, got {max_staleness!r}")
+            raise ConfigError(f"data.pipeline.max_staleness must be an integer >= 0, got {max_staleness!r}")
         if policy not in POLICIES:
-            raise ConfigError(f"data.stale_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
+            raise ConfigError(f"data.pipeline.stale_policy must be one of {', '.join(POLICIES)}, got {policy!r}")
         self.max_staleness = max_staleness
         self.policy = policy
         self.dropped_groups = 0  # over the run (checkpointed by the pipeline)
@@ -57,8 +58,10 @@ class StalenessGate:
         admitted. Raises if a version is newer than ``trained_version`` (a stamp from the future is a bug)."""
         staleness = [trained_version - v for v in group_versions]
         if any(s < 0 for s in staleness):
-            raise RuntimeError(f"experience stamped with policy versions {sorted(set(group_versions))} is newer than "
-                               f"the weights about to train on it (version {trained_version})")
+            raise RuntimeError(
+                f"experience stamped with policy versions {sorted(set(group_versions))} is newer than "
+                f"the weights about to train on it (version {trained_version})"
+            )
         stale = [i for i, s in enumerate(staleness) if s > self.max_staleness]
         return GateResult(stale, self.measure([s for s in staleness if s <= self.max_staleness]))
 

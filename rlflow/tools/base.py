@@ -3,7 +3,7 @@
 A tool is what ``trl.GRPOTrainer(tools=[...])`` takes: a type-hinted function (sync or ``async def``) with a
 Google-style docstring. Its JSON schema comes from ``transformers.utils.get_json_schema`` (the same schema
 ``apply_chat_template(tools=[fn])`` renders), so any tool written for TRL works unchanged. Tools are named in the
-config by import path (``data.tools: [my_pkg.tools:search]``) or by the short name a package registers in the
+config by import path (``data.multiturn.tools: [my_pkg.tools:search]``) or by the short name a package registers in the
 ``rlflow.tools`` entry-point group (``calculator`` and ``python`` are built in).
 
 :class:`ToolRunner` runs the calls of one model turn concurrently, each with a timeout, on its own event loop
@@ -73,15 +73,17 @@ def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
         return get_json_schema(fn)
     except Exception as exc:  # transformers raises DocstringParsingException / TypeHintParsingException
         name = getattr(fn, "__name__", repr(fn))
-        raise ConfigError(f"data.tools: cannot build the JSON schema of tool {name!r}: {exc} (a tool needs type hints "
-                         "on every argument and a Google-style docstring with an Args: section)") from exc
+        raise ConfigError(
+            f"data.multiturn.tools: cannot build the JSON schema of tool {name!r}: {exc} (a tool needs type hints "
+            "on every argument and a Google-style docstring with an Args: section)"
+        ) from exc
 
 
 def load_tool(spec: Any) -> Tool:
     """A :class:`Tool` from a short name of the ``rlflow.tools`` group, an import path or a callable."""
     fn = registry.build(GROUP, spec) if isinstance(spec, str) else spec
     if not callable(fn):
-        raise ConfigError(f"data.tools: {spec!r} is not callable (a tool is a function)")
+        raise ConfigError(f"data.multiturn.tools: {spec!r} is not callable (a tool is a function)")
     schema = tool_schema(fn)
     return Tool(schema["function"]["name"], fn, schema)
 
@@ -92,7 +94,7 @@ def load_tools(specs: Sequence[Any] | None) -> dict[str, Tool]:
     for spec in specs or []:
         tool = load_tool(spec)
         if tool.name in tools:
-            raise ConfigError(f"data.tools: two tools are named {tool.name!r}; tool names must be unique")
+            raise ConfigError(f"data.multiturn.tools: two tools are named {tool.name!r}; tool names must be unique")
         tools[tool.name] = tool
     return tools
 
@@ -119,7 +121,7 @@ class ToolRunner:
 
     def __init__(self, tools: dict[str, Tool], timeout: float | None = 30.0) -> None:
         if timeout is not None and timeout <= 0:
-            raise ValueError(f"data.tool_timeout must be positive seconds (or null), got {timeout}")
+            raise ValueError(f"data.multiturn.tool_timeout must be positive seconds (or null), got {timeout}")
         self.tools = tools
         self.timeout = timeout
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -144,17 +146,21 @@ class ToolRunner:
     def check(self, call: ToolCall) -> ToolResult | None:
         """A failed result if ``call`` cannot be made (parse error, unknown tool, arguments not fitting)."""
         if call.error is not None:
-            return ToolResult(call.name or "?", f"Error: the tool call could not be parsed: {call.error}", False,
-                              "bad_arguments")
+            return ToolResult(
+                call.name or "?", f"Error: the tool call could not be parsed: {call.error}", False, "bad_arguments"
+            )
         tool = self.tools.get(call.name)
         if tool is None:
-            return ToolResult(call.name, f"Error: unknown tool {call.name!r}; available tools: "
-                              f"{', '.join(sorted(self.tools)) or '(none)'}", False, "unknown_tool")
+            return ToolResult(
+                call.name,
+                f"Error: unknown tool {call.name!r}; available tools: {', '.join(sorted(self.tools)) or '(none)'}",
+                False,
+                "unknown_tool",
+            )
         try:
             inspect.signature(tool.fn).bind(**(call.arguments or {}))
         except TypeError as exc:
-            return ToolResult(call.name, f"Error: bad arguments for tool {call.name!r}: {exc}", False,
-                              "bad_arguments")
+            return ToolResult(call.name, f"Error: bad arguments for tool {call.name!r}: {exc}", False, "bad_arguments")
         return None
 
     async def _call(self, call: ToolCall) -> ToolResult:
@@ -172,11 +178,13 @@ class ToolRunner:
         try:
             value = await asyncio.wait_for(invoke(), self.timeout)
         except asyncio.TimeoutError:
-            return ToolResult(call.name, f"Error: tool {call.name!r} timed out after {self.timeout} s", False,
-                              "timeout")
+            return ToolResult(
+                call.name, f"Error: tool {call.name!r} timed out after {self.timeout} s", False, "timeout"
+            )
         except Exception as exc:  # noqa: BLE001 - a failing tool is a message to the model, not a crash
-            return ToolResult(call.name, f"Error: tool {call.name!r} raised {type(exc).__name__}: {exc}", False,
-                              "raised")
+            return ToolResult(
+                call.name, f"Error: tool {call.name!r} raised {type(exc).__name__}: {exc}", False, "raised"
+            )
         return ToolResult(call.name, result_text(value))
 
     async def _call_all(self, calls: Sequence[ToolCall]) -> list[ToolResult]:

@@ -4,7 +4,7 @@
   of the current rollout step (done of total) and the generation speed in tokens/s. It advances per backend
   call, or per batch for a backend whose ``generate`` accepts ``progress=fn(completions, tokens)``.
 * :class:`StepSummary`: one line per rollout step: reward, accuracy (share of completions whose reward reaches
-  ``data.eval_pass_threshold``, logged as ``train/accuracy``), completion lengths, the clipped share and the step
+  ``data.eval.pass_threshold``, logged as ``train/accuracy``), completion lengths, the clipped share and the step
   time.
 * :class:`NoSignalWarning`: a warning when, for several steps in a row, every group's rewards were equal (zero
   advantages: the rewards train nothing), with the figures that usually explain it.
@@ -230,7 +230,7 @@ class NoSignalWarning(L.Callback):
 
     Why: GRPO's advantages are then all zero, so the rewards teach the policy nothing (only a KL or entropy term
     acts) while the run looks healthy: loss near 0, steps on time. The usual causes are a judger that cannot read the
-    completions (answer format), completions cut at ``data.max_tokens``, or a failing judger; the warning names
+    completions (answer format), completions cut at ``data.sampling.max_tokens``, or a failing judger; the warning names
     those figures. It warns once per such stretch and again if a later one follows a step with signal.
     """
 
@@ -256,12 +256,15 @@ class NoSignalWarning(L.Callback):
         def g(key: str) -> float:
             return float(m.get(key, 0.0))
 
-        warn(f"no learning signal for {self.patience} rollout steps: in every group all completions got the same "
-             f"reward (mean reward {g('reward'):.3f}), so every advantage is 0 and the rewards train nothing. "
-             f"Last step: {100 * g('completions/clipped_ratio'):.0f}% of completions cut at data.max_tokens, "
-             f"judger/failures {g('judger/failures'):.0f}, judger/unscored {g('judger/unscored'):.0f}. Check that "
-             "the judger can read the completions' answers (trajectories.jsonl shows them), raise data.max_tokens, "
-             "or start from a model that solves some prompts (--no_signal.patience 0 silences this)")
+        warn(
+            f"no learning signal for {self.patience} rollout steps: in every group all completions got the same "
+            f"reward (mean reward {g('reward'):.3f}), so every advantage is 0 and the rewards train nothing. "
+            f"Last step: {100 * g('completions/clipped_ratio'):.0f}% of completions cut at data.sampling.max_tokens, "
+            f"judger/failures {g('judger/failures'):.0f}, judger/unscored {g('judger/unscored'):.0f}. Check that "
+            "the judger can read the completions' answers (trajectories.jsonl shows them), raise "
+            "data.sampling.max_tokens, "
+            "or start from a model that solves some prompts (--no_signal.patience 0 silences this)"
+        )
 
 
 class SampleTable(L.Callback):
@@ -278,8 +281,7 @@ class SampleTable(L.Callback):
         """
         if every_n_steps < 0 or num_samples < 1:
             raise ValueError(
-                "samples.every_n_steps must be >= 0 and samples.num_samples >= 1, "
-                f"got {every_n_steps}, {num_samples}"
+                f"samples.every_n_steps must be >= 0 and samples.num_samples >= 1, got {every_n_steps}, {num_samples}"
             )
         self.every_n_steps = every_n_steps
         self.num_samples = num_samples
@@ -303,8 +305,9 @@ class SampleTable(L.Callback):
     def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self.eval_rows = []
 
-    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
-                                dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         if trainer.sanity_checking:
             return
         # the table's rows so far: the first rows (or prompts) of what came, so memory stays num_samples rows
@@ -318,8 +321,9 @@ class SampleTable(L.Callback):
             return
         rows = [[_cell(s, c) for c in EVAL_SAMPLE_COLUMNS] for s in samples]
         for logger in loggers:
-            logger.log_table(key="eval_samples", columns=EVAL_SAMPLE_COLUMNS, data=rows,
-                             step=max(trainer.global_step - 1, 0))  # where Lightning logs the eval metrics
+            logger.log_table(
+                key="eval_samples", columns=EVAL_SAMPLE_COLUMNS, data=rows, step=max(trainer.global_step - 1, 0)
+            )  # where Lightning logs the eval metrics
 
 
 class TrajectoryWriter(L.Callback):
@@ -340,8 +344,9 @@ class TrajectoryWriter(L.Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.append(trainer, "trajectories", _samples(pl_module))
 
-    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int,
-                                dataloader_idx: int = 0) -> None:
+    def on_validation_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
         if self.eval and not trainer.sanity_checking:
             self.append(trainer, "eval_trajectories", _eval_samples(outputs))
 

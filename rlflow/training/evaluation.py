@@ -1,8 +1,8 @@
 """Evaluation metrics: accuracy and pass@k over the eval set, overall and per ``data_source``.
 
 As XTuner's evaluator does, every eval prompt is generated (greedily by default, or ``k`` samples at
-``data.eval_temperature``), judged by the same judgers as training, and a completion counts as correct when its
-reward reaches ``data.eval_pass_threshold``. Reported: ``eval/accuracy`` (the mean over all samples, i.e. the
+``data.eval.temperature``), judged by the same judgers as training, and a completion counts as correct when its
+reward reaches ``data.eval.pass_threshold``. Reported: ``eval/accuracy`` (the mean over all samples, i.e. the
 unbiased pass@1), ``eval/pass@k`` (the unbiased estimator of Chen et al. 2021, "Evaluating Large Language Models
 Trained on Code": ``1 - C(n - c, k) / C(n, k)`` per prompt with ``n`` samples of which ``c`` are correct; also
 ``eval/pass@j`` for the powers of two ``j`` below ``k``), ``eval/maj@k`` (self-consistency: the answer most of a

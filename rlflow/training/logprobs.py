@@ -6,7 +6,8 @@ Under autograd each chunk is recomputed in the backward pass, whose gradient is 
 peak holds about two chunks of logits instead of every position's, and fewer than generic activation
 checkpointing would keep). Under autocast (``trainer.precision: bf16-mixed``) the LM head's matmul runs in the
 autocast dtype, in forward and in the recomputing backward alike, while the log-softmax, the taken log-prob and
-the entropy are float32; an :class:`~rlflow.models.lm_head.FP32Linear` head (``model.cast_lm_head_to_fp32``) runs its
+the entropy are float32; an :class:`~rlflow.models.lm_head.FP32Linear` head (``model.policy.cast_lm_head_to_fp32``)
+runs its
 matmul in float32 instead. Simplification: the LM head is applied as the model's output
 embedding layer alone, so models with a final logit soft-cap or scale fall back to the model's own logits.
 """
@@ -68,8 +69,10 @@ class _ChunkedTokenStats(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, temperature, chunk_size):
-        outs = [_chunk_stats(hidden[s: s + chunk_size], targets[s: s + chunk_size], weight, bias, temperature)
-                for s in range(0, targets.numel(), chunk_size)]
+        outs = [
+            _chunk_stats(hidden[s : s + chunk_size], targets[s : s + chunk_size], weight, bias, temperature)
+            for s in range(0, targets.numel(), chunk_size)
+        ]
         ctx.save_for_backward(hidden, weight, bias, targets)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.autocast = _autocast_state(hidden.device.type)  # backward recomputes the logits under the same state
@@ -89,10 +92,10 @@ class _ChunkedTokenStats(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if need_b else None
         for s in range(0, targets.numel(), chunk):
-            h, t = hidden[s: s + chunk], targets[s: s + chunk]
+            h, t = hidden[s : s + chunk], targets[s : s + chunk]
             rows = t.numel()
-            g_lp = grad_logp[s: s + chunk].float() if grad_logp is not None else h.new_zeros(rows, dtype=torch.float32)
-            g_ent = grad_entropy[s: s + chunk].float() if grad_entropy is not None else torch.zeros_like(g_lp)
+            g_lp = grad_logp[s : s + chunk].float() if grad_logp is not None else h.new_zeros(rows, dtype=torch.float32)
+            g_ent = grad_entropy[s : s + chunk].float() if grad_entropy is not None else torch.zeros_like(g_lp)
             z = torch.nn.functional.linear(h, weight, bias).float()
             if temperature != 1.0:
                 z.div_(temperature)  # z is a fresh tensor: scale it in place
@@ -109,15 +112,19 @@ class _ChunkedTokenStats(torch.autograd.Function):
                 grad_z.div_(temperature)
             gz = grad_z.to(weight.dtype)
             if need_h:
-                grad_h[s: s + chunk] = gz @ weight
+                grad_h[s : s + chunk] = gz @ weight
             if need_w:
                 grad_w += (gz.t() @ h.to(weight.dtype)).float()
             if need_b:
                 grad_b += grad_z.sum(0)
             del grad_z, gz
         return (
-            grad_h, grad_w.to(weight.dtype) if need_w else None, grad_b.to(bias.dtype) if need_b else None,
-            None, None, None,
+            grad_h,
+            grad_w.to(weight.dtype) if need_w else None,
+            grad_b.to(bias.dtype) if need_b else None,
+            None,
+            None,
+            None,
         )
 
 
@@ -139,7 +146,7 @@ def token_stats_from_hidden(
         empty = flat_h.new_zeros(0, dtype=torch.float32)
         return empty.view(shape), empty.view(shape)
     precision = contextlib.nullcontext()
-    if is_fp32_head(lm_head):  # model.cast_lm_head_to_fp32: the product in float32, autocast or not
+    if is_fp32_head(lm_head):  # model.policy.cast_lm_head_to_fp32: the product in float32, autocast or not
         flat_h, weight = flat_h.float(), weight.float()
         bias = None if bias is None else bias.float()
         precision = no_autocast(flat_h.device.type)
@@ -148,8 +155,10 @@ def token_stats_from_hidden(
         if torch.is_grad_enabled() and needs_grad:
             lp, ent = _ChunkedTokenStats.apply(flat_h, weight, bias, flat_t, temperature, chunk_size)
         else:
-            outs = [_chunk_stats(flat_h[s: s + chunk_size], flat_t[s: s + chunk_size], weight, bias, temperature)
-                    for s in range(0, flat_t.numel(), chunk_size)]
+            outs = [
+                _chunk_stats(flat_h[s : s + chunk_size], flat_t[s : s + chunk_size], weight, bias, temperature)
+                for s in range(0, flat_t.numel(), chunk_size)
+            ]
             lp, ent = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
     return lp.view(shape), ent.view(shape)
 
@@ -197,5 +206,5 @@ def completion_logprobs(
     if lm_head is None or base is None or _has_logit_postprocessing(model):
         logits = model(**inputs, logits_to_keep=width + 1).logits[:, :-1]
         return naive_token_stats(logits, targets, temperature)
-    hidden = base(**inputs, use_cache=False).last_hidden_state[:, -width - 1: -1]
+    hidden = base(**inputs, use_cache=False).last_hidden_state[:, -width - 1 : -1]
     return token_stats_from_hidden(hidden, targets, lm_head, temperature, chunk_size)

@@ -93,7 +93,7 @@ def packing_unsupported_reason(model: Any, sharded: bool = False) -> str | None:
 
 
 def resolve_packing(configured: bool, models: list[Any], sharded: bool, pack_max_length: int) -> bool:
-    """Whether micro-batches are packs: ``configured`` (``model.packing``), unless packed forwards of one of
+    """Whether micro-batches are packs: ``configured`` (``model.update.packing``), unless packed forwards of one of
     ``models`` (the policy, then the reference if any; None entries are skipped) would not be exact: then padded
     micro-batches, with a warning giving the reason. The choice is logged once, on rank 0.
 
@@ -106,9 +106,12 @@ def resolve_packing(configured: bool, models: list[Any], sharded: bool, pack_max
     models = [m for m in models if m is not None]
     reason = next((r for r in (packing_unsupported_reason(m, sharded) for m in models) if r), None)
     if reason:
-        warn(f"model.packing: training on padded micro-batches of model.micro_batch_size sequences, not packs, "
-             f"because {reason}")
+        warn(
+            f"model.update.packing: training on padded micro-batches of model.update.micro_batch_size sequences, "
+            f"not packs, "
+            f"because {reason}"
+        )
         return False
     share = "a group's prompt once per pack" if varlen_supported(models[0]) else "every sequence its own prompt"
-    info(f"model.packing: micro-batches are packs of at most {pack_max_length} tokens ({share})")
+    info(f"model.update.packing: micro-batches are packs of at most {pack_max_length} tokens ({share})")
     return True

@@ -1,4 +1,4 @@
-"""Moving the KL reference toward the policy during training (``model.ref_model_sync_steps``).
+"""Moving the KL reference toward the policy during training (``model.reference.sync_steps``).
 
 A KL penalty to a frozen reference keeps the policy near its starting point; over a long run that anchor also
 holds it back. TR-DPO and TRL's ``sync_ref_model`` move the reference every ``N`` steps by a soft update,
@@ -27,33 +27,40 @@ from rlflow.config_error import ConfigError
 
 
 def check_sync(sync_steps: int, alpha: float, uses_reference: bool, lora: bool) -> None:
-    """ConfigError unless ``model.ref_model_sync_steps``/``model.ref_model_mixup_alpha`` can act on this run."""
+    """ConfigError unless ``model.reference.sync_steps``/``model.reference.mixup_alpha`` can act on this run."""
     if isinstance(sync_steps, bool) or not isinstance(sync_steps, int) or sync_steps < 0:
-        raise ConfigError(f"model.ref_model_sync_steps must be an integer >= 0 (0: never), got {sync_steps!r}")
+        raise ConfigError(f"model.reference.sync_steps must be an integer >= 0 (0: never), got {sync_steps!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha <= 1.0:
-        raise ConfigError(f"model.ref_model_mixup_alpha must be in (0, 1] (1: reset the reference to the policy), "
+        raise ConfigError(f"model.reference.mixup_alpha must be in (0, 1] (1: reset the reference to the policy), "
                           f"got {alpha!r}")
     if not sync_steps:
         return
     if not uses_reference:
-        raise ConfigError(f"model.ref_model_sync_steps={sync_steps} moves the KL reference, but this loss has no KL "
-                          "term (model.kl_coef is 0), so no reference is loaded: set model.kl_coef > 0 or "
-                          "model.ref_model_sync_steps=0")
+        raise ConfigError(
+            f"model.reference.sync_steps={sync_steps} moves the KL reference, but this loss has no KL "
+            "term (model.loss.init_args.kl_coef is 0), so no reference is loaded: set model.loss.init_args.kl_coef > 0 "
+            "or "
+            "model.reference.sync_steps=0"
+        )
     if lora:
-        raise ConfigError(f"model.ref_model_sync_steps={sync_steps} is not supported with model.lora: the reference "
-                          "is the base model under the adapters (or model.ref_model_path, into which the adapters "
-                          "would have to be merged); set model.ref_model_sync_steps=0")
+        raise ConfigError(
+            f"model.reference.sync_steps={sync_steps} is not supported with model.lora: the reference "
+            "is the base model under the adapters (or model.reference.path, into which the adapters "
+            "would have to be merged); set model.reference.sync_steps=0"
+        )
 
 
 def check_same_layout(policy: torch.nn.Module, ref: torch.nn.Module) -> None:
     """ConfigError unless ``ref`` has the policy's parameters (names and shapes), so one can be mixed into the
-    other (a ``model.ref_model_path`` of another architecture cannot)."""
+    other (a ``model.reference.path`` of another architecture cannot)."""
     mine = {n: tuple(p.shape) for n, p in policy.named_parameters()}
     theirs = {n: tuple(p.shape) for n, p in ref.named_parameters()}
     if mine != theirs:
         diff = sorted(set(mine.items()) ^ set(theirs.items()))[:3]
-        raise ConfigError(f"model.ref_model_sync_steps: the reference (model.ref_model_path) and the policy have "
-                          f"different parameters, so the policy cannot be mixed into it; first differences: {diff}")
+        raise ConfigError(
+            f"model.reference.sync_steps: the reference (model.reference.path) and the policy have "
+            f"different parameters, so the policy cannot be mixed into it; first differences: {diff}"
+        )
 
 
 @torch.no_grad()

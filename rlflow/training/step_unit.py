@@ -1,7 +1,7 @@
 """One step unit for the whole run: the rollout step.
 
 One ``training_step`` of :class:`rlflow.training.module.GRPOModule` is one rollout step: generation, then
-``model.optimizer_steps * model.num_iterations`` optimizer steps. Under manual optimization Lightning's
+``model.update.optimizer_steps * model.update.num_iterations`` optimizer steps. Under manual optimization Lightning's
 ``trainer.global_step`` counts ``LightningOptimizer.step`` calls (the manual loop hooks ``_on_before_step`` /
 ``_on_after_step`` of the optimizer, which advance its ``optim_step_progress``), while the data loader,
 ``val_check_interval``, ``log_every_n_steps`` and the loggers' ``step`` count training batches, i.e. rollout
