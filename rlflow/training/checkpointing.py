@@ -11,7 +11,8 @@
   ``last.ckpt`` of the final step written like every step checkpoint, so a finished run continues exactly when
   ``max_steps`` is raised.
 * :func:`capture_rng_state` / :func:`restore_rng_state`: the Python, NumPy and torch (CPU and CUDA) generators,
-  one set per rank.
+  one set per rank; :mod:`rlflow.training.resume` puts every rank's into the checkpoint and restores them when
+  training starts again.
 
 Simplifications: local file systems only get the atomic write (remote URLs use Lightning's writer); the partial
 files of a killed process are removed the next time a run sets up the same checkpoint directory.

@@ -68,7 +68,7 @@ from rlflow.training.packing import (
 )
 from rlflow.training.packing_support import resolve_packing
 from rlflow.training.reference import sync_reference
-from rlflow.training.resume import COUNTERS, ResumeState, checkpoint_state, loadable_state
+from rlflow.training.resume import ResumeState, checkpoint_state, loadable_state
 from rlflow.training.settings import (
     ModuleSettings,
     OptimSettings,
@@ -394,9 +394,11 @@ class GRPOModule(L.LightningModule):
         self.policy: torch.nn.Module | None = None
         self.outside = OutsideModels()
         self.resume = ResumeState()
-        # policy_version (optimizer steps taken: the version of the weights that sample next), num_tokens (TRL's
-        # cumulative prompt + completion tokens), skipped_steps, consecutive_skips: checkpointed
-        self.policy_version, self.num_tokens, self.skipped_steps, self.consecutive_skips = COUNTERS.values()
+        # checkpointed (rlflow.training.resume.COUNTERS)
+        self.policy_version = 0  # optimizer steps taken: the version of the weights that sample next
+        self.num_tokens = 0.0  # TRL's cumulative prompt + completion tokens
+        self.skipped_steps = 0
+        self.consecutive_skips = 0
         self.trained_versions: list[tuple[int, int]] = []  # (policy_version at the update, versions sampled)
         self.packing_checked: bool | None = None  # model.update.packing after the check at fit start (None: not yet)
         self.vision: Any = None  # rlflow.models.vision.VisionBatches for a vision-language policy
