@@ -11,7 +11,8 @@ import torch
 
 from rlflow.entry import main
 
-DIGITS = '--data.judging.judgers={"*": {"class_path": "tests.helpers.resume_helpers.DigitJudger"}}'  # graded: the weights move
+#: a graded reward, so the weights move
+DIGITS = '--data.judging.judgers={"*": {"class_path": "tests.helpers.resume_helpers.DigitJudger"}}'
 IDS = torch.tensor([[5, 9, 17, 23, 42, 11, 7, 30]])
 
 
