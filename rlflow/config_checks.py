@@ -16,7 +16,7 @@ from typing import Any
 from rlflow.config_error import ConfigError
 from rlflow.models.model_path import check_model_path
 
-__all__ = ["ConfigError", "check_data_args", "check_model_args", "check_values"]
+__all__ = ["ConfigError", "check_data_args", "check_values"]
 
 
 Rule = Callable[[str, Any], None]
@@ -101,27 +101,6 @@ DATA_RULES: dict[str, Rule] = {
     "max_prompt_length": at_least(1),
 }
 
-MODEL_RULES: dict[str, Rule] = {
-    "lr": greater_than(0.0),
-    "weight_decay": at_least(0.0),
-    "warmup_steps": at_least(0),
-    "lr_schedule": one_of("constant", "linear", "cosine"),
-    "max_grad_norm": greater_than(0.0, optional=True),
-    "epsilon_low": interval(0.0, 1.0, high_open=True, optional=True),
-    "epsilon_high": at_least(0.0, optional=True),
-    "kl_coef": at_least(0.0, optional=True),
-    "rollout_is_cap": greater_than(0.0),
-    "optimizer_steps": at_least(1),
-    "num_iterations": at_least(1),
-    "micro_batch_size": at_least(1),
-    "temperature": at_least(0.0),
-    "max_tokens": at_least(1),
-    "logprob_chunk_size": at_least(1),
-    "pack_max_length": at_least(1),
-    "max_consecutive_skipped_steps": at_least(1),
-}
-
-
 def check_data_args(values: Mapping[str, Any]) -> None:
     """Check the top-level ``data.*`` arguments of ``RolloutDataModule.__init__`` (pass its ``locals()``; each group
     of settings checks its own); ConfigError on the first bad one.
@@ -131,11 +110,3 @@ def check_data_args(values: Mapping[str, Any]) -> None:
     check_values("data", DATA_RULES, values)
     if values.get("tokenizer_path"):
         check_model_path(values["tokenizer_path"], "data.tokenizer_path")
-
-
-def check_model_args(values: Mapping[str, Any]) -> None:
-    """Check the arguments of ``GRPOModule.__init__``; ConfigError on the first bad one."""
-    check_values("model", MODEL_RULES, values)
-    betas = values.get("betas", (0.9, 0.999))
-    if len(betas) != 2 or not all(_is_number(b) and 0.0 <= b < 1.0 for b in betas):
-        raise ConfigError(f"model.optim.betas must be two numbers in [0, 1), got {betas!r}")

@@ -1,4 +1,4 @@
-"""Dropout off in the policy (``model.disable_dropout``, on by default; TRL's ``disable_dropout``, off there).
+"""Dropout off in the policy (``model.policy.disable_dropout``, on by default; TRL's ``disable_dropout``, off there).
 
 Why: GRPO compares log-probs of the same tokens computed by different forwards: the training forward (train
 mode) against the sampler's, the old policy's and the reference's (eval mode, or rlflow's own decode). With

@@ -1,4 +1,5 @@
-"""``model.cast_lm_head_to_fp32``: the LM head's weights and matrix product in float32 (TRL's option of that name).
+"""``model.policy.cast_lm_head_to_fp32``: the LM head's weights and matrix product in float32 (TRL's option of that
+name).
 
 Why: the log-probs GRPO trains on are a softmax over a vocabulary of 10^4-10^5 logits, each one bf16 product of a
 hidden state and a head row. bf16 keeps 8 bits of mantissa, so two computations of "the same" log-prob (the
@@ -57,9 +58,11 @@ def cast_lm_head_to_fp32(model: torch.nn.Module) -> None:
         head.float()
         return
     if type(head) is not torch.nn.Linear:
-        raise ConfigError(f"model.cast_lm_head_to_fp32 needs a plain nn.Linear LM head; this model's is a "
-                          f"{type(head).__name__} (a PEFT adapter on lm_head, or a quantised head): remove it from "
-                          "the adapter's target modules or set model.cast_lm_head_to_fp32=false")
+        raise ConfigError(
+            f"model.policy.cast_lm_head_to_fp32 needs a plain nn.Linear LM head; this model's is a "
+            f"{type(head).__name__} (a PEFT adapter on lm_head, or a quantised head): remove it from "
+            "the adapter's target modules or set model.policy.cast_lm_head_to_fp32=false"
+        )
     original = head.weight.dtype
     embed = model.get_input_embeddings()
     tied = embed is not None and getattr(embed, "weight", None) is head.weight

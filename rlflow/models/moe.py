@@ -1,4 +1,4 @@
-"""The mixture-of-experts load-balancing loss in GRPO training (``model.router_aux_loss_coef``, TRL's option).
+"""The mixture-of-experts load-balancing loss in GRPO training (``model.policy.router_aux_loss_coef``, TRL's option).
 
 Why: an MoE policy's router is trained by the policy gradient alone once its pre-training's auxiliary loss is gone,
 and RL updates that favour a few experts unbalance it (some experts overloaded, others never trained). transformers'
@@ -45,8 +45,10 @@ def router_aux_coef(model: Any, coef: float | None) -> float:
     settings = router_settings(model)
     if settings is None:
         if coef:
-            raise ConfigError(f"model.router_aux_loss_coef={coef}, but {type(unwrap_peft(model)).__name__} is not a "
-                              "mixture-of-experts model with router logits: leave it unset (null) or 0")
+            raise ConfigError(
+                f"model.policy.router_aux_loss_coef={coef}, but {type(unwrap_peft(model)).__name__} is not a "
+                "mixture-of-experts model with router logits: leave it unset (null) or 0"
+            )
         return 0.0
     return float(unwrap_peft(model).config.router_aux_loss_coef if coef is None else coef)
 

@@ -79,11 +79,14 @@ def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """Copy every parameter of ``src`` into the parameter of the same name of ``dst`` (in place).
 
     An FSDP-sharded ``src`` must be unsharded around the call (:func:`rlflow.training.distributed.full_weights`); a
-    DTensor parameter is gathered all the same.
+    DTensor parameter is gathered all the same. A policy with LoRA adapters (``model.lora``) is copied merged, under
+    the plain model's names (:func:`rlflow.models.lora.merge_lora_tensors`): ``dst`` is the model without adapters.
     """
+    from rlflow.models.lora import merge_lora_tensors
+
     params = dict(dst.named_parameters())
-    for name, p in src.named_parameters():
-        value = p.full_tensor() if hasattr(p, "full_tensor") else p
+    named = ((name, p.full_tensor() if hasattr(p, "full_tensor") else p) for name, p in src.named_parameters())
+    for name, value in merge_lora_tensors(src, named):
         if name not in params:
             raise KeyError(f"the generator's model has no parameter {name!r}")
         params[name].copy_(value.detach().to(params[name].dtype))

@@ -121,11 +121,10 @@ def loss_tokens(loss_fn: Any, experiences: list[Experience]) -> int:
 
 
 def all_cores(trainer: Any) -> contextlib.AbstractContextManager:
-    """The data module's setting for the backward pass (pipelined on a CPU: the generator process's cores lent
-    to it, :meth:`RolloutDataModule.all_cores`); as it is with any other data module."""
-    dm = getattr(trainer, "datamodule", None) if trainer is not None else None
-    cores = getattr(dm, "all_cores", None)
-    return cores() if cores is not None else contextlib.nullcontext()
+    """The experience source's context for the backward pass (:meth:`ExperienceSource.all_cores`: pipelined on a
+    CPU, the generator process's cores lent to it); as it is where no datamodule is attached."""
+    source = trainer.datamodule if trainer is not None else None
+    return source.all_cores() if source is not None else contextlib.nullcontext()
 
 
 def reduce_sum(trainer: Any, values: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -458,8 +457,8 @@ class GRPOModule(L.LightningModule):
         slow = emulated_bf16(str(self.trainer.precision), self.device)
         if slow:
             warn(slow)
-        self.experience.bind(self.policy)
-        self.check_pipelining(getattr(self.experience, "max_staleness", 0))
+        self.experience.bind(self.policy, self.current_policy_version)
+        self.check_pipelining(self.experience.max_staleness)
         update = self.settings.update
         self.packing_checked = resolve_packing(update.packing, [self.policy, self.ref_model], self.sharded,
                                                update.pack_max_length)
@@ -481,7 +480,12 @@ class GRPOModule(L.LightningModule):
         return self.packing_checked if self.packing_checked is not None else self.settings.update.packing
 
     def on_validation_start(self) -> None:
-        self.experience.bind(self.policy)
+        self.experience.bind(self.policy, self.current_policy_version)
+
+    def current_policy_version(self) -> int:
+        """Optimizer steps taken so far: the version of the weights that sample next (the rollout pipeline asks it
+        mid-generation for partial rollouts)."""
+        return self.policy_version
 
     def configure_optimizers(self) -> Any:
         optim, update = self.settings.optim, self.settings.update

@@ -38,7 +38,7 @@ from torch.optim import lr_scheduler
 
 from rlflow.config_error import ConfigError
 
-#: ``model.optimizer`` values -> (module, pip package) they need, ``None`` for torch's own.
+#: ``model.optim.optimizer`` values -> (module, pip package) they need, ``None`` for torch's own.
 OPTIMIZERS: dict[str, tuple[str, str] | None] = {
     "adamw": None,
     "adamw_bf16_sr": ("torchao", "torchao"),
@@ -53,12 +53,12 @@ class LostUpdatesWarning(UserWarning):
 
 
 def check_optimizer(name: str) -> None:
-    """Refuse an unknown ``model.optimizer``, or one whose package is missing, before any model is loaded."""
+    """Refuse an unknown ``model.optim.optimizer``, or one whose package is missing, before any model is loaded."""
     if name not in OPTIMIZERS:
-        raise ConfigError(f"model.optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+        raise ConfigError(f"model.optim.optimizer must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
     need = OPTIMIZERS[name]
     if need is not None and importlib.util.find_spec(need[0]) is None:
-        raise ConfigError(f"model.optimizer={name} needs the {need[1]} package: pip install 'rlflow[precision]' "
+        raise ConfigError(f"model.optim.optimizer={name} needs the {need[1]} package: pip install 'rlflow[precision]' "
                           f"(or pip install {need[1]})")
 
 
@@ -66,7 +66,7 @@ def build_optimizer(
     name: str, params: Iterable[torch.nn.Parameter], lr: float, betas: tuple[float, float] = (0.9, 0.999),
     weight_decay: float = 0.0, eps: float = 1e-8,
 ) -> torch.optim.Optimizer:
-    """The AdamW of ``model.optimizer`` (see the module docstring) over ``params``."""
+    """The AdamW of ``model.optim.optimizer`` (see the module docstring) over ``params``."""
     check_optimizer(name)
     kwargs = dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay, eps=eps)
     if name == "adamw_bf16_sr":
@@ -98,7 +98,7 @@ def build_lr_scheduler(
     ``linear`` (``1 - progress``) or ``cosine`` (``0.5 * (1 + cos(pi * progress))``), ``progress`` going from 0
     after warm-up to 1 at ``total_steps`` (and staying there); ``step`` counts optimizer steps from 0."""
     if schedule not in SCHEDULES:
-        raise ConfigError(f"model.lr_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+        raise ConfigError(f"model.optim.lr_schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     decay = max(total_steps - warmup_steps, 1)
     schedulers: list[lr_scheduler.LRScheduler] = []
     milestones: list[int] = []
@@ -215,8 +215,8 @@ class UpdateFraction:
         rank_zero_warn(
             f"[rlflow] {where} changed only {fraction:.1%} of the low-precision parameters it had gradients for "
             "(optim/update_fraction): AdamW's small updates are below bfloat16/float16 resolution and are rounded "
-            "away, so the model barely trains. Keep float32 master weights (model.dtype: float32 with "
+            "away, so the model barely trains. Keep float32 master weights (model.policy.dtype: float32 with "
             "trainer.precision: bf16-mixed, or FSDP2 with trainer.strategy: fsdp2_bf16), or keep bf16 weights with "
-            "model.optimizer: adamw_kahan or adamw_bf16_sr (pip install 'rlflow[precision]').",
+            "model.optim.optimizer: adamw_kahan or adamw_bf16_sr (pip install 'rlflow[precision]').",
             category=LostUpdatesWarning,
         )

@@ -26,30 +26,6 @@ import torch
 from rlflow.config_error import ConfigError
 
 
-def check_sync(sync_steps: int, alpha: float, uses_reference: bool, lora: bool) -> None:
-    """ConfigError unless ``model.reference.sync_steps``/``model.reference.mixup_alpha`` can act on this run."""
-    if isinstance(sync_steps, bool) or not isinstance(sync_steps, int) or sync_steps < 0:
-        raise ConfigError(f"model.reference.sync_steps must be an integer >= 0 (0: never), got {sync_steps!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha <= 1.0:
-        raise ConfigError(f"model.reference.mixup_alpha must be in (0, 1] (1: reset the reference to the policy), "
-                          f"got {alpha!r}")
-    if not sync_steps:
-        return
-    if not uses_reference:
-        raise ConfigError(
-            f"model.reference.sync_steps={sync_steps} moves the KL reference, but this loss has no KL "
-            "term (model.loss.init_args.kl_coef is 0), so no reference is loaded: set model.loss.init_args.kl_coef > 0 "
-            "or "
-            "model.reference.sync_steps=0"
-        )
-    if lora:
-        raise ConfigError(
-            f"model.reference.sync_steps={sync_steps} is not supported with model.lora: the reference "
-            "is the base model under the adapters (or model.reference.path, into which the adapters "
-            "would have to be merged); set model.reference.sync_steps=0"
-        )
-
-
 def check_same_layout(policy: torch.nn.Module, ref: torch.nn.Module) -> None:
     """ConfigError unless ``ref`` has the policy's parameters (names and shapes), so one can be mixed into the
     other (a ``model.reference.path`` of another architecture cannot)."""

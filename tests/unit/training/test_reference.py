@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from rlflow.config_error import ConfigError
-from rlflow.training.reference import check_same_layout, check_sync, sync_reference
+from rlflow.training.reference import check_same_layout, sync_reference
+from rlflow.training.settings import ReferenceSettings
 
 
 def tiny_pair(tiny_model, seed: int):
@@ -51,17 +52,17 @@ def test_alpha_one_resets_the_reference_to_the_policy_exactly(tiny_model):
         assert torch.equal(r, p)
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    ((-1, 0.6, True, False), "ref_model_sync_steps must be an integer >= 0"),
-    ((2, 0.0, True, False), "ref_model_mixup_alpha must be in (0, 1]"),
-    ((2, 1.5, True, False), "ref_model_mixup_alpha must be in (0, 1]"),
-    ((2, 0.6, False, False), "no KL term (model.loss.init_args.kl_coef is 0)"),
-    ((2, 0.6, True, True), "not supported with model.lora"),
+@pytest.mark.parametrize(("settings", "use", "message"), [
+    (dict(sync_steps=-1), (True, False), "model.reference.sync_steps must be an integer >= 0"),
+    (dict(sync_steps=2, mixup_alpha=0.0), (True, False), "model.reference.mixup_alpha must be in (0.0, 1.0]"),
+    (dict(sync_steps=2, mixup_alpha=1.5), (True, False), "model.reference.mixup_alpha must be in (0.0, 1.0]"),
+    (dict(sync_steps=2), (False, False), "no KL term (model.loss.init_args.kl_coef is 0)"),
+    (dict(sync_steps=2), (True, True), "not supported with model.lora"),
 ])
-def test_settings_that_cannot_act_are_config_errors(args, message):
+def test_settings_that_cannot_act_are_config_errors(settings, use, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
-        check_sync(*args)
-    check_sync(0, 0.6, False, True)  # off: nothing to check against the loss or LoRA
+        ReferenceSettings(**settings).check_use(*use)
+    ReferenceSettings(sync_steps=0).check_use(False, True)  # off: nothing to check against the loss or LoRA
 
 
 def test_a_reference_of_another_shape_is_refused(tiny_model, tmp_path):
