@@ -16,7 +16,7 @@ fix (an invalid value, bad data, a missing model, a full disk, a diverged run) e
 Plugin arguments (``model.loss``, ``data.rollout``, ``data.advantage``, ``data.judging.judgers``) are typed, so
 ``class_path``/``init_args`` are validated and ``--model.loss.help grpo`` documents a plugin; registry short
 names work as ``class_path`` (see :mod:`rlflow.registry`). ``data.sampling.max_tokens`` fills the ``max_tokens``
-of the judgers that take one and leave it unset.
+of the loss and the judgers that take one and leave it unset.
 """
 
 from __future__ import annotations
@@ -101,13 +101,17 @@ def _init_args(spec: Namespace) -> Namespace:
 
 
 def apply_plugin_settings(config: Namespace) -> None:
-    """Put ``data.sampling.max_tokens`` into the ``init_args`` of the judgers that take ``max_tokens`` and leave it
-    unset (the overlong-length judger, say)."""
-    data = config.get("data")
+    """Put ``data.sampling.max_tokens`` into the ``init_args`` of the plugins that take ``max_tokens`` and leave it
+    unset: the loss given as ``class_path``/``init_args`` (its normaliser outside a training step) and the judgers
+    (the overlong-length judger, say)."""
+    model, data = config.get("model"), config.get("data")
     if data is None:
         return
     max_tokens = (data.get("sampling") or Namespace()).get("max_tokens")
-    for spec in plugin_specs((data.get("judging") or Namespace()).get("judgers")):
+    specs = plugin_specs((data.get("judging") or Namespace()).get("judgers"))
+    if model is not None and is_class_spec(model.get("loss")):
+        specs.append(model["loss"])
+    for spec in specs:
         cls = registry.import_path(spec["class_path"])
         registry.apply_settings(cls, _init_args(spec), {"max_tokens": max_tokens})
 

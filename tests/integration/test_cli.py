@@ -96,18 +96,7 @@ def test_kl_coef_in_the_losss_init_args_loads_a_reference_and_trains_with_kl(tin
     assert "kl" in read_metrics(__import__("pathlib").Path(cli.trainer.log_dir))[-1]
 
 
-def test_kl_coef_set_twice_differently_is_one_error_line(tiny_model, tiny_data, tmp_path, capsys):
-    from rlflow.cli import main
-
-    loss = '--model.loss={"class_path": "grpo", "init_args": {"kl_coef": 0.01}}'
-    code = main(fit_args(tiny_model, tiny_data, tmp_path, loss, "--model.loss.kl_coef=0", steps=1))
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("rlflow: error:")]
-    assert code == 1 and len(lines) == 1 and "Traceback" not in err
-    assert "model.loss.init_args.kl_coef=0.0 conflicts with model.loss.init_args.kl_coef=0.01" in lines[0]
-
-
-def test_shortcut_settings_and_max_tokens_reach_the_plugin_specs(tiny_model, tiny_data, tmp_path):
+def test_loss_options_and_max_tokens_reach_the_plugin_specs(tiny_model, tiny_data, tmp_path):
     judgers = '--data.judging.judgers={"*": ["gsm8k", {"class_path": "overlong"}]}'
     loss = '--model.loss={"class_path": "dapo", "init_args": {"clip_ratio_c": 3.0}}'
     cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, judgers, loss, "--model.loss.epsilon_high=0.28",
