@@ -197,7 +197,8 @@ def test_disk_full_during_checkpointing_keeps_the_previous_one(tiny_model, tiny_
 @pytest.mark.parametrize("option,line", [
     ("--model.loss={class_path: bnpo, init_args: {kl_type: bogus}}",
      "rlflow: error: model.loss (rlflow.losses.clipped.BNPOLoss): unknown kl_type 'bogus'; choose one of k1, k2, k3"),
-    ("--model.loss.kl_type=bogus", "rlflow: error: unknown kl_type 'bogus'; choose one of k1, k2, k3"),
+    ("--model.loss.kl_type=bogus",
+     "rlflow: error: model.loss (rlflow.losses.clipped.BNPOLoss): unknown kl_type 'bogus'; choose one of k1, k2, k3"),
     ("--data.advantage.scale_rewards=grp",
      "rlflow: error: data.advantage (rlflow.advantages.grpo.GRPOAdvantage): scale_rewards must be 'group', 'batch'"),
     ("--data.rollout={class_path: engine, init_args: {max_batch_size: 0}}",

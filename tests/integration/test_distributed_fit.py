@@ -237,12 +237,7 @@ def test_lmdeploy_recipe_config_resolves(tiny_model):
     assert cfg["trainer"]["devices"] == 8
     assert cfg["data"]["rollout"]["class_path"] == "rlflow.rollout.lmdeploy.LMDeployRollout"
     m, d = cfg["model"], cfg["data"]
-    assert (d["prompt_repeat_k"], m["lr"], m["epsilon_low"], m["epsilon_high"], m["kl_coef"], m["kl_type"]) == (
-        5,
-        1e-6,
-        0.2,
-        0.28,
-        0.001,
-        "low_var_kl",
-    )
-    assert (d["max_prompt_length"], d["max_tokens"], d["global_batch_size"] % 8) == (512, 1024, 0)
+    loss = m["loss"]["init_args"]
+    assert (d["prompt_repeat_k"], m["optim"]["lr"], loss["epsilon_low"], loss["epsilon_high"], loss["kl_coef"],
+            loss["kl_type"]) == (5, 1e-6, 0.2, 0.28, 0.001, "low_var_kl")
+    assert (d["max_prompt_length"], d["sampling"]["max_tokens"], d["global_batch_size"] % 8) == (512, 1024, 0)

@@ -85,8 +85,8 @@ def test_reference_logprobs_are_the_base_models(lora_run, tiny_model):
     assert all(e.ref_logprobs is not None for e in exps)
     batch = collate(exps, module.pad_id)
     base = AutoModelForCausalLM.from_pretrained(tiny_model).eval()  # a separately loaded base model
-    expected, _ = completion_logprobs(base, batch, module.hparams.temperature)
-    adapted, _ = completion_logprobs(module.policy.eval(), batch, module.hparams.temperature)
+    expected, _ = completion_logprobs(base, batch, module.experience.sampling.temperature)
+    adapted, _ = completion_logprobs(module.policy.eval(), batch, module.experience.sampling.temperature)
     mask = batch["completion_mask"]
     ref = torch.zeros_like(expected)
     for i, e in enumerate(exps):
@@ -192,7 +192,7 @@ def test_single_gpu_lora_recipe_resolves_and_its_memory_arithmetic_holds(tiny_mo
     cfg = yaml.safe_load(out.stdout)
     lora = cfg["model"]["lora"]
     assert (lora["r"], lora["alpha"], lora["target_modules"]) == (32, 64.0, "all-linear")
-    assert (cfg["trainer"]["devices"], cfg["trainer"]["precision"], cfg["model"]["dtype"]) == (1, "bf16-mixed",
+    assert (cfg["trainer"]["devices"], cfg["trainer"]["precision"], cfg["model"]["policy"]["dtype"]) == (1, "bf16-mixed",
                                                                                                "bfloat16")
     config = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)

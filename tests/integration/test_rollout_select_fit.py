@@ -13,7 +13,7 @@ def test_the_cli_accepts_auto_and_defaults_to_it(tiny_model, tiny_data, tmp_path
 
     for extra in ([], ["--data.rollout=auto"]):
         cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, *extra)[1:], run=False)
-        assert cli.datamodule.rollout_spec == "auto" and cli.model.hparams.packing is True
+        assert cli.datamodule.rollout_spec == "auto" and cli.model.settings.update.packing is True
 
 
 def test_a_named_engine_that_cannot_run_the_model_is_one_error_line(tiny_model, tiny_data, tmp_path, capsys):

@@ -115,5 +115,5 @@ def test_seed_recipes_evaluate_every_10_rollout_steps_as_xtuner(recipe):
     from tests.helpers.paths import ROOT
 
     config = yaml.safe_load((ROOT / "configs" / recipe).read_text())
-    assert config["model"]["optimizer_steps"] == 4
+    assert config["model"]["update"]["optimizer_steps"] == 4
     assert config["trainer"]["val_check_interval"] == 10 and config["trainer"]["check_val_every_n_epoch"] is None

@@ -85,7 +85,7 @@ def test_wandb_offline_records_metrics_config_and_sample_tables(tiny_model, tiny
         if r.WhichOneof("record_type") == "config":
             config.update({u.key: json.loads(u.value_json) for u in r.config.update})
     assert {"model", "data", "trainer", "checkpoint", "seed_everything"} <= set(config)  # the full resolved config
-    assert config["data"]["prompt_repeat_k"] == 4 and config["model"]["lr"] == 1e-3
+    assert config["data"]["prompt_repeat_k"] == 4 and config["model"]["optim"]["lr"] == 1e-3
     assert config["trainer"]["max_steps"] == 3 and config["checkpoint"]["save_last"] is True
 
     history = [history_row(r) for r in records if r.WhichOneof("record_type") == "history"]

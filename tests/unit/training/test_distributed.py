@@ -147,16 +147,17 @@ def _sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> 
         # data.filtering.skip_solved: each rank's solved groups (its share of the batch) reach both samplers
         from types import SimpleNamespace
 
-        from rlflow.data.datamodule import RolloutDataModule
+        from rlflow.data.experience_maker import EvalPlan, ExperienceMaker
         from rlflow.data.sampler import PromptBatchSampler
 
         records = [SimpleNamespace(i=i) for i in range(6)]
-        dm = SimpleNamespace(train_records=records, _record_index=None, prompt_repeat_k=2, eval_pass_threshold=1.0,
-                             sampler=PromptBatchSampler(6, 2, skip_solved=True))
-        dm.sampler.record(3, True)  # solved before, judged unsolved now on rank 1
+        maker = SimpleNamespace(prompts=SimpleNamespace(records=records), _record_index=None, k=2,
+                                evaluation=EvalPlan(None, 1, 1.0, 0), sampler=PromptBatchSampler(6, 2, skip_solved=True))
+        maker.sampler.record(3, True)  # solved before, judged unsolved now on rank 1
         mine, rewards = (([records[0], records[1]], [1.0, 1.0, 1.0, 0.0]) if rank == 0
                          else ([records[3], records[5]], [0.5, 1.0, 1.0, 1.0]))
-        results["solved_metrics"] = RolloutDataModule.record_solved(dm, mine, rewards)
+        results["solved_metrics"] = ExperienceMaker.record_solved(maker, mine, rewards)
+        dm = maker
         results["solved"] = sorted(dm.sampler.solved)
         # the export gathers full weights on rank 0 only
         full = gather_full_state_dict(sharded)
