@@ -157,7 +157,8 @@ class RolloutDataModule(L.LightningDataModule):
         self.sampling = sampling.params()  # the stop token ids follow with the tokenizer
         self.eval_sampling = SamplingParams(eval_.temperature, 1.0, 0, sampling.max_tokens)
         self.judges = JudgePanel(judging.judger_specs(), judging.weights, [*train_sources, *eval_sources],
-                                 timeout=judging.timeout, max_tokens=sampling.max_tokens)
+                                 timeout=judging.timeout, max_tokens=sampling.max_tokens,
+                                 max_failure_rate=judging.max_failure_rate)
         self.advantage = registry.build("rlflow.advantages", advantage)
         dynamic = DynamicSampling(filtering.max_rounds, seed)  # validated even when off
         self.dynamic_sampling = dynamic if filtering.dynamic_sampling else None
@@ -315,7 +316,9 @@ class RolloutDataModule(L.LightningDataModule):
             evaluation=EvalPlan(self.eval_sampling, self.eval_k, self.eval_settings.pass_threshold, self.seed),
             pipeline=self.pipeline, split=self.split, multiturn=self.multiturn,
             dynamic_sampling=self.dynamic_sampling, image_inputs=self.image_inputs,
-            overlap_judging=self.judging.overlap, skip_solved=self.filtering.skip_solved)
+            overlap_judging=self.judging.overlap, skip_solved=self.filtering.skip_solved,
+            max_steps=self.trainer.max_steps if self.trainer is not None else -1,
+            max_epochs=self.trainer.max_epochs if self.trainer is not None else None)
         return self.backend
 
     def start_split(self) -> None:

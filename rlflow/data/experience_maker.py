@@ -6,15 +6,20 @@ multi-turn driver, the judge panel, the advantage estimator, dynamic sampling, t
 settings and the prompt set with its sampler. Reading top to bottom, :meth:`ExperienceMaker.make` is the recipe:
 
 1. generate ``k`` completions per prompt (now, or take those generated ahead by the pipeline);
-2. judge them (overlapped with generation where the backend streams);
+2. judge them (overlapped with generation where the backend streams), the judgers given the step as TRL's
+   ``trainer_state`` (:func:`rlflow.judgers.context.run_state`); a judger that cannot work (it failed on every
+   sample, or on more than ``data.judging.max_failure_rate``) stops the run here, before anything trains on it;
 3. with dynamic sampling, replace groups without a learning signal;
 4. compute group-relative advantages over every rank's batch;
 5. stamp each experience with the policy version that sampled it and put it in the replay buffer;
-6. return the step's metrics (TRL's names) and its sample rows.
+6. return the step's metrics (TRL's names, and the judgers' ``log_metric`` means) and its sample rows (with the
+   judgers' ``log_extra`` columns).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +34,10 @@ from rlflow.data.prompts import PromptSet
 from rlflow.data.replay_buffer import ReplayBuffer
 from rlflow.data.rollout_metrics import rollout_metrics
 from rlflow.data.sources import per_source_means
+from rlflow.judgers.context import RunState, run_state
 from rlflow.judgers.overlap import generate_and_judge
 from rlflow.judgers.panel import JudgePanel
+from rlflow.judgers.runner import JudgeResult, stop_if_unusable
 from rlflow.models.vision import ImageInputs, rollout_prompts
 from rlflow.rollout.base import RolloutBackend, SamplingParams
 from rlflow.rollout.draws import isolated_draws
@@ -50,13 +57,40 @@ class Ranks:
 
     rank: int = 0
     world_size: int = 1
-    #: Whether ``flag`` holds on any rank (every rank must run the same dynamic-sampling rounds).
+    #: Whether ``flag`` holds on any rank (every rank must run the same dynamic-sampling rounds, and stop at the
+    #: same step where a judger cannot work).
     any_true: Callable[[bool], bool] = _same
 
     def share(self, batch: list[Any]) -> list[Any]:
         """This rank's prompts of a global batch: a contiguous slice, so a group never spans two ranks."""
         per = len(batch) // self.world_size
         return batch[self.rank * per: (self.rank + 1) * per]
+
+
+class JudgerNotes:
+    """What the judgers logged while one rollout step (or evaluation batch) was judged, over all its rounds: the
+    ``log_extra`` columns of each completion and the ``log_metric`` values (TRL's keywords)."""
+
+    def __init__(self) -> None:
+        self.columns: dict[str, None] = {}  # every column logged, in order
+        self.values: dict[int, dict[str, Any]] = {}  # id(completion) -> its logged columns
+        self.metrics: dict[str, list[float]] = {}
+
+    def add(self, completions: list[Any], result: JudgeResult) -> None:
+        """Keep what the judgers logged while judging ``completions`` (``result``, in the same order)."""
+        self.columns.update(dict.fromkeys(result.extra))
+        for i, completion in enumerate(completions):
+            self.values[id(completion)] = {column: values[i] for column, values in result.extra.items()}
+        for name, values in result.logged.items():
+            self.metrics.setdefault(name, []).extend(values)
+
+    def rows(self, completions: list[Any]) -> list[dict[str, Any]]:
+        """Per completion, every column logged (None where it was not logged for that completion)."""
+        return [{column: self.values.get(id(c), {}).get(column) for column in self.columns} for c in completions]
+
+    def means(self) -> dict[str, float]:
+        """Each ``log_metric`` name's mean over the step."""
+        return {name: sum(values) / len(values) for name, values in self.metrics.items()}
 
 
 @dataclass
@@ -78,6 +112,7 @@ class ExperienceMaker:
         evaluation: EvalPlan, pipeline: RolloutPipeline | None = None, split: RolloutBackend | None = None,
         multiturn: MultiTurn | None = None, dynamic_sampling: DynamicSampling | None = None,
         image_inputs: ImageInputs | None = None, overlap_judging: bool = True, skip_solved: bool = False,
+        max_steps: int = -1, max_epochs: int | None = None,
     ) -> None:
         self.backend = backend  # the bound backend (its seeded draws; multi-turn rollouts drive it turn by turn)
         self.single_turn = split or backend  # what single-turn rollouts run on: the split rollout, else the backend
@@ -86,6 +121,7 @@ class ExperienceMaker:
         self.ranks, self.tokenizer, self.evaluation = ranks, tokenizer, evaluation
         self.pipeline, self.multiturn, self.dynamic_sampling = pipeline, multiturn, dynamic_sampling
         self.image_inputs, self.overlap_judging, self.skip_solved = image_inputs, overlap_judging, skip_solved
+        self.max_steps, self.max_epochs = max_steps, max_epochs  # the run's bounds (trainer_state's)
         self._record_index: dict[int, int] | None = None  # id(train record) -> its index (skip_solved)
 
     # ------------------------------------------------------------------------------------------ the step
@@ -98,14 +134,18 @@ class ExperienceMaker:
             upcoming = self.ranks.share([self.prompts.records[i] for i in peek_next_batch(self.sampler)])
             backend, policy_version, pipelined = self.pipeline.take(records, policy_version, step, self.sampling, k,
                                                                     upcoming)
+        state, notes = self.run_state(step), JudgerNotes()
         groups, judged, texts, gen_time = generate_and_judge(
-            backend, self.judges.judge, records, self.sampling, k, self.overlap_judging, progress,
-            prompts=self.prompt_inputs(records))
-        metrics = dict(judged.metrics)
+            backend, functools.partial(self.judges.judge, state=state), records, self.sampling, k,
+            self.overlap_judging, progress, prompts=self.prompt_inputs(records))
+        stop_if_unusable(judged, self.judges.max_failure_rate, step, self.ranks.any_true)
         chosen = Groups(records, [c for group in groups for c in group], judged.rewards, texts, judged.failed)
+        notes.add(chosen.completions, judged)
+        metrics = dict(judged.metrics)
         if self.dynamic_sampling is not None:
             chosen, sampling_metrics, extra_time = self.dynamic_sampling.fill(
-                chosen, k, step, self.ranks.rank, len(self.prompts.records), self.regenerate, self.ranks.any_true)
+                chosen, k, step, self.ranks.rank, len(self.prompts.records),
+                functools.partial(self.regenerate, state=state, notes=notes), self.ranks.any_true)
             metrics.update(sampling_metrics)
             gen_time += extra_time
         reward_t = torch.tensor(chosen.rewards, dtype=torch.float32)
@@ -123,7 +163,16 @@ class ExperienceMaker:
             metrics.update(self.record_solved(records, judged.rewards))
         sources = [r.data_source or r.origin for r in chosen.records for _ in range(k)]
         metrics.update(per_source_means(sources, chosen.rewards, "reward"))
-        return RolloutStep(experiences, metrics, self.sample_rows(step, chosen.records, chosen.texts, experiences))
+        for name, mean in notes.means().items():  # log_metric; one named like a built-in metric gives way
+            metrics.setdefault(name, mean)
+        rows = self.sample_rows(step, chosen.records, chosen.texts, experiences, notes.rows(chosen.completions))
+        return RolloutStep(experiences, metrics, rows)
+
+    def run_state(self, step: int) -> RunState:
+        """The judgers' ``trainer_state`` while rollout step ``step`` (rollout steps trained so far) is judged."""
+        steps_per_epoch = len(self.sampler) if self.sampler is not None else 1
+        return run_state(step, self.max_steps, self.max_epochs, steps_per_epoch, self.ranks.rank,
+                         int(os.environ.get("LOCAL_RANK", self.ranks.rank)))
 
     def experiences(self, chosen: Groups, advantages: list[float], policy_version: int) -> list[Experience]:
         """One :class:`Experience` per completion, stamped with the version that sampled it (its oldest token's)."""
@@ -150,12 +199,16 @@ class ExperienceMaker:
         """What the backend is given for ``records``: token ids, with the images of prompts that have any."""
         return rollout_prompts(records, self.image_inputs)
 
-    def regenerate(self, indices: list[int], generator: torch.Generator) -> Groups:
-        """Generate and judge the training prompts at ``indices`` (dynamic sampling's extra rounds)."""
+    def regenerate(self, indices: list[int], generator: torch.Generator, state: RunState | None = None,
+                   notes: JudgerNotes | None = None) -> Groups:
+        """Generate and judge the training prompts at ``indices`` (dynamic sampling's extra rounds; ``state`` is the
+        judgers' ``trainer_state``, ``notes`` keeps what they log)."""
         records = [self.prompts.records[i] for i in indices]
         groups = self.backend_for(records).generate(self.prompt_inputs(records), self.sampling, n=self.k)
         completions = [c for group in groups for c in group]
-        result, texts = self.judges.judge(records, completions, self.k)
+        result, texts = self.judges.judge(records, completions, self.k, state)
+        if notes is not None:
+            notes.add(completions, result)
         return Groups(records, completions, result.rewards, texts, result.failed)
 
     # ------------------------------------------------------------------------------------------ rewards
@@ -184,11 +237,12 @@ class ExperienceMaker:
                 "data/skipped_prompts": float(len(self.sampler.left_out(self.sampler.epoch)))}
 
     # -------------------------------------------------------------------------------------------- rows
-    def sample_rows(self, step: int, records: list[PromptRecord], texts: list[str],
-                    experiences: list[Experience]) -> list[dict]:
-        """One dict per sample of a rollout step (trajectories.jsonl's rows; also the W&B samples table's)."""
+    def sample_rows(self, step: int, records: list[PromptRecord], texts: list[str], experiences: list[Experience],
+                    extra: list[dict[str, Any]] | None = None) -> list[dict]:
+        """One dict per sample of a rollout step (trajectories.jsonl's rows; also the W&B samples table's); ``extra``:
+        per sample, the columns judgers logged (``log_extra``), after the row's own fields (:func:`with_extra`)."""
         k = self.k
-        return [{
+        return with_extra([{
             "step": step, "rank": self.ranks.rank, "group": e.group, "data_source": records[i // k].data_source,
             "prompt": self.prompt_text(records[i // k], e), "completion": text,
             "ground_truth": records[i // k].columns.get("ground_truth"),
@@ -196,7 +250,7 @@ class ExperienceMaker:
             "num_tokens": len(e.completion_ids), "policy_version": e.policy_version,
             **({"token_versions": e.token_versions} if e.token_versions is not None else {}),
             **({"judgers_failed": e.info["judgers_failed"]} if e.info.get("judgers_failed") else {}),
-        } for i, (text, e) in enumerate(zip(texts, experiences))]
+        } for i, (text, e) in enumerate(zip(texts, experiences))], extra)
 
     def prompt_text(self, record: PromptRecord, experience: Experience) -> str:
         """The prompt a sample was generated from: the record's, or the one its environment wrote (decoded)."""
@@ -221,18 +275,20 @@ class ExperienceMaker:
         with isolated_rng(seed), isolated_draws(self.backend, seed), cores:  # a seeded engine's draws too
             groups = self.backend_for(batch).generate(self.prompt_inputs(batch), plan.sampling, n=k)
         completions = [c for group in groups for c in group]
-        result, texts = self.judges.judge(batch, completions, k)
+        result, texts = self.judges.judge(batch, completions, k, self.run_state(step))
+        notes = JudgerNotes()  # log_extra columns go to the rows; log_metric values are not logged in evaluation
+        notes.add(completions, result)
         per_prompt = [result.rewards[i * k: (i + 1) * k] for i in range(len(batch))]
         correct = [[r >= plan.pass_threshold for r in group] for group in per_prompt]
         answers = self.judges.answers(batch, texts, k)  # for maj@k, and the rows' ``answer``
-        samples = [{
+        samples = with_extra([{
             "trained_steps": step, "rank": self.ranks.rank, "batch": batch_idx,
             "data_source": batch[i // k].data_source, "prompt": batch[i // k].prompt_text, "sample": i % k,
             "completion": text, "ground_truth": batch[i // k].columns.get("ground_truth"), "reward": result.rewards[i],
             "correct": correct[i // k][i % k], "finish_reason": c.finish_reason, "num_tokens": c.num_sampled,
             **({"answer": answers[i // k][i % k]} if answers[i // k] is not None else {}),
             **({"judgers_failed": list(result.failed_at(i))} if result.failed_at(i) else {}),
-        } for i, (text, c) in enumerate(zip(texts, completions))]
+        } for i, (text, c) in enumerate(zip(texts, completions))], notes.rows(completions))
         return {
             "answers": answers,
             "rewards": per_prompt,
@@ -242,6 +298,15 @@ class ExperienceMaker:
             "data_sources": [r.data_source for r in batch],
             "samples": samples,
         }
+
+
+def with_extra(rows: list[dict[str, Any]], extra: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """``rows`` with, after their own fields, the columns judgers logged for each (``log_extra``); a column named
+    like a field of the row is left out (the row's own value stays)."""
+    for row, logged in zip(rows, extra or []):
+        for column, value in logged.items():
+            row.setdefault(column, value)
+    return rows
 
 
 def reward_components(weights: dict[str, float],

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from rlflow.config_checks import at_least, check_values, greater_than, one_of
+from rlflow.config_checks import at_least, check_values, greater_than, interval, one_of
 from rlflow.config_error import ConfigError
 from rlflow.judgers.base import Judger
 
@@ -85,6 +85,10 @@ class JudgingSettings:
     timeout: float | None = 60.0
     """Seconds one judger may take on one batch; past it (or if it raises) its samples get no reward from it and
     are counted in ``judger/failures``. None waits forever."""
+    max_failure_rate: float | None = None
+    """Share of a rollout step's samples one judger may fail on (raise, time out) while the run goes on; past it
+    the run stops at that step, naming the judger, its exception and the keywords it was given. None: stop only
+    when a judger fails on every one of its samples (a wrong signature, a missing column); 0: on any failure."""
     overlap: bool = True
     """With a backend that streams finished groups (``engine``), judge them in a background thread while the rest
     of the batch is still generating (same rewards and metrics as judging after generation). Pays for slow judgers
@@ -92,7 +96,9 @@ class JudgingSettings:
     since its thread contends with the decode loop for Python's interpreter lock."""
 
     def __post_init__(self) -> None:
-        check_values("data.judging", {"timeout": greater_than(0.0, optional=True)}, {"timeout": self.timeout})
+        check_values("data.judging", {"timeout": greater_than(0.0, optional=True),
+                                      "max_failure_rate": interval(0.0, 1.0, optional=True)},
+                     {"timeout": self.timeout, "max_failure_rate": self.max_failure_rate})
 
     def judger_specs(self) -> dict[str, Any]:
         """The ``judgers`` mapping, with the default where none is set."""

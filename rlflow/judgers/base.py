@@ -4,8 +4,11 @@ A judger is any callable ``fn(prompts, completions, completion_ids, **columns) -
 ``prompts`` and ``completions`` are chat message lists when the dataset is conversational (TRL's layout:
 ``completions[i] == [{"role": "assistant", "content": text}]``) and plain strings otherwise; ``columns`` holds
 every dataset column (``ground_truth``, ``data_source``, ``extra_info``, ...) as one list entry per sample. A
-``None`` reward means "not applicable" and is skipped when several judgers are summed. So a reward function
-written for ``trl.GRPOTrainer`` is a judger as it is; :class:`Judger` is a convenience base class, and the type
+``None`` reward means "not applicable" and is skipped when several judgers are summed. Every call also gets
+TRL's ``trainer_state``, ``log_extra(column, values)`` and ``log_metric(name, value)`` keywords
+(:mod:`rlflow.judgers.context`); a judger without ``**kwargs`` gets only the keywords its signature names. So a
+reward function written for ``trl.GRPOTrainer`` is a judger as it is; :class:`Judger` is a convenience base class
+(its :meth:`~Judger.score` sees each sample's columns, not those keywords), and the type
 of ``data.judging.judgers`` entries: a judger *class* configured with ``class_path``/``init_args`` must subclass it (so
 jsonargparse can validate its arguments); a function, or any callable, is named by its import path as a string.
 

@@ -1,7 +1,9 @@
 """``function``: a reward function given by import path, e.g. one written for ``trl.GRPOTrainer``, unchanged.
 
 ``{"class_path": "function", "init_args": {"path": "my_pkg.rewards:reward_fn"}}`` imports ``reward_fn`` and
-calls it with TRL's keywords (``prompts``, ``completions``, ``completion_ids`` and every dataset column).
+calls it with TRL's keywords (``prompts``, ``completions``, ``completion_ids``, every dataset column,
+``trainer_state``, ``log_extra`` and ``log_metric``: :mod:`rlflow.judgers.context`), or, where it takes no
+``**kwargs``, with those of them its signature names.
 ``factory_kwargs`` covers TRL's reward factories (``get_soft_overlong_punishment(...)`` returns the function);
 ``rename`` passes a column under another keyword, e.g. ``{"solution": "ground_truth"}`` so TRL's
 ``accuracy_reward`` reads XTuner's ``reward_model.ground_truth``. The metric name is the function's
@@ -15,6 +17,7 @@ from typing import Any
 
 from rlflow import registry
 from rlflow.judgers.base import Judger
+from rlflow.judgers.context import accepted_keywords, select_keywords
 
 
 class FunctionJudger(Judger):
@@ -40,6 +43,7 @@ class FunctionJudger(Judger):
         if not callable(fn):
             raise TypeError(f"function judger: {path!r} is a {type(fn).__name__}, not a callable reward function")
         self.fn = fn
+        self.accepts = accepted_keywords(fn)  # what fn is given after the renames
         self.path = path
         self.rename = dict(rename or {})
         self.name = name or getattr(fn, "__name__", None) or type(fn).__name__
@@ -52,4 +56,4 @@ class FunctionJudger(Judger):
                     f"columns: {sorted(kwargs)}"
                 )
             kwargs[new] = kwargs[old]
-        return self.fn(**kwargs)  # an async function's coroutine is awaited by the runner
+        return self.fn(**select_keywords(kwargs, self.accepts))  # an async function's coroutine: awaited by the runner

@@ -7,9 +7,10 @@ submission goes as soon as the worker is idle (the chunk size
 adapts to how fast judging keeps up), and the rest after the stream ends. The caller gets completions in prompt
 order and the rewards, texts and judge metrics the whole batch judged at once would give: per-sample rewards do
 not depend on the batch, and ``rewards/<name>/mean|std`` and ``judger/unscored`` are recomputed over the whole
-batch from the per-sample per-judger values (:func:`rlflow.judgers.runner.judge_metrics`); ``judger/failures``
-counts add up. A backend that does not stream (``hf``), or ``data.judging.overlap=false``, takes the plain path:
-generate everything, then judge once.
+batch from the per-sample per-judger values (:func:`rlflow.judgers.runner.merge_results`); ``judger/failures``
+counts, each judger's samples and failures, ``log_extra`` columns and ``log_metric`` values add up. A backend
+that does not stream (``hf``), or ``data.judging.overlap=false``, takes the plain path: generate everything, then
+judge once.
 
 Simplifications: one worker, so chunks are judged one after another (judgers inside a chunk still run
 concurrently, see :class:`~rlflow.judgers.runner.JudgerRunner`); ``data.judging.timeout`` applies per chunk; a
@@ -23,7 +24,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from rlflow.judgers.runner import JudgeResult, judge_metrics
+from rlflow.judgers.runner import JudgeResult, merge_results
 
 # (records, completions, k) -> (JudgeResult, texts)
 Judge = Callable[[list[Any], list[Any], int], tuple[Any, list[str]]]
@@ -103,22 +104,15 @@ class OverlappedJudging:
         """Wait for every chunk; put rewards, failures, texts and per-judger values back in prompt order; recompute
         the metrics."""
         k, total = self.k, num_prompts * self.k
-        rewards: list[float] = [0.0] * total
         texts: list[str] = [""] * total
-        failed: list[tuple[str, ...]] = [()] * total
-        per_judger: dict[str, list[float | None]] = {}
-        failures = 0.0
+        parts = []
         for chunk, job in self.jobs:
             result, chunk_texts = job.result()
-            failures += result.metrics.get("judger/failures", 0.0)
             slots = [i * k + j for i in chunk for j in range(k)]
-            for pos, slot in enumerate(slots):
-                rewards[slot], texts[slot], failed[slot] = result.rewards[pos], chunk_texts[pos], result.failed_at(pos)
-            for name, values in result.per_judger.items():
-                merged = per_judger.setdefault(name, [None] * total)
-                for slot, value in zip(slots, values):
-                    merged[slot] = value
-        return JudgeResult(rewards, per_judger, judge_metrics(per_judger, failures), failed), texts
+            for slot, text in zip(slots, chunk_texts):
+                texts[slot] = text
+            parts.append((slots, result))
+        return merge_results(total, parts), texts
 
 
 def generate_and_judge(backend: Any, judge: Judge, records: list[Any], params: Any, k: int, overlap: bool = True,

@@ -15,7 +15,8 @@ from typing import Any
 
 from rlflow.data.dataset import DataError, PromptRecord
 from rlflow.data.sources import DataSource
-from rlflow.judgers.runner import JudgeResult, JudgerRunner, judge_metrics
+from rlflow.judgers.context import RunState
+from rlflow.judgers.runner import JudgeResult, JudgerRunner, merge_results
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,8 @@ class SourceJudgers:
                     runner.weights[name] = float(weight)
 
     def judge(self, origins: Sequence[str], prompts: Sequence[Any], completions: Sequence[Any],
-              completion_ids: Sequence[Sequence[int]], columns: dict[str, Sequence[Any]], default: Any = None) -> Any:
+              completion_ids: Sequence[Sequence[int]], columns: dict[str, Sequence[Any]], default: Any = None,
+              state: RunState | None = None) -> JudgeResult:
         """Like :meth:`JudgerRunner.judge`, with ``origins[i]`` naming the source of sample ``i``.
 
         ``default`` replaces the data-level runner (the panel passes its ``default``, which may be swapped).
@@ -70,25 +72,12 @@ class SourceJudgers:
             groups.setdefault(id(runner), []).append(i)
             runners[id(runner)] = runner
         if len(groups) == 1:
-            return next(iter(runners.values())).judge(prompts, completions, completion_ids, columns)
-        n = len(completions)
-        rewards = [0.0] * n
-        per_judger: dict[str, list[float | None]] = {}
-        failed: list[tuple[str, ...]] = [()] * n
-        failures = 0.0
-        for key, idx in groups.items():
-            part = runners[key].judge(
-                [prompts[i] for i in idx], [completions[i] for i in idx], [completion_ids[i] for i in idx],
-                {k: [v[i] for i in idx] for k, v in columns.items()},
-            )
-            failures += part.metrics.get("judger/failures", 0.0)  # not visible in the values: counts add up
-            for pos, (i, r) in enumerate(zip(idx, part.rewards)):
-                rewards[i], failed[i] = r, part.failed_at(pos)
-            for name, values in part.per_judger.items():
-                merged = per_judger.setdefault(name, [None] * n)
-                for i, v in zip(idx, values):
-                    merged[i] = v
-        return JudgeResult(rewards, per_judger, judge_metrics(per_judger, failures), failed)  # the whole batch
+            return next(iter(runners.values())).judge(prompts, completions, completion_ids, columns, state)
+        parts = [(idx, runners[key].judge(
+            [prompts[i] for i in idx], [completions[i] for i in idx], [completion_ids[i] for i in idx],
+            {k: [v[i] for i in idx] for k, v in columns.items()}, state,
+        )) for key, idx in groups.items()]
+        return merge_results(len(completions), parts)
 
 
 class JudgePanel:
@@ -100,12 +89,16 @@ class JudgePanel:
         sources: Every configured train and eval source (sources with ``judgers`` get their own routing).
         timeout: Seconds one judger may take on one batch (``data.judging.timeout``).
         max_tokens: The completion budget, a default for judgers that take it (``overlong``).
+        max_failure_rate: Share of a step's samples one judger may fail on (``data.judging.max_failure_rate``;
+            None: any share short of all of them; :func:`~rlflow.judgers.runner.stop_if_unusable` reads it).
     """
 
     def __init__(self, judgers: dict[str, Any], reward_weights: dict[str, float] | None,
-                 sources: Sequence[DataSource], timeout: float | None = 60.0, max_tokens: int | None = None) -> None:
+                 sources: Sequence[DataSource], timeout: float | None = 60.0, max_tokens: int | None = None,
+                 max_failure_rate: float | None = None) -> None:
         defaults = {"max_tokens": max_tokens} if max_tokens is not None else {}
         self.routing = SourceJudgers(judgers, reward_weights, sources, timeout=timeout, defaults=defaults)
+        self.max_failure_rate = max_failure_rate
         self.default: JudgerRunner = self.routing.default  # rows of sources without their own judgers
         self.tokenizer: Any = None
 
@@ -169,8 +162,11 @@ class JudgePanel:
             out.append(None if judger is None else [_stated(judger, t) for t in texts[i * k : (i + 1) * k]])
         return out
 
-    def judge(self, records: list[PromptRecord], completions: list[Any], k: int) -> tuple[JudgeResult, list[str]]:
-        """Decode and judge ``k`` completions per record: the :class:`JudgeResult` and the decoded texts."""
+    def judge(self, records: list[PromptRecord], completions: list[Any], k: int,
+              state: RunState | None = None) -> tuple[JudgeResult, list[str]]:
+        """Decode and judge ``k`` completions per record: the :class:`JudgeResult` and the decoded texts.
+
+        ``state`` is the judgers' ``trainer_state`` (the step being judged)."""
         if self.tokenizer is None:
             raise RuntimeError("JudgePanel.tokenizer is not set; the datamodule sets it in setup()")
         ids = [c.token_ids for c in completions]
@@ -189,7 +185,7 @@ class JudgePanel:
             texts = self.tokenizer.batch_decode(ids, skip_special_tokens=False)
             columns["env_reward"] = [getattr(c, "env_reward", None) for c in completions]
         result = self.routing.judge(
-            [r.origin for r in reps], [r.prompt for r in reps], shaped, ids, columns, default=self.default
+            [r.origin for r in reps], [r.prompt for r in reps], shaped, ids, columns, default=self.default, state=state
         )
         return result, texts
 

@@ -9,17 +9,29 @@ All judgers of a batch run at once, awaited on the runner's event loop: plain on
 thread (so a hung one can be abandoned and cannot block the process from exiting), ``async def`` ones on an
 event loop of their own, one per judger in its own daemon thread, kept across batches (so loop-bound clients
 survive, and an async judger that blocks its loop, e.g. with ``time.sleep``, stalls only that loop; the next
-batch gets it a fresh one). Every call has a timeout; a judger that raises or times out gives ``None`` for its
-samples, is counted in ``judger/failures`` and logged with its exception once, and training goes on; so does an
-infinite reward (NaN means "not applicable", as in TRL). A judger that breaks the contract (wrong number of
-rewards, a non-number) is a bug, not bad luck: that is an error naming it.
+batch gets it a fresh one). Every call has a timeout; a judger that raises (any exception, ``SystemExit`` and
+``KeyboardInterrupt`` raised inside it too) or times out gives ``None`` for its samples, is counted in
+``judger/failures`` and logged with its exception once, and training goes on; so does an infinite reward (NaN
+means "not applicable", as in TRL). Each judger's share of the failures is in :attr:`JudgeResult.judgers`, from
+which :meth:`JudgeResult.problem` tells a judger that cannot work (it failed on every sample, or on more than
+``data.judging.max_failure_rate`` of them): :func:`stop_if_unusable` stops the run on it with a
+:class:`JudgerError`.
+A judger that breaks the contract (wrong number of rewards, a non-number) is a bug, not bad luck: that is an
+error naming it.
+
+Each call gets TRL's keywords besides the samples and columns: ``trainer_state``, ``log_extra`` and
+``log_metric`` (:mod:`rlflow.judgers.context`); a judger without ``**kwargs`` gets only those its signature names.
+
 Simplifications: one call per judger per batch (a judger batches or parallelises inside itself, as
-``remote`` does); a timed-out thread is abandoned, not killed (Python cannot kill threads).
+``remote`` does); a timed-out thread is abandoned, not killed (Python cannot kill threads): the threads still
+running are counted in ``judger/abandoned_threads``. The wait for a whole batch is bounded too (the timeout and
+a few seconds), so not even a broken event loop can hang the run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import logging
 import math
@@ -31,9 +43,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlflow import registry
+from rlflow.judgers.context import JudgerLogs, RunState, accepted_keywords, before_training, select_keywords
 
 GROUP = "rlflow.judgers"
 log = logging.getLogger(__name__)
+#: Seconds a batch's judging may run past ``data.judging.timeout`` before its wait gives up on the whole batch.
+GRACE = 5.0
+#: Threads of plain judgers abandoned after their timeout (alive until the call returns, if ever).
+_abandoned_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def abandoned_threads() -> int:
+    """Judger threads abandoned after their timeout that are still running (in this process)."""
+    return sum(thread.is_alive() for thread in list(_abandoned_threads))
 
 
 def judger_name(spec: Any, judger: Any) -> str:
@@ -71,6 +93,33 @@ class JudgerTimeout(TimeoutError):
     """A judger did not return within ``data.judging.timeout`` seconds."""
 
 
+class JudgerError(registry.PluginError):
+    """A judger cannot work (it failed on every sample of a step, or on more than ``data.judging.max_failure_rate``
+    of them): the run stops with one ``rlflow: error:`` line (a PluginError) naming the judger, its exception and
+    the keywords it was given."""
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` of an exception, on one line."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+@dataclass
+class JudgerStats:
+    """One judger's share of a judged batch: the samples routed to it, how many it failed on, and (where one did)
+    the first failure, with the keywords that call was given."""
+
+    samples: int = 0
+    failed: int = 0
+    error: str | None = None
+    keywords: tuple[str, ...] = ()
+
+    def __add__(self, other: JudgerStats) -> JudgerStats:
+        first = self if self.error is not None else other
+        return JudgerStats(self.samples + other.samples, self.failed + other.failed, first.error, first.keywords)
+
+
 @dataclass
 class JudgeResult:
     """Rewards of one batch: the combined reward per sample and each judger's own (None where not applied)."""
@@ -82,22 +131,89 @@ class JudgeResult:
     #: reports its own per-sample failures, ``consume_failed()``, named it): trajectories.jsonl's ``judgers_failed``.
     #: Empty: none did.
     failed: list[tuple[str, ...]] = field(default_factory=list)
+    #: Each judger's samples and failures (:meth:`problem` reads them).
+    judgers: dict[str, JudgerStats] = field(default_factory=dict)
+    #: Columns the judgers logged with ``log_extra``, one value per sample (None where a column was not logged).
+    extra: dict[str, list[Any]] = field(default_factory=dict)
+    #: Values the judgers logged with ``log_metric``, per name.
+    logged: dict[str, list[float]] = field(default_factory=dict)
 
     def failed_at(self, i: int) -> tuple[str, ...]:
         """The judgers that failed on sample ``i`` (none where this result records no failures)."""
         return self.failed[i] if self.failed else ()
 
+    def problem(self, max_failure_rate: float | None = None) -> str | None:
+        """Why these rewards must not be trained on, or None: a judger failed on every one of its samples (or,
+        with ``max_failure_rate``, on more than that fraction of them), or no judger scored any sample and some
+        failed (the rewards would all be missing)."""
+        for name, stats in sorted(self.judgers.items()):
+            if max_failure_rate is None:
+                broken, limit = stats.samples > 0 and stats.failed == stats.samples, ""
+            else:
+                broken = stats.failed > max_failure_rate * stats.samples
+                limit = f" (more than data.judging.max_failure_rate={max_failure_rate:g})"
+            if broken:
+                return (f"judger {name!r} failed on {stats.failed} of its {stats.samples} samples{limit}: "
+                        f"{stats.error or 'it reported them failed'}; it was given the keywords "
+                        f"{', '.join(stats.keywords) or '(none)'}")
+        if self.rewards and self.metrics.get("judger/unscored") == len(self.rewards) and any(
+                stats.failed for stats in self.judgers.values()):
+            failing = ", ".join(f"{name!r} on {stats.failed} ({stats.error})"
+                                for name, stats in sorted(self.judgers.items()) if stats.failed)
+            return (f"no judger scored any of the {len(self.rewards)} samples, so every reward would be missing; "
+                    f"failed: {failing}")
+        return None
 
-def judge_metrics(per_judger: dict[str, list[float | None]], failures: float = 0.0) -> dict[str, float]:
+
+def stop_if_unusable(result: JudgeResult, max_failure_rate: float | None, step: int,
+                     any_rank: Callable[[bool], bool]) -> None:
+    """Raise :class:`JudgerError` where rollout step ``step``'s ``result`` must not be trained on
+    (:meth:`JudgeResult.problem`) on any rank (``any_rank(flag)``: whether ``flag`` holds on any; a collective, so
+    every rank stops at the same step)."""
+    problem = result.problem(max_failure_rate)
+    if any_rank(problem is not None):
+        problem = problem or "a judger cannot work on another rank (see its error)"
+        raise JudgerError(f"rollout step {step}: {problem}")
+
+
+def merge_results(n: int, parts: Sequence[tuple[Sequence[int], JudgeResult]]) -> JudgeResult:
+    """One :class:`JudgeResult` for ``n`` samples from results of parts of them, each with the positions of its
+    samples (mixed-source batches, batches judged in chunks); the metrics are recomputed over the whole batch."""
+    rewards: list[float] = [0.0] * n
+    failed: list[tuple[str, ...]] = [()] * n
+    per_judger: dict[str, list[float | None]] = {}
+    extra: dict[str, list[Any]] = {}
+    logged: dict[str, list[float]] = {}
+    judgers: dict[str, JudgerStats] = {}
+    for positions, part in parts:
+        for pos, i in enumerate(positions):
+            rewards[i], failed[i] = part.rewards[pos], part.failed_at(pos)
+        for merged, values_of in ((per_judger, part.per_judger), (extra, part.extra)):
+            for name, values in values_of.items():
+                column = merged.setdefault(name, [None] * n)
+                for i, value in zip(positions, values):
+                    column[i] = value
+        for name, values in part.logged.items():
+            logged.setdefault(name, []).extend(values)
+        for name, stats in part.judgers.items():
+            judgers[name] = judgers[name] + stats if name in judgers else stats
+    return JudgeResult(rewards, per_judger, judge_metrics(per_judger, judgers), failed, judgers, extra, logged)
+
+
+def judge_metrics(per_judger: dict[str, list[float | None]],
+                  judgers: dict[str, JudgerStats] | None = None) -> dict[str, float]:
     """The metrics of a judged batch from each judger's per-sample values (None: not scored by it).
 
-    ``judger/unscored`` counts samples no judger scored, ``judger/failures`` is passed through (a failure is not
-    visible in the values), and ``rewards/<name>/mean|std`` (TRL's names; sample std) cover the scored samples.
+    ``judger/unscored`` counts samples no judger scored, ``judger/failures`` the judgers' failures (``judgers``: a
+    failure is not visible in the values), ``judger/abandoned_threads`` the judger threads still running after their
+    timeout, and ``rewards/<name>/mean|std`` (TRL's names; sample std) cover the scored samples.
     One implementation for the runner, mixed-source batches and batches judged in chunks.
     """
     n = max((len(v) for v in per_judger.values()), default=0)
     unscored = sum(all(values[i] is None for values in per_judger.values()) for i in range(n))
-    metrics = {"judger/unscored": float(unscored), "judger/failures": float(failures)}
+    failures = sum(stats.failed for stats in (judgers or {}).values())
+    metrics = {"judger/unscored": float(unscored), "judger/failures": float(failures),
+               "judger/abandoned_threads": float(abandoned_threads())}
     for name, values in per_judger.items():
         scored = [v for v in values if v is not None]
         if scored:
@@ -108,8 +224,17 @@ def judge_metrics(per_judger: dict[str, list[float | None]], failures: float = 0
     return metrics
 
 
-def _in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any], name: str) -> asyncio.Future:
-    """Run ``fn(**kwargs)`` in a fresh daemon thread; the returned future resolves on the running loop."""
+@dataclass
+class _Call:
+    """One judger call in flight: set ``ended`` once an async call's coroutine ends; ``thread`` runs a plain one."""
+
+    ended: threading.Event = field(default_factory=threading.Event)
+    thread: threading.Thread | None = None
+
+
+def _in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any], name: str, call: _Call) -> asyncio.Future:
+    """Run ``fn(**kwargs)`` in a fresh daemon thread (``call.thread``); the returned future resolves on the running
+    loop, with what ``fn`` raised if it raised anything (``SystemExit`` included)."""
     loop = asyncio.get_running_loop()
     future = loop.create_future()
 
@@ -127,7 +252,8 @@ def _in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any], name: str)
         except RuntimeError:  # the loop is gone: nobody waits for this result any more
             pass
 
-    threading.Thread(target=work, name=f"rlflow-judger-{name}", daemon=True).start()
+    call.thread = threading.Thread(target=work, name=f"rlflow-judger-{name}", daemon=True)
+    call.thread.start()
     return future
 
 
@@ -202,6 +328,8 @@ class JudgerRunner:
                     built.append((spec, name))
                 names.append(name)
             self.routes[source] = names
+        #: The keywords each judger takes (None: all, it takes ``**kwargs``).
+        self.accepts = {name: accepted_keywords(judger) for name, judger in self.judgers.items()}
         self.weights = {name: 1.0 for name in self.judgers}
         for name, weight in (reward_weights or {}).items():
             if name not in self.weights:
@@ -263,44 +391,75 @@ class JudgerRunner:
             self._judger_loops[name] = loop
         return loop
 
-    async def _invoke(self, name: str, kwargs: dict[str, Any],
-                      ended: threading.Event) -> tuple[Any, BaseException | None]:
+    async def _invoke(self, name: str, kwargs: dict[str, Any], call: _Call) -> tuple[Any, BaseException | None]:
         judger = self.judgers[name]
         try:
             if is_async(judger):
-                async def run() -> Any:
+                async def run() -> tuple[Any, BaseException | None]:
                     try:
-                        return await judger(**kwargs)
+                        return await judger(**kwargs), None
+                    except asyncio.CancelledError:  # this call timed out
+                        raise
+                    except BaseException as exc:  # noqa: BLE001 - SystemExit inside a judger must not end its loop
+                        return None, exc
                     finally:
-                        ended.set()  # on the judger's loop, however this call's waiting ended
+                        call.ended.set()  # on the judger's loop, however this call's waiting ended
 
                 loop = self.judger_loop(name)
-                return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), loop)), None
-            out = await _in_daemon_thread(judger, kwargs, name)
+                return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(run(), loop))
+            out = await _in_daemon_thread(judger, kwargs, name, call)
             if inspect.isawaitable(out):  # a plain callable that hands back a coroutine
                 out = await out
             return out, None
-        except Exception as exc:  # noqa: BLE001 - a failing judger costs its samples' rewards, not the run
+        except asyncio.CancelledError:  # wait_for's timeout: _call reports it
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a failing judger costs its samples' rewards, not the run
             return None, exc
 
     async def _call(self, name: str, kwargs: dict[str, Any]) -> tuple[Any, BaseException | None]:
-        ended = threading.Event()
+        call = _Call()
         try:  # only wait_for's own timeout lands here: the judger's exceptions are caught in _invoke
-            return await asyncio.wait_for(self._invoke(name, kwargs, ended), self.timeout)
+            return await asyncio.wait_for(self._invoke(name, kwargs, call), self.timeout)
         except asyncio.TimeoutError:
             if is_async(self.judgers[name]):
-                self._abandoned.setdefault(name, []).append(ended)
+                self._abandoned.setdefault(name, []).append(call.ended)
+            elif call.thread is not None:
+                _abandoned_threads.add(call.thread)
             return None, JudgerTimeout(f"judger {name!r} did not answer within data.judging.timeout={self.timeout} s")
 
     async def _call_all(self, jobs: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, BaseException | None]]:
         results = await asyncio.gather(*(self._call(name, kwargs) for name, kwargs in jobs.items()))
         return dict(zip(jobs, results))
 
+    def keywords(self, name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """What judger ``name`` is called with for ``kwargs``: TRL's ``trainer_state``, ``log_extra`` and
+        ``log_metric`` added where ``kwargs`` has none (:func:`~rlflow.judgers.context.before_training`'s state;
+        what is logged is dropped), then only the keywords the judger takes."""
+        if "trainer_state" not in kwargs:
+            n = len(kwargs.get("completions", ()))
+            kwargs = {**kwargs, **JudgerLogs(n).keywords(range(n), before_training())}
+        return select_keywords(kwargs, self.accepts[name])
+
     def call_all(self, jobs: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, BaseException | None]]:
-        """Run every ``name -> kwargs`` job concurrently; return ``name -> (output, exception or None)``."""
+        """Run every ``name -> kwargs`` job concurrently (each judger given :meth:`keywords`); return
+        ``name -> (output, exception or None)``.
+
+        The wait is bounded by the timeout and :data:`GRACE` seconds: past it (the runner's own event loop no
+        longer answers) every job counts as timed out and the next batch gets a fresh loop."""
         if not jobs:
             return {}
-        return asyncio.run_coroutine_threadsafe(self._call_all(jobs), self.loop()).result()
+        jobs = {name: self.keywords(name, kwargs) for name, kwargs in jobs.items()}
+        future = asyncio.run_coroutine_threadsafe(self._call_all(jobs), self.loop())
+        bound = None if self.timeout is None else self.timeout + GRACE
+        try:
+            return future.result(bound)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            with self._loop_lock:
+                self._loop = None  # the stuck loop's thread is abandoned (a daemon)
+            error = JudgerTimeout(f"the judgers' event loop did not answer within data.judging.timeout={self.timeout}"
+                                  f" s + {GRACE:g} s")
+            return {name: (None, error) for name in jobs}
 
     def check(self, name: str, out: Any, n: int) -> list[float | None]:
         """Check one judger's output for ``n`` samples: a list of numbers or None (NaN counts as None)."""
@@ -354,26 +513,35 @@ class JudgerRunner:
         completions: Sequence[Any],
         completion_ids: Sequence[Sequence[int]],
         columns: dict[str, Sequence[Any]],
+        state: RunState | None = None,
     ) -> JudgeResult:
+        """Judge a batch: each judger gets its samples in TRL's keywords, with ``trainer_state`` (``state``, the
+        step being judged; :func:`~rlflow.judgers.context.before_training` if None), ``log_extra`` and
+        ``log_metric``."""
         n = len(completions)
+        state = state if state is not None else before_training()
         sources = columns.get("data_source") or [None] * n
         routes = [self.route(sources[i]) for i in range(n)]
         per_judger: dict[str, list[float | None]] = {name: [None] * n for name in self.judgers}
+        logs = JudgerLogs(n)
         jobs, indices = {}, {}
         for name in self.judgers:
             idx = [i for i in range(n) if name in routes[i]]
             if not idx:
                 continue
             indices[name] = idx
-            jobs[name] = {
+            jobs[name] = self.keywords(name, {
                 "prompts": [prompts[i] for i in idx],
                 "completions": [completions[i] for i in idx],
                 "completion_ids": [completion_ids[i] for i in idx],
                 **{key: [values[i] for i in idx] for key, values in columns.items()},
-            }
-        failures = 0
+                **logs.keywords(idx, state),
+            })
         failed: list[tuple[str, ...]] = [()] * n
-        for name, (out, exc) in self.call_all(jobs).items():
+        stats: dict[str, JudgerStats] = {}
+        outputs = self.call_all(jobs)
+        logs.close()  # a judger abandoned after its timeout logs nothing more into this batch
+        for name, (out, exc) in outputs.items():
             idx = indices[name]
             if exc is not None:
                 self.report_failure(name, exc, len(idx))
@@ -382,15 +550,17 @@ class JudgerRunner:
                 values = self.check(name, out, len(idx))
                 lost = [p for p, v in enumerate(values) if v is not None and math.isinf(v)]
                 if lost:  # a failure of those samples (e.g. a division by zero), not a reward to train on
-                    self.report_failure(name, ValueError(f"it returned {values[lost[0]]} for {len(lost)} sample(s); "
-                                                         "infinite rewards count as failed"), len(lost))
+                    exc = ValueError(f"it returned {values[lost[0]]} for {len(lost)} sample(s); infinite rewards "
+                                     "count as failed")
+                    self.report_failure(name, exc, len(lost))
                     for p in lost:
                         values[p] = None
                 for i, value in zip(idx, values):
                     per_judger[name][i] = value
                 own, own_count = self.own_failures(name)
                 lost, counted = lost + own, len(lost) + own_count
-            failures += counted
+            stats[name] = JudgerStats(len(idx), counted, one_line(exc) if exc is not None else None,
+                                      tuple(jobs[name]))
             for p in lost:  # positions in this judger's share of the batch
                 failed[idx[p]] += (name,)
         rewards = []
@@ -399,4 +569,5 @@ class JudgerRunner:
                 self.weights[name] * per_judger[name][i] for name in self.judgers if per_judger[name][i] is not None
             ]
             rewards.append(sum(parts) if parts else 0.0)
-        return JudgeResult(rewards, per_judger, judge_metrics(per_judger, failures), failed)
+        return JudgeResult(rewards, per_judger, judge_metrics(per_judger, stats), failed, stats, logs.extra,
+                           logs.metrics)

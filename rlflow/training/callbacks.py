@@ -9,7 +9,8 @@
 * :class:`NoSignalWarning`: a warning when, for several steps in a row, every group's rewards were equal (zero
   advantages: the rewards train nothing), with the figures that usually explain it.
 * :class:`SampleTable`: every N steps, a W&B table of sample completions with their prompts, rewards and
-  advantages (only for a ``WandbLogger``; the CSV and TensorBoard loggers have ``trajectories.jsonl`` instead).
+  advantages, and the columns judgers added with TRL's ``log_extra`` (only for a ``WandbLogger``; the CSV and
+  TensorBoard loggers have ``trajectories.jsonl`` instead).
 * :class:`TrajectoryWriter`: every rollout step's samples appended to ``<log_dir>/trajectories.jsonl`` (one file
   per rank).
 
@@ -42,6 +43,15 @@ SAMPLE_COLUMNS = ["step", "data_source", "prompt", "completion", "ground_truth",
                   "finish_reason", "judgers_failed"]
 EVAL_SAMPLE_COLUMNS = ["trained_steps", "data_source", "prompt", "sample", "completion", "ground_truth", "answer",
                        "reward", "correct", "num_tokens", "finish_reason", "judgers_failed"]
+#: Fields of the sample rows the tables leave out; any other field beyond the columns above is a judger's
+#: ``log_extra`` column.
+UNSHOWN_FIELDS = {"rank", "group", "policy_version", "token_versions", "batch"}
+
+
+def table_columns(columns: list[str], samples: list[dict]) -> list[str]:
+    """``columns``, then the columns judgers logged (``log_extra``) in ``samples``, in the order they first come."""
+    known = {*columns, *UNSHOWN_FIELDS}
+    return columns + list(dict.fromkeys(key for sample in samples for key in sample if key not in known))
 
 
 def _cell(sample: dict, column: str) -> Any:
@@ -298,9 +308,10 @@ class SampleTable(L.Callback):
         if not samples or not loggers:
             return
         step = samples[0]["step"]  # the rollout step's index, as its metrics and trajectories.jsonl count it
-        rows = [[_cell(s, c) for c in SAMPLE_COLUMNS] for s in samples]
+        columns = table_columns(SAMPLE_COLUMNS, samples)
+        rows = [[_cell(s, c) for c in columns] for s in samples]
         for logger in loggers:
-            logger.log_table(key="samples", columns=SAMPLE_COLUMNS, data=rows, step=step)
+            logger.log_table(key="samples", columns=columns, data=rows, step=step)
 
     def on_validation_epoch_start(self, trainer: Any, pl_module: Any) -> None:
         self.eval_rows = []
@@ -319,10 +330,11 @@ class SampleTable(L.Callback):
         loggers = _wandb_loggers(trainer)
         if not self.every_n_steps or not trainer.is_global_zero or not samples or not loggers:
             return
-        rows = [[_cell(s, c) for c in EVAL_SAMPLE_COLUMNS] for s in samples]
+        columns = table_columns(EVAL_SAMPLE_COLUMNS, samples)
+        rows = [[_cell(s, c) for c in columns] for s in samples]
         for logger in loggers:
             logger.log_table(
-                key="eval_samples", columns=EVAL_SAMPLE_COLUMNS, data=rows, step=max(trainer.global_step - 1, 0)
+                key="eval_samples", columns=columns, data=rows, step=max(trainer.global_step - 1, 0)
             )  # where Lightning logs the eval metrics
 
 

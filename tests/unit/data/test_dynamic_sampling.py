@@ -37,7 +37,7 @@ def make_dm(tiny_model, tiny_data, **kw):
     dm.setup("fit")
     dm.backend = FakeBackend()
 
-    def judge(records, completions, k):
+    def judge(records, completions, k, state=None):
         rewards = [1.0 if uniform(r) else float(j % 2) for r in records for j in range(k)]
         metrics = {"rewards/fake/mean": sum(rewards) / len(rewards)}
         return JudgeResult(rewards, {"fake": list(rewards)}, metrics), ["x"] * len(completions)

@@ -84,7 +84,7 @@ def test_config_errors_are_specific():
         JudgerRunner({"a": "gsm8kk"})
     with pytest.raises(ValueError, match="reward_weights names judger 'nope'"):
         JudgerRunner({"a": "gsm8k"}, reward_weights={"nope": 1.0})
-    with pytest.raises(ValueError, match="judger_timeout must be positive"):
+    with pytest.raises(ValueError, match="data.judging.timeout must be positive"):
         JudgerRunner({"a": "gsm8k"}, timeout=0)
     with pytest.raises(ValueError, match="data.judging.judgers is empty"):
         JudgerRunner({})
@@ -202,7 +202,8 @@ def test_a_hung_judger_times_out_and_the_others_still_count(hung, caplog):
     assert result.per_judger[hung.__name__] == [None, None, None]
     assert result.metrics["judger/failures"] == 3.0
     assert result.failed == [(hung.__name__,)] * 3  # each sample marked (trajectories.jsonl's judgers_failed)
-    assert [r for r in caplog.records if hung.__name__ in r.getMessage() and "judger_timeout=0.3" in r.getMessage()]
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if hung.__name__ in m and "data.judging.timeout=0.3" in m]
     if hung is hung_async:
         assert CANCELLED.wait(2)  # the coroutine was cancelled, not left running
 
@@ -291,7 +292,7 @@ def test_a_raising_judger_gives_none_is_counted_and_logged_once(caplog):
     assert len(crashed) == 1 and "the grader crashed" in crashed[0].getMessage()
     assert crashed[0].exc_info and isinstance(crashed[0].exc_info[1], RuntimeError)  # the traceback is logged
     own = [r for r in warnings if "'raises_timeout_itself'" in r.getMessage()]
-    assert len(own) == 1 and "too slow" in own[0].getMessage() and "judger_timeout" not in own[0].getMessage()
+    assert len(own) == 1 and "too slow" in own[0].getMessage() and "data.judging.timeout" not in own[0].getMessage()
 
 
 def infinite_for_odd_ids(completions, completion_ids, **kwargs):

@@ -13,7 +13,7 @@ import torch
 
 from rlflow.data.datamodule import RolloutDataModule
 from rlflow.judgers.overlap import OverlappedJudging, generate_and_judge
-from rlflow.judgers.runner import JudgerRunner, judge_metrics
+from rlflow.judgers.runner import JudgerRunner, JudgerStats, judge_metrics
 from rlflow.rollout.base import Completion, RolloutBackend
 
 K = 4
@@ -91,7 +91,7 @@ def premade(dm, records, tokenizer, seed=0):
 
 def test_judge_metrics_against_plain_statistics():
     per_judger = {"a": [1.0, None, 3.0, 6.0], "b": [None, None, 2.0, None], "c": [None] * 4}
-    m = judge_metrics(per_judger, failures=2)
+    m = judge_metrics(per_judger, {"a": JudgerStats(4, 1), "b": JudgerStats(4, 1)})
     assert m["judger/unscored"] == 1.0 and m["judger/failures"] == 2.0  # sample 1: no judger scored it
     assert m["rewards/a/mean"] == pytest.approx(statistics.mean([1, 3, 6]))
     assert m["rewards/a/std"] == pytest.approx(statistics.stdev([1, 3, 6]))
@@ -130,9 +130,10 @@ def test_make_experience_paths_agree(tiny_model, tiny_data, tokenizer):
     """The hook in make_experience: overlapped (stream) and plain (generate) give the same experience and metrics."""
     results = []
     for overlap in (True, False):
-        dm = make_dm(tiny_model, tiny_data, {"*": ["gsm8k", half_none]}, overlap_judging=overlap)
+        dm = make_dm(tiny_model, tiny_data, {"*": ["gsm8k", half_none]}, judging={"overlap": overlap})
         records = dm.train_records[:8]
         dm.backend = ShuffledStream(premade(dm, records, tokenizer), seed=3, pause=0.0)
+        dm.bind(None)  # the experience maker, around the pre-made backend
         metrics = dm.make_experience(records, policy_version=0, step=0).metrics
         assert (dm.backend.stream_calls, dm.backend.generate_calls) == ((1, 0) if overlap else (0, 1))
         drop = {"rollout/time", "rollout/tokens_per_s"}

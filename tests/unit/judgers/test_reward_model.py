@@ -172,7 +172,7 @@ def test_in_the_panel_a_hanging_or_broken_reward_model_is_a_counted_failure(rm_p
     assert result.per_judger["gsm8k"] == [1.0, 0.0] and result.rewards == [1.0, 0.0]
     assert result.metrics["judger/failures"] == 4
     messages = " ".join(r.getMessage() for r in caplog.records)
-    assert "judger_timeout=0.5" in messages
+    assert "data.judging.timeout=0.5" in messages
     assert f"reward model {str(broken)!r}: cannot load it as a sequence classifier" in messages
     assert finished.wait(10)  # the abandoned call ends on its own (not left running into the next test)
 

@@ -1,4 +1,5 @@
-"""The run-watching callbacks of :mod:`rlflow.training.callbacks` not covered elsewhere: :class:`NoSignalWarning`.
+"""The run-watching callbacks of :mod:`rlflow.training.callbacks` not covered elsewhere: :class:`NoSignalWarning`, and
+the samples tables' columns.
 
 What is checked: the warning's streak logic by hand (it fires once when ``patience`` steps in a row had no group with
 differing rewards, re-arms after a step with signal, never fires with patience 0 or without the metric). Through
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlflow.training.callbacks import NoSignalWarning
+from rlflow.training.callbacks import EVAL_SAMPLE_COLUMNS, SAMPLE_COLUMNS, NoSignalWarning, table_columns
 
 
 def run(callback: NoSignalWarning, fractions: list[float | None], caplog) -> list[int]:
@@ -47,3 +48,10 @@ def text_reward(completions, **kwargs):
     texts = [c if isinstance(c, str) else c[-1]["content"] for c in completions]
     return [float(sum(map(ord, t)) % 97) for t in texts]
 
+
+
+def test_tables_add_the_columns_judgers_logged_after_the_built_in_ones():
+    row = {"step": 0, "rank": 0, "group": 0, "policy_version": 0, "reward": 1.0, "solution": "2", "gold_parsed": "[2]"}
+    later = {**row, "answer_parsed": "[2]"}
+    assert table_columns(SAMPLE_COLUMNS, [row, later]) == [*SAMPLE_COLUMNS, "solution", "gold_parsed", "answer_parsed"]
+    assert table_columns(EVAL_SAMPLE_COLUMNS, [{"trained_steps": 0, "rank": 0, "batch": 1}]) == EVAL_SAMPLE_COLUMNS

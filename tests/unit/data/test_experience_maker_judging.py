@@ -1,0 +1,71 @@
+"""The experience maker gives judgers the rollout step (TRL's ``trainer_state``), keeps what they log (``log_extra``
+columns in the sample rows, ``log_metric`` means in the step's metrics) and stops the run, before anything is
+trained, where a judger cannot work."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlflow.config_error import ConfigError
+from rlflow.data.datamodule import RolloutDataModule
+from rlflow.data.settings import JudgingSettings
+from rlflow.judgers.runner import JudgerError
+from tests.unit.judgers.test_overlap import K, ShuffledStream, premade
+
+
+def stepwise(completions, trainer_state, log_extra, log_metric, **kwargs):
+    """A curriculum reward written to TRL's signature: its reward is the step; it logs a column and a metric."""
+    step = trainer_state.global_step
+    log_extra("seen_step", [step] * len(completions))
+    log_metric("curriculum/step", float(step))
+    log_metric("reward", -1.0)  # named like a built-in metric: the built-in one wins
+    return [float(step)] * len(completions)
+
+
+def wrong_signature(completion, **kwargs):
+    return [0.0]
+
+
+def data_module(tiny_model, tiny_data, tokenizer, judgers, records=4, **kw):
+    dm = RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), tokenizer_path=str(tiny_model),
+                           prompt_repeat_k=K, global_batch_size=records, sampling={"max_tokens": 8},
+                           judging={"judgers": judgers, "overlap": False}, **kw)
+    dm.setup("fit")
+    dm.backend = ShuffledStream(premade(dm, dm.train_records[:records], tokenizer), pause=0.0)
+    dm.bind(None)
+    return dm
+
+
+def test_judgers_see_the_step_and_what_they_log_reaches_rows_and_metrics(tiny_model, tiny_data, tokenizer):
+    dm = data_module(tiny_model, tiny_data, tokenizer, {"*": "tests.unit.data.test_experience_maker_judging:stepwise"})
+    out = dm.make_experience(dm.train_records[:4], policy_version=0, step=2)
+    assert [e.reward for e in dm.buffer.items] == [2.0] * 4 * K
+    assert out.metrics["curriculum/step"] == 2.0 and out.metrics["reward"] == 2.0
+    assert [row["seen_step"] for row in out.samples] == [2] * 4 * K
+    assert all(row["step"] == 2 for row in out.samples)
+
+
+def test_a_judger_that_cannot_work_stops_the_step_before_anything_is_trained(tiny_model, tiny_data, tokenizer):
+    path = "tests.unit.data.test_experience_maker_judging:wrong_signature"
+    dm = data_module(tiny_model, tiny_data, tokenizer, {"*": ["gsm8k", path]})
+    with pytest.raises(JudgerError, match=r"^rollout step 5: judger 'wrong_signature' failed on 16 of its 16 samples: "
+                                          r"TypeError: .*'completion'; it was given the keywords prompts, completions"):
+        dm.make_experience(dm.train_records[:4], policy_version=0, step=5)
+    assert dm.buffer.items == []
+
+
+def test_every_rank_stops_when_a_judger_cannot_work_on_another(tiny_model, tiny_data, tokenizer):
+    dm = data_module(tiny_model, tiny_data, tokenizer, {"*": "gsm8k"})
+    dm.maker.ranks.any_true = lambda flag: True  # another rank's judger failed on all of its samples
+    with pytest.raises(JudgerError, match="rollout step 0: a judger cannot work on another rank"):
+        dm.make_experience(dm.train_records[:4], policy_version=0, step=0)
+
+
+def test_the_failure_rate_setting_reaches_the_panel_and_is_checked(tiny_model, tiny_data, tokenizer):
+    dm = RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), tokenizer_path=str(tiny_model),
+                           judging={"max_failure_rate": 0.05})
+    assert dm.judges.max_failure_rate == 0.05
+    assert RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"),
+                             tokenizer_path=str(tiny_model)).judges.max_failure_rate is None
+    with pytest.raises(ConfigError, match=r"data.judging.max_failure_rate must be in \[0.0, 1.0\], got 1.5"):
+        JudgingSettings(max_failure_rate=1.5)
