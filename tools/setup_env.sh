@@ -15,6 +15,13 @@ fi
 # shellcheck disable=SC1091
 . "$VENV/bin/activate"
 
+# bubblewrap: the python tool's sandbox (rlflow/tools/sandbox.py). Installed where this script may (root, apt);
+# elsewhere skipped without a word, and the tool says at start-up what is missing.
+if ! command -v bwrap >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  { apt-get install -y -qq bubblewrap || { apt-get update -qq && apt-get install -y -qq bubblewrap; }; } \
+    >/dev/null 2>&1 || true
+fi
+
 stamp="$VENV/.rlflow-install-stamp"
 want=$(cat pyproject.toml plugins/*/pyproject.toml tools/setup_env.sh 2>/dev/null | sha256sum | cut -d' ' -f1)-$TORCH
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

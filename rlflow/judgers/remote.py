@@ -4,32 +4,88 @@ Per sample (default) it POSTs ``{"prompt", "completion", <every dataset column>}
 number, ``null`` ("not applicable"), or an object with a ``reward`` (or ``score``) field; up to
 ``max_concurrency`` requests are in flight at once. With ``batch`` it POSTs one request per batch,
 ``{"prompts": [...], "completions": [...], <column>: [...]}``, and reads back a list or ``{"rewards": [...]}``.
-Each request has a ``timeout``; connection errors, timeouts, HTTP 5xx and 429 are retried ``max_retries`` times
-with exponential back-off; other 4xx are not (they will not get better). A sample whose request still fails
-gets ``None``, is counted in ``judger/failures`` and the first such error is logged. ``completion`` is the
-completion's text; token ids are not sent. Uses only the standard library (``urllib``), so no extra to install.
+Each request has a total deadline, ``timeout`` seconds from connecting to the last byte of the answer (a server
+that answers a byte at a time is cut off there, not after each byte); connection errors, timeouts, HTTP 5xx and
+429 are retried ``max_retries`` times with exponential back-off; other 4xx are not (they will not get better). A
+sample whose request still fails gets ``None``, is counted in ``judger/failures`` and the first such error is
+logged. ``completion`` is the completion's text; token ids are not sent.
+
+The judger talks only to the host it was given: a redirect is followed only when it keeps the method and the
+body (307, 308) and stays on the same scheme, host and port; any other redirect is a failed request, so the
+headers (an ``Authorization``, say) never reach another host and no reward comes from one. When the judger is
+built (at the start of a run) it connects to the service once: an address nothing answers on ends the run there,
+with one line. Requests run in daemon threads, so none keeps the process alive after the run. Uses only the
+standard library (``http.client``), so no extra to install.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import numbers
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+import urllib.parse
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from rlflow.config_error import ConfigError
 from rlflow.judgers.base import Judger, completion_text
 
 log = logging.getLogger(__name__)
+#: Redirects followed per request (307/308 within the same origin only).
+MAX_REDIRECTS = 3
+#: The largest answer read; a longer one is a failed request.
+MAX_ANSWER_BYTES = 16 * 2**20
+#: Seconds the check at start-up waits for the service to accept a connection (at most ``timeout``).
+CONNECT_CHECK_SECONDS = 10.0
 
 
 class RemoteJudgerError(RuntimeError):
-    """The reward service failed or answered something that is not a reward."""
+    """The reward service failed or answered something that is not a reward; ``retry``: whether another attempt
+    may succeed (a connection error, a timeout, HTTP 5xx or 429)."""
+
+    def __init__(self, message: str, retry: bool = False) -> None:
+        super().__init__(message)
+        self.retry = retry
+
+
+def origin(url: str) -> tuple[str, str, int]:
+    """``(scheme, host, port)`` of an http(s) URL, with the scheme's default port filled in."""
+    parts = urllib.parse.urlsplit(url)
+    return parts.scheme.lower(), (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def _map_in_daemon_threads(fn: Callable[[int], Any], n: int, workers: int) -> list[Any]:
+    """``[fn(i) for i in range(n)]`` on up to ``workers`` daemon threads (which never keep the process alive,
+    unlike a ThreadPoolExecutor's, joined at exit); an exception of ``fn`` is raised here."""
+    results: list[Any] = [None] * n
+    errors: list[BaseException] = []
+    todo = iter(range(n))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while not errors:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            try:
+                results[i] = fn(i)
+            except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
+                errors.append(exc)
+
+    threads = [threading.Thread(target=work, name="rlflow-remote-judger", daemon=True)
+               for _ in range(min(workers, n))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def _reward(value: Any, where: str) -> float | None:
@@ -50,7 +106,7 @@ class RemoteJudger(Judger):
 
     Args:
         url: The endpoint to POST to, e.g. ``http://127.0.0.1:8000/reward``.
-        timeout: Seconds to wait for one HTTP answer.
+        timeout: Seconds one request may take in all: connecting, sending, and the whole answer.
         max_retries: Extra attempts after a failed request (connection error, timeout, 5xx, 429).
         backoff: Seconds before the first retry; doubled before each further one.
         batch: Send the whole batch in one request instead of one request per sample.
@@ -76,6 +132,8 @@ class RemoteJudger(Judger):
             raise ValueError(
                 "remote judger: timeout > 0, max_retries >= 0, backoff >= 0 and max_concurrency >= 1 are required"
             )
+        if not urllib.parse.urlsplit(url).hostname:
+            raise ValueError(f"remote judger: url {url!r} names no host")
         self.url = url
         self.timeout = float(timeout)
         self.max_retries = int(max_retries)
@@ -87,32 +145,101 @@ class RemoteJudger(Judger):
         self._failed: list[int] = []  # positions in the current call of the samples whose request failed
         self._logged = False
         self._lock = threading.Lock()
+        self.check_reachable()
+
+    def check_reachable(self) -> None:
+        """Connect to the service once (no request is sent): a ConfigError, one line, when nothing answers."""
+        _, host, port = origin(self.url)
+        try:
+            socket.create_connection((host, port), timeout=min(self.timeout, CONNECT_CHECK_SECONDS)).close()
+        except OSError as exc:
+            raise ConfigError(
+                f"data.judging.judgers: the remote judger {self.name!r} cannot reach {self.url} "
+                f"({type(exc).__name__}: {exc}); start the reward service first, or fix its url"
+            ) from exc
+
+    def exchange(self, url: str, data: bytes, deadline: float) -> tuple[int, str, str | None, bytes]:
+        """One POST of ``data`` to ``url``, ended at ``deadline`` (``time.monotonic()``) whatever the server does:
+        ``(status, reason, Location header, body)``. RemoteJudgerError (to retry) when it fails or times out."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise RemoteJudgerError(f"{url} did not answer within the timeout of {self.timeout} s", retry=True)
+        parts = urllib.parse.urlsplit(url)
+        kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        conn = kind(parts.hostname, parts.port, timeout=left)
+        expired = threading.Event()
+        sockets: list[socket.socket] = []  # the connection's (http.client lets go of it once an answer arrives)
+
+        def expire() -> None:  # wakes a read blocked on a slow server: the socket is shut down under it
+            expired.set()
+            for sock in sockets:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+        watchdog = threading.Timer(left, expire)
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            conn.connect()
+            sockets.append(conn.sock)
+            if expired.is_set():  # the deadline passed while connecting, before there was a socket to shut
+                raise TimeoutError
+            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            conn.request("POST", path, body=data, headers=self.headers)
+            response = conn.getresponse()
+            body = response.read(MAX_ANSWER_BYTES + 1)
+            if expired.is_set():
+                raise TimeoutError
+            if len(body) > MAX_ANSWER_BYTES:
+                raise RemoteJudgerError(f"{url} answered more than {MAX_ANSWER_BYTES} bytes")
+            return response.status, response.reason, response.getheader("Location"), body
+        except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, cut off at the deadline
+            if expired.is_set() or isinstance(exc, TimeoutError):
+                raise RemoteJudgerError(f"{url} did not answer within the timeout of {self.timeout} s",
+                                        retry=True) from exc
+            raise RemoteJudgerError(f"{url} failed: {type(exc).__name__}: {exc}", retry=True) from exc
+        finally:
+            watchdog.cancel()
+            conn.close()
+
+    def attempt(self, data: bytes) -> Any:
+        """One request, within one deadline, following same-origin 307/308 redirects only; the decoded answer."""
+        deadline = time.monotonic() + self.timeout
+        url = self.url
+        for _ in range(MAX_REDIRECTS + 1):
+            status, reason, location, body = self.exchange(url, data, deadline)
+            if status in (301, 302, 303, 307, 308):
+                target = urllib.parse.urljoin(url, location or "")
+                if status in (307, 308) and location and origin(target) == origin(self.url):
+                    url = target
+                    continue
+                raise RemoteJudgerError(
+                    f"{url} answered HTTP {status} redirecting to {target}: the remote judger follows only 307/308 "
+                    "redirects on its own scheme, host and port, so that its headers and rewards stay with "
+                    "{}://{}:{}; set url to the service's own address".format(*origin(self.url))
+                )
+            if status >= 400:
+                raise RemoteJudgerError(f"{url} answered HTTP {status} {reason}", retry=status >= 500 or status == 429)
+            try:
+                return json.loads(body)
+            except ValueError as exc:
+                raise RemoteJudgerError(f"{url} answered something that is not JSON: {body[:200]!r}") from exc
+        raise RemoteJudgerError(f"{self.url} redirected more than {MAX_REDIRECTS} times")
 
     def post(self, payload: Any) -> Any:
         """POST ``payload`` as JSON and return the decoded answer, retrying what may succeed on a second try."""
         data = json.dumps(payload).encode("utf-8")
-        error: Exception | None = None
-        for attempt in range(self.max_retries + 1):
-            if attempt:
-                time.sleep(self.backoff * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.url, data=data, headers=self.headers, method="POST")
+        attempt = 0
+        while True:
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                    body = response.read()
-            except urllib.error.HTTPError as exc:
-                error = RemoteJudgerError(f"{self.url} answered HTTP {exc.code} {exc.reason}")
-                if exc.code < 500 and exc.code != 429:
-                    break
-                continue
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as exc:  # refused, reset, timed out
-                reason = getattr(exc, "reason", exc)
-                error = RemoteJudgerError(f"{self.url} failed: {type(reason).__name__}: {reason}")
-                continue
-            try:
-                return json.loads(body)
-            except ValueError as exc:
-                raise RemoteJudgerError(f"{self.url} answered something that is not JSON: {body[:200]!r}") from exc
-        raise RemoteJudgerError(f"{error} (after {attempt + 1} attempt(s))") from error
+                return self.attempt(data)
+            except RemoteJudgerError as exc:
+                if not exc.retry or attempt == self.max_retries:
+                    raise RemoteJudgerError(f"{exc} (after {attempt + 1} attempt(s))") from exc
+            time.sleep(self.backoff * 2**attempt)
+            attempt += 1
 
     def consume_failed(self) -> list[int]:
         """Positions (in the call) of the samples given ``None`` because their request failed, since the last call
@@ -156,5 +283,4 @@ class RemoteJudger(Judger):
             {"prompt": prompts[i], "completion": texts[i], **{k: v[i] for k, v in columns.items()}}
             for i in range(len(texts))
         ]
-        with ThreadPoolExecutor(max_workers=min(self.max_concurrency, max(len(payloads), 1))) as pool:
-            return list(pool.map(self._one, range(len(payloads)), payloads))
+        return _map_in_daemon_threads(lambda i: self._one(i, payloads[i]), len(payloads), self.max_concurrency)

@@ -3,25 +3,32 @@
 A tool is what ``trl.GRPOTrainer(tools=[...])`` takes: a type-hinted function (sync or ``async def``) with a
 Google-style docstring. Its JSON schema comes from ``transformers.utils.get_json_schema`` (the same schema
 ``apply_chat_template(tools=[fn])`` renders), so any tool written for TRL works unchanged. Tools are named in the
-config by import path (``data.multiturn.tools: [my_pkg.tools:search]``) or by the short name a package registers in the
-``rlflow.tools`` entry-point group (``calculator`` and ``python`` are built in).
+config by import path (``data.multiturn.tools: [my_pkg.tools:search]``), by the short name a package registers in the
+``rlflow.tools`` entry-point group (``calculator`` and ``python`` are built in), or, for a tool class with settings,
+as ``{class_path: <name or path>, init_args: {...}}``: its instance is the tool, ``__call__`` gives the schema and
+its ``name`` attribute the tool's name.
 
 :class:`ToolRunner` runs the calls of one model turn concurrently, each with a timeout, on its own event loop
 (the judger runner's approach: ``async`` tools as tasks, plain ones each in a daemon thread that can be
 abandoned). A call to an unknown tool, with arguments that do not fit the signature or that failed to parse, a
-tool that raises and a tool that times out all become a :class:`ToolResult` with ``ok=False`` whose ``content``
-says what went wrong, for the model to read; the rollout goes on. Simplifications: a timed-out thread is
-abandoned, not killed (Python cannot kill threads; the ``python`` tool runs its code in a killable subprocess);
-a tool's return value is turned into text with ``str`` (``json.dumps`` for dicts and lists).
+tool that raises (any exception: ``SystemExit`` and ``KeyboardInterrupt`` raised inside a tool too) and a tool
+that times out all become a :class:`ToolResult` with ``ok=False`` whose ``content`` says what went wrong, for
+the model to read; the rollout goes on. Inside a call, :func:`time_left` says how long the call has left: a tool
+that starts work it can stop (the ``python`` tool's sandboxed process) stops it at that deadline, so nothing it
+started outlives the call. Simplifications: a plain tool's thread that times out is abandoned, not killed (Python
+cannot kill threads); a tool's return value is turned into text with ``str`` (``json.dumps`` for dicts and lists).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
+import functools
 import inspect
 import json
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,9 +36,49 @@ from typing import Any
 
 from rlflow import registry
 from rlflow.config_error import ConfigError
-from rlflow.judgers.runner import _in_daemon_thread, _serve, is_async
+from rlflow.judgers.runner import _serve, is_async
 
 GROUP = "rlflow.tools"
+#: When the tool call running in this thread or task must end (``time.monotonic()``); None: no limit.
+_deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("rlflow_tool_deadline", default=None)
+
+
+def time_left() -> float | None:
+    """Seconds the tool call running in this thread or task has left before ``data.multiturn.tool_timeout`` ends
+    it (at least 0); None outside a call or without a timeout. A tool that starts work it can stop (a process, a
+    request) gives that work at most this long, so the work ends with the call instead of running on unwatched."""
+    deadline = _deadline.get()
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+def _until(deadline: float | None, fn: Callable[..., Any], /, **arguments: Any) -> Any:
+    """``fn(**arguments)`` with :func:`time_left` counting down to ``deadline``."""
+    _deadline.set(deadline)
+    return fn(**arguments)
+
+
+def _in_thread(fn: Callable[..., Any], arguments: dict[str, Any], name: str) -> asyncio.Future:
+    """``fn(**arguments)`` in a fresh daemon thread; the returned future, of the running loop, gets its result or
+    whatever it raised (``SystemExit`` included), unless the call was given up on by then."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if not future.done():  # cancelled when the call timed out
+            future.set_exception(exc) if exc is not None else future.set_result(result)
+
+    def work() -> None:
+        try:
+            result, exc = fn(**arguments), None
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            result, exc = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, exc)
+        except RuntimeError:  # the loop is gone: nobody waits for this result any more
+            pass
+
+    threading.Thread(target=work, name=f"rlflow-tool-{name}", daemon=True).start()
+    return future
 
 
 @dataclass
@@ -66,22 +113,28 @@ class Tool:
 
 def tool_schema(fn: Callable[..., Any]) -> dict[str, Any]:
     """The JSON schema of ``fn`` from its signature and Google-style docstring (transformers' ``get_json_schema``);
-    a tool without type hints or a docstring is an error naming it."""
+    a tool without type hints or a docstring is an error naming it. A tool object (not a function) is described
+    by its ``__call__`` and named by its ``name`` attribute (else its class's name)."""
     from transformers.utils import get_json_schema
 
+    is_object = not (inspect.isfunction(fn) or inspect.ismethod(fn) or inspect.isbuiltin(fn))
     try:
-        return get_json_schema(fn)
+        schema = get_json_schema(fn.__call__ if is_object else fn)
     except Exception as exc:  # transformers raises DocstringParsingException / TypeHintParsingException
-        name = getattr(fn, "__name__", repr(fn))
+        name = getattr(fn, "__name__", None) or getattr(fn, "name", None) or type(fn).__name__
         raise ConfigError(
             f"data.multiturn.tools: cannot build the JSON schema of tool {name!r}: {exc} (a tool needs type hints "
             "on every argument and a Google-style docstring with an Args: section)"
         ) from exc
+    if is_object:
+        schema["function"]["name"] = str(getattr(fn, "name", None) or type(fn).__name__)
+    return schema
 
 
 def load_tool(spec: Any) -> Tool:
-    """A :class:`Tool` from a short name of the ``rlflow.tools`` group, an import path or a callable."""
-    fn = registry.build(GROUP, spec) if isinstance(spec, str) else spec
+    """A :class:`Tool` from a short name of the ``rlflow.tools`` group, an import path, a ``class_path``/``init_args``
+    mapping or a callable."""
+    fn = registry.build(GROUP, spec) if isinstance(spec, (str, dict)) else spec
     if not callable(fn):
         raise ConfigError(f"data.multiturn.tools: {spec!r} is not callable (a tool is a function)")
     schema = tool_schema(fn)
@@ -168,20 +221,34 @@ class ToolRunner:
         if failed is not None:
             return failed
         fn = self.tools[call.name].fn
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
 
-        async def invoke() -> Any:
-            if is_async(fn):
-                return await fn(**call.arguments)
-            out = await _in_daemon_thread(fn, dict(call.arguments or {}), call.name)
-            return await out if inspect.isawaitable(out) else out
+        async def invoke() -> tuple[Any, BaseException | None]:
+            # Everything the tool raises is caught here, inside the task that wait_for runs: a SystemExit or
+            # KeyboardInterrupt leaving a task stops the event loop itself, and every later call would wait forever.
+            try:
+                if is_async(fn):
+                    _deadline.set(deadline)  # this task's own context
+                    out = fn(**call.arguments)
+                else:
+                    out = await _in_thread(functools.partial(_until, deadline, fn), dict(call.arguments or {}),
+                                           call.name)
+                return (await out if inspect.isawaitable(out) else out), None
+            except asyncio.CancelledError:  # the call timed out
+                raise
+            except BaseException as exc:  # noqa: BLE001 - a failing tool is a message to the model, not a crash
+                return None, exc
 
         try:
-            value = await asyncio.wait_for(invoke(), self.timeout)
+            value, exc = await asyncio.wait_for(invoke(), self.timeout)
+            timed_out = deadline is not None and time.monotonic() >= deadline  # it stopped itself at the deadline
         except asyncio.TimeoutError:
+            timed_out = True
+        if timed_out:
             return ToolResult(
                 call.name, f"Error: tool {call.name!r} timed out after {self.timeout} s", False, "timeout"
             )
-        except Exception as exc:  # noqa: BLE001 - a failing tool is a message to the model, not a crash
+        if exc is not None:
             return ToolResult(
                 call.name, f"Error: tool {call.name!r} raised {type(exc).__name__}: {exc}", False, "raised"
             )
