@@ -36,7 +36,7 @@ from typing import Any
 
 from rlflow import registry
 from rlflow.config_error import ConfigError
-from rlflow.judgers.runner import _serve, is_async
+from rlflow.judgers.runner import _Call, _in_daemon_thread, _serve, is_async
 
 GROUP = "rlflow.tools"
 #: When the tool call running in this thread or task must end (``time.monotonic()``); None: no limit.
@@ -55,30 +55,6 @@ def _until(deadline: float | None, fn: Callable[..., Any], /, **arguments: Any) 
     """``fn(**arguments)`` with :func:`time_left` counting down to ``deadline``."""
     _deadline.set(deadline)
     return fn(**arguments)
-
-
-def _in_thread(fn: Callable[..., Any], arguments: dict[str, Any], name: str) -> asyncio.Future:
-    """``fn(**arguments)`` in a fresh daemon thread; the returned future, of the running loop, gets its result or
-    whatever it raised (``SystemExit`` included), unless the call was given up on by then."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def settle(result: Any, exc: BaseException | None) -> None:
-        if not future.done():  # cancelled when the call timed out
-            future.set_exception(exc) if exc is not None else future.set_result(result)
-
-    def work() -> None:
-        try:
-            result, exc = fn(**arguments), None
-        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
-            result, exc = None, e
-        try:
-            loop.call_soon_threadsafe(settle, result, exc)
-        except RuntimeError:  # the loop is gone: nobody waits for this result any more
-            pass
-
-    threading.Thread(target=work, name=f"rlflow-tool-{name}", daemon=True).start()
-    return future
 
 
 @dataclass
@@ -231,8 +207,8 @@ class ToolRunner:
                     _deadline.set(deadline)  # this task's own context
                     out = fn(**call.arguments)
                 else:
-                    out = await _in_thread(functools.partial(_until, deadline, fn), dict(call.arguments or {}),
-                                           call.name)
+                    out = await _in_daemon_thread(functools.partial(_until, deadline, fn), dict(call.arguments or {}),
+                                                  call.name, _Call())
                 return (await out if inspect.isawaitable(out) else out), None
             except asyncio.CancelledError:  # the call timed out
                 raise
