@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -35,9 +35,6 @@ from rlflow.rollout.draws import RowDraws
 from rlflow.rollout.penalty import mark_seen, seen_tokens
 from rlflow.rollout.requests import DecodeRequest, RequestSource
 from rlflow.rollout.sampling import sample_tokens
-
-if TYPE_CHECKING:
-    from rlflow.rollout.engine import EngineRollout
 
 
 @dataclass
@@ -112,8 +109,9 @@ class ServeCall:
     """The state of one serve call on ``engine`` with ``params`` (the engine's fused decoder for the call already
     set), and the steps of its decode loop (:meth:`run`)."""
 
-    def __init__(self, engine: EngineRollout, params: SamplingParams, device: torch.device,
+    def __init__(self, engine: Any, params: SamplingParams, device: torch.device,
                  progress: Progress | None = None) -> None:
+        # engine: the EngineRollout whose call this is (not imported here: the engine imports this module)
         self.engine, self.params, self.device, self.progress = engine, params, device, progress
         self.stop_ids = set(params.stop_token_ids)
         self.stop_t = torch.tensor(sorted(self.stop_ids), dtype=torch.long, device=device)

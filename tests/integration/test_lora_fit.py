@@ -192,8 +192,8 @@ def test_single_gpu_lora_recipe_resolves_and_its_memory_arithmetic_holds(tiny_mo
     cfg = yaml.safe_load(out.stdout)
     lora = cfg["model"]["lora"]
     assert (lora["r"], lora["alpha"], lora["target_modules"]) == (32, 64.0, "all-linear")
-    assert (cfg["trainer"]["devices"], cfg["trainer"]["precision"], cfg["model"]["policy"]["dtype"]) == (1, "bf16-mixed",
-                                                                                               "bfloat16")
+    trainer, policy = cfg["trainer"], cfg["model"]["policy"]
+    assert (trainer["devices"], trainer["precision"], policy["dtype"]) == (1, "bf16-mixed", "bfloat16")
     config = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False)
     with torch.device("meta"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 import pytest
 
 from rlflow import plugins_cmd, registry
@@ -145,7 +147,7 @@ def test_rlflow_plugins_lists_name_distribution_and_version(capsys):
     assert plugins_cmd.main(["--group", GROUP, "--check"]) == 0
     out = capsys.readouterr().out
     line = next(l for l in out.splitlines() if l.strip().startswith("gsm8k "))
-    assert "rlflow 0.1.0" in line and "rlflow.judgers.gsm8k:GSM8KJudger" in line and line.endswith("ok")
+    assert f"rlflow {version('rlflow')}" in line and "rlflow.judgers.gsm8k:GSM8KJudger" in line and line.endswith("ok")
     assert "rlflow.losses" not in out
 
 
@@ -172,7 +174,7 @@ def test_rlflow_plugins_is_dispatched_by_the_rlflow_command(capsys):
     out = capsys.readouterr().out
     for group in registry.GROUPS:
         assert f"{group}:" in out
-    assert "think_format" in out and "rlflow 0.1.0" in out
+    assert "think_format" in out and f"rlflow {version('rlflow')}" in out
 
 
 # ------------------------------------------------------------------ typed plugin arguments (jsonargparse)

@@ -36,6 +36,7 @@ def make_dm(tiny_model, tiny_data, **kw):
     )
     dm.setup("fit")
     dm.backend = FakeBackend()
+    dm.bind(None)  # the experience maker, built around the backend
 
     def judge(records, completions, k, state=None):
         rewards = [1.0 if uniform(r) else float(j % 2) for r in records for j in range(k)]
@@ -53,7 +54,7 @@ def first_batch(dm, n_uniform):
 
 
 def test_drops_agreeing_groups_and_refills(tiny_model, tiny_data):
-    dm = make_dm(tiny_model, tiny_data, dynamic_sampling=True, max_sampling_rounds=20)
+    dm = make_dm(tiny_model, tiny_data, filtering={"dynamic_sampling": True, "max_rounds": 20})
     metrics = dm.make_experience(first_batch(dm, 2), policy_version=0, step=0).metrics
     kept = dm.buffer.items
     assert len(kept) == 4 * K
@@ -73,7 +74,7 @@ def test_drops_agreeing_groups_and_refills(tiny_model, tiny_data):
 
 
 def test_round_cap_tops_up_with_dropped_groups(tiny_model, tiny_data):
-    dm = make_dm(tiny_model, tiny_data, dynamic_sampling=True, max_sampling_rounds=1)
+    dm = make_dm(tiny_model, tiny_data, filtering={"dynamic_sampling": True, "max_rounds": 1})
     metrics = dm.make_experience(first_batch(dm, 3), policy_version=0, step=0).metrics
     assert metrics["sampling/rounds"] == 1 and metrics["sampling/groups_padded"] == 3
     assert metrics["sampling/groups_dropped"] == 3
@@ -82,8 +83,8 @@ def test_round_cap_tops_up_with_dropped_groups(tiny_model, tiny_data):
 
 
 def test_extra_prompts_are_reproducible_and_off_by_default(tiny_model, tiny_data):
-    a = make_dm(tiny_model, tiny_data, dynamic_sampling=True, max_sampling_rounds=3)
-    b = make_dm(tiny_model, tiny_data, dynamic_sampling=True, max_sampling_rounds=3)
+    a = make_dm(tiny_model, tiny_data, filtering={"dynamic_sampling": True, "max_rounds": 3})
+    b = make_dm(tiny_model, tiny_data, filtering={"dynamic_sampling": True, "max_rounds": 3})
     a.make_experience(first_batch(a, 4), policy_version=0, step=5)
     b.make_experience(first_batch(b, 4), policy_version=0, step=5)
     assert a.backend.prompts == b.backend.prompts and len(a.backend.prompts) > 1
@@ -95,26 +96,34 @@ def test_extra_prompts_are_reproducible_and_off_by_default(tiny_model, tiny_data
 
 def test_ranks_run_the_same_number_of_rounds(tiny_model, tiny_data):
     """A rank whose batch is full keeps sampling while another rank's is short (collective backends need it)."""
+    from types import SimpleNamespace
+
     import torch
 
     class Strategy:
         root_device = torch.device("cpu")
+        calls = 0
 
         def reduce(self, tensor, reduce_op="mean"):
             assert reduce_op == "sum"
-            return tensor + 1.0  # the other rank is always short
+            self.calls += 1
+            # the step's first question is whether any rank's judgers failed beyond use (no); every later one,
+            # whether any rank's batch is still short: the other rank always is
+            return tensor if self.calls == 1 else tensor + 1.0
 
     class Trainer:
-        world_size, global_rank, strategy, log_dir = 2, 0, Strategy(), None
+        world_size, global_rank, strategy, log_dir, max_steps, max_epochs = 2, 0, Strategy(), None, 1, None
+        state = SimpleNamespace(fn="validate")  # bound outside fit: no generator processes
 
-    dm = make_dm(tiny_model, tiny_data, dynamic_sampling=True, max_sampling_rounds=3)
+    dm = make_dm(tiny_model, tiny_data, filtering={"dynamic_sampling": True, "max_rounds": 3})
     dm.trainer = Trainer()
+    dm.bind(None)  # again, with the two ranks
     metrics = dm.make_experience(first_batch(dm, 0), policy_version=0, step=0).metrics  # this rank: full at once
     assert metrics["sampling/rounds"] == 3 and len(dm.backend.prompts) == 3
     assert len(dm.buffer.items) == 2 * K  # this rank's share of the 4 prompts, still full-size
 
 
 def test_bad_round_cap_is_refused(tiny_model, tiny_data):
-    with pytest.raises(ValueError, match="max_sampling_rounds"):
+    with pytest.raises(ValueError, match="data.filtering.max_rounds must be >= 1, got 0"):
         RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), filtering={"max_rounds": 0})
 

@@ -238,12 +238,13 @@ def test_real_backend_multiturn_is_token_exact_and_logprobs_match_a_full_forward
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    ({"tools": ["nope"]}, "PluginError", "unknown rlflow.tools plugin 'nope'; available: calculator, python"),
-    ({"tools": ["calculator"], "tool_parser": "nope"}, "PluginError", "rlflow.tool_parsers plugin 'nope'; available: "
-                                                                       "hermes"),
-    ({"environment": "nope"}, "PluginError", "available: guess_number"),
-    ({"tools": ["calculator"], "max_turns": 0}, "ConfigError", "data.multiturn.max_turns"),
-    ({"tools": ["calculator"], "tool_timeout": -1}, "ConfigError", "data.multiturn.tool_timeout"),
+    ({"multiturn": {"tools": ["nope"]}}, "PluginError",
+     "unknown rlflow.tools plugin 'nope'; available: calculator, python"),
+    ({"multiturn": {"tools": ["calculator"], "parser": "nope"}}, "PluginError",
+     "rlflow.tool_parsers plugin 'nope'; available: hermes"),
+    ({"multiturn": {"environment": "nope"}}, "PluginError", "available: guess_number"),
+    ({"multiturn": {"tools": ["calculator"], "max_turns": 0}}, "ConfigError", "data.multiturn.max_turns"),
+    ({"multiturn": {"tools": ["calculator"], "tool_timeout": -1}}, "ConfigError", "data.multiturn.tool_timeout"),
 ])
 def test_bad_multiturn_settings_fail_at_construction(kwargs, error, message, tmp_path):
     from rlflow.data.datamodule import RolloutDataModule

@@ -152,7 +152,8 @@ def _sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: str) -> 
 
         records = [SimpleNamespace(i=i) for i in range(6)]
         maker = SimpleNamespace(prompts=SimpleNamespace(records=records), _record_index=None, k=2,
-                                evaluation=EvalPlan(None, 1, 1.0, 0), sampler=PromptBatchSampler(6, 2, skip_solved=True))
+                                evaluation=EvalPlan(None, 1, 1.0, 0),
+                                sampler=PromptBatchSampler(6, 2, skip_solved=True))
         maker.sampler.record(3, True)  # solved before, judged unsolved now on rank 1
         mine, rewards = (([records[0], records[1]], [1.0, 1.0, 1.0, 0.0]) if rank == 0
                          else ([records[3], records[5]], [0.5, 1.0, 1.0, 1.0]))
