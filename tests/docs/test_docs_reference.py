@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
 import re
 import subprocess
 import sys
@@ -15,11 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def generator():
-    spec = importlib.util.spec_from_file_location("gen_config_reference", ROOT / "tools" / "gen_config_reference.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)  # its dataclasses look their module up
-    spec.loader.exec_module(sys.modules[spec.name])
-    return sys.modules[spec.name]
+    from rlflow import config_reference
+
+    return config_reference
 
 
 def test_checked_in_pages_are_not_stale():
