@@ -6,12 +6,17 @@ one). Settings come in typed groups (``data.sampling``, ``model.optim``, ...) wh
 shows; a key of the old flat layout is one error naming its new place (:mod:`rlflow.config_moves`).
 
 rlflow adds to Lightning's CLI: ``--checkpoint.*`` (an atomic ``ModelCheckpoint`` writing ``last.ckpt`` every step,
-so ``--ckpt_path last`` resumes after a kill), ``--evaluate_every_n_steps N`` (Lightning's ``val_check_interval``
-counted in rollout steps across epochs), ``--summary.*``, ``--no_signal.*``, ``--rollout_progress.*``,
-``--samples.*`` and ``--trajectories.*`` (see :mod:`rlflow.training.callbacks`), the logger short names
-``--trainer.logger wandb|csv|tensorboard``, and the full resolved config logged to every logger. Errors a user can
-fix (an invalid value, bad data, a missing model, a full disk, a diverged run) end the command with one
-``rlflow: error:`` line instead of a traceback.
+so ``--ckpt_path last`` resumes this run after a kill, see :mod:`rlflow.training.resume`), a stop at the next step
+boundary with a checkpoint on SIGTERM or SIGINT (exit code 143 or 130, :class:`GracefulStop`), a check that the
+log and checkpoint directories are writable before anything loads, ``--evaluate_every_n_steps N``
+(Lightning's ``val_check_interval`` counted in rollout steps across epochs), ``--summary.*``, ``--no_signal.*``,
+``--rollout_progress.*``, ``--samples.*`` and ``--trajectories.*`` (see :mod:`rlflow.training.callbacks`), the
+logger short names ``--trainer.logger wandb|csv|tensorboard``, and the full resolved config logged to every
+logger. Errors a user can fix (an invalid value, bad data, a missing model, an unwritable directory, a full disk, a
+diverged run) end the command with one ``rlflow: error:`` line instead of a traceback.
+
+``RLFLOW_STOP_TIMEOUT`` (seconds, default 300; 0: no bound): how long a signalled run may take to reach the end of
+its rollout step before it stops without finishing it.
 
 Plugin arguments (``model.loss``, ``data.rollout``, ``data.advantage``, ``data.judging.judgers``) are typed, so
 ``class_path``/``init_args`` are validated and ``--model.loss.help grpo`` documents a plugin; registry short
@@ -21,15 +26,19 @@ of the loss and the judgers that take one and leave it unset.
 
 from __future__ import annotations
 
+import errno
 import inspect
 import os
 import re
+import shutil
 import sys
 import warnings
 from typing import Any
 
+import yaml
 from jsonargparse import Namespace, set_parsing_settings
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rlflow import registry
 from rlflow.config_error import ConfigError
@@ -45,9 +54,18 @@ from rlflow.training.callbacks import (
     TrajectoryWriter,
     default_progress_bar,
 )
-from rlflow.training.checkpointing import CheckpointDiskFullError, RLFlowCheckpoint
+from rlflow.training.checkpointing import (
+    STOP_TIMEOUT,
+    DiskFullError,
+    GracefulStop,
+    RLFlowCheckpoint,
+    StoppedBySignal,
+    check_writable,
+    disk_full,
+)
 from rlflow.training.distributed import resolve_strategy_alias
 from rlflow.training.module import GRPOModule
+from rlflow.training.resume import checkpoint_dir, choose_checkpoint, version_named
 
 TRAINER_DEFAULTS = {
     "log_every_n_steps": 1,
@@ -157,9 +175,55 @@ class RLFlowCLI(LightningCLI):
         if config.get("enable_checkpointing") is False:  # --trainer.enable_checkpointing=false drops rlflow's too
             callbacks = [c for c in callbacks if not isinstance(c, RLFlowCheckpoint)]
         configured = config.get("callbacks") or []
-        bar = default_progress_bar([*(configured if isinstance(configured, list) else [configured]), *callbacks],
-                                   config.get("enable_progress_bar"))
-        return super()._instantiate_trainer(config, [*callbacks, bar] if bar is not None else callbacks)
+        configured = [*(configured if isinstance(configured, list) else [configured]), *callbacks]
+        bar = default_progress_bar(configured, config.get("enable_progress_bar"))
+        stop = None if any(isinstance(c, GracefulStop) for c in configured) else GracefulStop(stop_timeout())
+        return super()._instantiate_trainer(config, [*callbacks, *(c for c in (bar, stop) if c is not None)])
+
+    def _parse_ckpt_path(self) -> None:
+        """Lightning replaces the ``model`` settings with a checkpoint file's hyper-parameters; ``fit`` keeps
+        this run's and compares them with the checkpoint's (:func:`rlflow.training.resume.choose_checkpoint`), so
+        that a changed learning rate is used and a changed model refused."""
+        if self.config.get("subcommand") != "fit":
+            super()._parse_ckpt_path()
+
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if subcommand == "fit":
+            kwargs["ckpt_path"] = self.prepare_fit(kwargs.get("ckpt_path"))
+        return kwargs
+
+    def prepare_fit(self, ckpt_path: Any) -> Any:
+        """Before ``fit`` loads anything: the log and checkpoint directories take files (one line naming the one
+        that does not), the configuration goes into the checkpoints, and ``--ckpt_path`` becomes the checkpoint of
+        this run it resumes (:func:`rlflow.training.resume.choose_checkpoint`)."""
+        named = version_named(self.trainer)  # before the checks below settle an unnamed version
+        for directory, key in written_dirs(self.trainer):
+            check_writable(directory, key)
+        config = yaml.safe_load(self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False))
+        self.model.resume.config = config
+        return choose_checkpoint(ckpt_path, self.trainer, config, named)
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Lightning's stop on a signal (``SIGTERMException``, exit code 0) as :class:`StoppedBySignal`; a full
+        disk met outside a checkpoint write (logs) as one :class:`DiskFullError` line."""
+        try:
+            super()._run_subcommand(subcommand)
+        except SIGTERMException:
+            stop = next((c for c in self.trainer.callbacks if isinstance(c, GracefulStop)), None)
+            if stop is None or stop.signum is None:
+                raise
+            raise stop.stopped(self.trainer) from None
+        except Exception as exc:
+            if isinstance(exc, DiskFullError) or not disk_full(exc):
+                raise
+            where = str(getattr(exc, "filename", None) or self.trainer.log_dir or self.trainer.default_root_dir)
+            folder = where if os.path.isdir(where) else os.path.dirname(where) or "."
+            free = f"{shutil.disk_usage(folder).free / 2**20:.1f} MiB free in {folder}" if os.path.isdir(folder) \
+                else "the disk is full"
+            raise DiskFullError(errno.ENOSPC, f"no space left on the device while writing {where} ({free}). The "
+                                "checkpoints already written are intact. Free disk space, then continue with "
+                                "--ckpt_path last") from exc
 
     def parse_arguments(self, parser, args) -> None:
         argv = sys.argv[1:] if args is None else args
@@ -201,6 +265,29 @@ class RLFlowCLI(LightningCLI):
         if resolve_strategy_alias(strategy) is not strategy:
             kwargs["strategy"] = resolve_strategy_alias(strategy)
         return super().instantiate_trainer(**kwargs)
+
+
+def written_dirs(trainer: Any) -> list[tuple[str, str]]:
+    """The folders ``fit`` writes, each with the key that sets it: the log directory, then the checkpoints'."""
+    logger = trainer.loggers[0] if trainer.loggers else None
+    key = "trainer.logger.save_dir" if logger is not None and logger.save_dir else "trainer.default_root_dir"
+    dirs = [(getattr(logger, "log_dir", None) or getattr(logger, "save_dir", None) or trainer.default_root_dir, key)]
+    callback = trainer.checkpoint_callback
+    if callback is not None:
+        dirs.append((str(checkpoint_dir(trainer)), "checkpoint.dirpath" if callback.dirpath else key))
+    return dirs
+
+
+def stop_timeout() -> float | None:
+    """``RLFLOW_STOP_TIMEOUT``: seconds a signalled run may take to reach the end of its step (0: no bound)."""
+    text = os.environ.get("RLFLOW_STOP_TIMEOUT")
+    if text is None:
+        return STOP_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ConfigError(f"RLFLOW_STOP_TIMEOUT must be a number of seconds (0: no bound), got {text!r}") from None
+    return seconds if seconds > 0 else None
 
 
 JUDGER_HELP = "--data.judging.judgers.help"
@@ -295,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     """Lightning's subcommands (``fit``, ``validate``, ...); ``rlflow.entry`` dispatches the others first."""
     try:
         cli_main(argv)
+    except StoppedBySignal as exc:  # not an error: 128 + the signal, as a shell reports a process it ended
+        print(f"rlflow: {exc}", file=sys.stderr)
+        return exc.exit_code
     except (*USER_ERRORS, ValueError) as exc:
         message = str(exc) if isinstance(exc, USER_ERRORS) else plugin_argument_error(exc)
         if message is None or os.environ.get("RLFLOW_TRACEBACK"):
@@ -310,7 +400,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from rlflow.registry import PluginError
     from rlflow.training.module import NonFiniteLossError
 
-    return (ConfigError, DataError, PluginError, NonFiniteLossError, CheckpointDiskFullError, FileNotFoundError)
+    return (ConfigError, DataError, PluginError, NonFiniteLossError, DiskFullError, FileNotFoundError)
 
 
 USER_ERRORS = _user_errors()

@@ -24,8 +24,13 @@ at ``setup`` (:func:`discard`) or with the trainer (it is a daemon). ``data.roll
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import multiprocessing as mp
+import signal
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from rlflow.rollout.worker import worker_main
@@ -35,19 +40,47 @@ from rlflow.rollout.worker import worker_main
 _EARLY: tuple[Any, ...] | None = None
 
 
-def start(threads: int) -> None:
-    """Start a generator worker with ``threads`` torch threads now, for :func:`adopt` to hand out later."""
-    global _EARLY
-    if _EARLY is not None:
+@contextlib.contextmanager
+def _stop_signals_ignored() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored for the block (from the main thread; elsewhere nothing changes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
         return
+    before = {number: signal.signal(number, signal.SIG_IGN) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler if handler is not None else signal.SIG_DFL)
+
+
+def spawn_worker(threads: int, tokenizer_path: str | None = None) -> tuple[Any, Any, Any, Any, float]:
+    """Start a generator worker process: ``(process, jobs queue, results queue, running event, start time)``.
+
+    The worker ignores SIGINT and SIGTERM (it starts with them ignored, which ``spawn`` passes on): a Ctrl-C
+    reaches the whole process group and a scheduler may signal every process of a job, and the trainer, which
+    stops at the end of its step (:class:`~rlflow.training.checkpointing.GracefulStop`), still needs its worker
+    until then. The worker ends when told to, when its parent is gone, or by SIGKILL
+    (:meth:`~rlflow.rollout.process.GeneratorProcess.close`)."""
     ctx = mp.get_context("spawn")
     jobs, results, running = ctx.Queue(), ctx.Queue(), ctx.Event()
     running.set()
     process = ctx.Process(target=worker_main, name="rlflow-generator", daemon=True,
-                          args=(threads, jobs, results, None, running))
+                          args=(threads, jobs, results, tokenizer_path, running))
     started = time.perf_counter()
-    process.start()
-    _EARLY = (process, jobs, results, running, started, threads)
+    with _stop_signals_ignored():
+        process.start()
+    return process, jobs, results, running, started
+
+
+def start(threads: int) -> None:
+    """Start a generator worker with ``threads`` torch threads now, for :func:`adopt` to hand out later (stopped
+    at exit if no one did)."""
+    global _EARLY
+    if _EARLY is not None:
+        return
+    _EARLY = (*spawn_worker(threads), threads)
+    atexit.register(discard)
 
 
 def adopt(threads: int) -> tuple[Any, Any, Any, Any, float] | None:
@@ -59,7 +92,7 @@ def adopt(threads: int) -> tuple[Any, Any, Any, Any, float] | None:
         return None
     process, jobs, results, running, started, early_threads = early
     if early_threads != threads or not process.is_alive():
-        _stop(process, jobs)
+        stop_worker(process, jobs)
         return None
     return process, jobs, results, running, started
 
@@ -69,18 +102,22 @@ def discard() -> None:
     global _EARLY
     early, _EARLY = _EARLY, None
     if early is not None:
-        _stop(early[0], early[1])
+        stop_worker(early[0], early[1])
 
 
-def _stop(process: Any, jobs: Any) -> None:
-    try:
-        jobs.put(None)
-    except (OSError, ValueError):
-        pass
-    process.join(timeout=5)
+def stop_worker(process: Any, jobs: Any, wait: float = 5.0) -> None:
+    """Ask a worker to stop, give it ``wait`` seconds, then kill it (it ignores SIGTERM: :func:`spawn_worker`)."""
     if process.is_alive():
-        process.terminate()
-        process.join(timeout=5)
+        try:
+            jobs.put(None)
+        except (OSError, ValueError):
+            pass
+        process.join(timeout=wait)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+    jobs.cancel_join_thread()  # nothing left to deliver to a stopped worker: never wait for it at exit
+
 
 
 def predict(argv: list[str]) -> tuple[int, int] | None:

@@ -13,8 +13,11 @@ completions, stamped with that version, come back through another.
 
 The worker seeds torch's generator with the job's seed before generating, so a job's completions depend only on
 the weights, the prompts and the seed, not on timing: the trainer decides when weights change
-(:mod:`rlflow.rollout.pipeline` only writes them while the worker is idle). The worker exits when its parent
-dies (``kill -9`` of the trainer leaves no orphan), when told to, or when its queue is closed.
+(:mod:`rlflow.rollout.pipeline` only writes them while the worker is idle). The worker ends with the trainer: it
+ignores SIGINT and SIGTERM (a Ctrl-C or a scheduler's signal to every process leaves the stop to the trainer,
+:func:`~rlflow.rollout.prestart.spawn_worker`), and exits when told to, when its parent dies (``kill -9`` of the
+trainer leaves no orphan) or when its queue is closed; a trainer that exits without closing it (an exception, a
+signal) kills it at exit, quietly.
 
 Partial rollouts (a job with ``swap_at``, engine backend only): before decode iteration ``swap_at`` the worker
 stops, tells the trainer (``("swap", step)``) and waits for new weights; the trainer writes them into the shared
@@ -37,18 +40,19 @@ so a pipelined lmdeploy run is not bit-reproducible (the process generator's run
 
 from __future__ import annotations
 
+import atexit
 import collections
 import copy
 import queue
 import time
+import weakref
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from rlflow.models.lm_head import cast_lm_head_to_fp32, is_fp32_head
 from rlflow.rollout import prestart
-from rlflow.rollout.worker import Job, JobResult, plain_groups, worker_main
+from rlflow.rollout.worker import Job, JobResult, plain_groups
 
 __all__ = ["GeneratorProcess", "Job", "JobResult", "ThreadGenerator", "copy_weights", "generator_copy", "plain_groups"]
 
@@ -111,19 +115,9 @@ class GeneratorProcess:
 
     def __init__(self, threads: int = 1, start_timeout: float = 600.0, tokenizer_path: str | None = None) -> None:
         self.model: torch.nn.Module | None = None
-        early = prestart.adopt(threads)
-        if early is not None:
-            self.process, self.jobs, self.results, self.running, self.started_at = early
-        else:
-            ctx = mp.get_context("spawn")
-            self.jobs = ctx.Queue()
-            self.results = ctx.Queue()
-            self.running = ctx.Event()
-            self.running.set()
-            self.process = ctx.Process(target=worker_main, name="rlflow-generator", daemon=True,
-                                       args=(threads, self.jobs, self.results, tokenizer_path, self.running))
-            self.started_at = time.perf_counter()
-            self.process.start()
+        self.process, self.jobs, self.results, self.running, self.started_at = \
+            prestart.adopt(threads) or prestart.spawn_worker(threads, tokenizer_path)
+        _RUNNING.add(self)
         self.busy = False
         self.ready = False  # the worker's start-up (imports, backend check) overlaps the trainer's own
         self.start_timeout = start_timeout
@@ -208,19 +202,23 @@ class GeneratorProcess:
             raise RuntimeError(f"the generator process failed:\n{payload}")
         return payload
 
-    def close(self) -> None:
-        """Stop the worker (asking first, then terminating it)."""
+    def close(self, wait: float = 5.0) -> None:
+        """Stop the worker: ask it, give it ``wait`` seconds (a job in flight ends first), then kill it."""
         self.running.set()
-        if self.process.is_alive():
-            try:
-                self.jobs.put(None)
-            except (OSError, ValueError):
-                pass
-            self.process.join(timeout=5)
-            if self.process.is_alive():
-                self.process.terminate()
-                self.process.join(timeout=5)
+        prestart.stop_worker(self.process, self.jobs, wait)
         self.busy = False
+        _RUNNING.discard(self)
+
+
+#: The generator processes not closed yet: a trainer that exits without closing one (an exception, a signal)
+#: stops it at exit, before multiprocessing's own exit handler would wait for it.
+_RUNNING: weakref.WeakSet[GeneratorProcess] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_running() -> None:
+    for generator in list(_RUNNING):
+        generator.close(wait=1.0)
 
 
 class ThreadGenerator:

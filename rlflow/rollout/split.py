@@ -98,8 +98,12 @@ class SplitRollout(RolloutBackend):
         try:
             with torch_threads(self.local_threads):
                 yield from self.engine.serve_call(prompts[:mine], key, params, n, progress)
-        finally:
-            result = self.generator.collect() if self.generator.busy else None  # never leave the worker busy
+        except (Exception, GeneratorExit):
+            if self.generator.busy:
+                self.generator.collect()  # never leave the worker busy
+            raise
+        # a run stopped at once (a signal's BaseException) does not wait for the worker: it ends with the trainer
+        result = self.generator.collect() if self.generator.busy else None
         for j, group in enumerate(result.completions() if result is not None else []):
             if progress is not None:
                 progress(len(group), sum(len(c.token_ids) for c in group))

@@ -1,46 +1,108 @@
-"""Checkpoints that survive a ``kill -9`` or a full disk, and the RNG state that makes resuming exact.
+"""Checkpoints that survive a ``kill -9``, a signal or a full disk, and the RNG state that makes resuming exact.
 
 * :class:`AtomicCheckpointIO` writes a checkpoint to a hidden temporary file in the target directory, flushes it
   to disk and renames it over the target (``os.replace`` is atomic on POSIX), so a kill during a save leaves the
-  previous ``last.ckpt`` untouched. A full disk (``ENOSPC``/``EDQUOT``) removes the partial file and raises one
-  :class:`CheckpointDiskFullError` that says what to free; nothing already written is lost.
+  previous ``last.ckpt`` untouched. A full disk (``ENOSPC``/``EDQUOT``, which torch's zip writer reports as a
+  ``RuntimeError`` raised while handling it) removes the partial file and raises one
+  :class:`CheckpointDiskFullError` naming the directory, the space the checkpoint needs and the space free;
+  nothing already written is lost. :func:`check_writable` finds an unwritable directory at startup instead.
 * :class:`RLFlowCheckpoint` is Lightning's ``ModelCheckpoint`` with rlflow's defaults (``last.ckpt`` after every
   rollout step; ``every_n_train_steps`` and the ``step`` of the file names count rollout steps, see
-  :mod:`rlflow.training.step_unit`), the atomic writer installed, ``--ckpt_path last`` that also finds the ``last.ckpt``
-  of the previous run of the same logger directory (a resumed run gets a new ``version_N``), and a
-  ``last.ckpt`` of the final step written like every step checkpoint, so a finished run continues exactly when
-  ``max_steps`` is raised.
-* :func:`capture_rng_state` / :func:`restore_rng_state`: the Python, NumPy and torch (CPU and CUDA) generators,
-  one set per rank; :mod:`rlflow.training.resume` puts every rank's into the checkpoint and restores them when
-  training starts again.
+  :mod:`rlflow.training.step_unit`), the atomic writer installed (``save_last="link"`` links atomically too),
+  ``--ckpt_path last`` that finds this run's newest intact checkpoint (:func:`rlflow.training.resume.find_last`),
+  and a ``last.ckpt`` of the final step written like every step checkpoint, so a finished run continues exactly
+  when ``max_steps`` is raised.
+* :class:`GracefulStop`: SIGTERM or SIGINT during training finishes the rollout step, saves ``last.ckpt`` and
+  stops the run with :class:`StoppedBySignal` (``rlflow fit`` exits with ``128 + signal``: 143, 130); a second
+  signal, or ``timeout`` seconds without reaching the end of the step, stops at once (the previous checkpoint
+  stays whole).
 
-Simplifications: local file systems only get the atomic write (remote URLs use Lightning's writer); the partial
-files of a killed process are removed the next time a run sets up the same checkpoint directory.
+What a checkpoint holds besides the weights (every rank's RNG state, the counters), and which checkpoint is this
+run's, are :mod:`rlflow.training.resume`'s.
+
+Simplifications: local file systems only get the atomic write (remote URLs use Lightning's writer, an FSDP2
+checkpoint folder is written in place); the partial files of a killed process are removed the next time a run
+sets up the same checkpoint directory; the space a checkpoint needs is the size of its tensors.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import random
 import re
 import shutil
+import signal
+import tempfile
+import threading
 import uuid
 import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from rlflow.config_error import ConfigError
+from rlflow.log import info
+from rlflow.training.resume import find_last
 
 PARTIAL_PREFIX = ".partial-"
 DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
-class CheckpointDiskFullError(OSError):
+class DiskFullError(OSError):
+    """The disk filled up while the run wrote its logs or checkpoints; the checkpoints already on disk are intact."""
+
+
+class CheckpointDiskFullError(DiskFullError):
     """The disk filled up while a checkpoint was written; the checkpoints already on disk are intact."""
+
+
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc``, or an exception it was raised from or while handling, is a full disk or quota."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in a checkpoint (nested dicts, lists and tuples): about its size on disk."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
+
+
+def check_writable(directory: str | os.PathLike, key: str) -> None:
+    """Raise a one-line :class:`ConfigError` naming ``key`` if ``directory`` (or, where it does not exist yet,
+    the nearest folder above it, where it would be created) does not take a new file. Nothing is left behind."""
+    if not _is_local(directory):
+        return
+    target = Path(str(directory).removeprefix("file://")).absolute()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    problem = None
+    if not existing.is_dir():
+        problem = f"{existing} is not a directory"
+    else:
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".rlflow-write-check-", dir=existing)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as exc:
+            problem = f"cannot create a file in {existing}: {exc.strerror or exc}"
+    if problem:
+        raise ConfigError(f"{key}: {target} is not writable ({problem}); point {key} at a directory this user can "
+                          "write")
 
 
 def _is_local(path: str | os.PathLike) -> bool:
@@ -61,11 +123,17 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _partial(directory: Path) -> Path:
+    """A new temporary file name in ``directory``, renamed over its target once written (this process's pid in
+    it: :func:`remove_stale_partials`)."""
+    return directory / f"{PARTIAL_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+
+
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     """``torch.save`` to ``path`` through a temporary file in the same directory and an atomic rename."""
     path = Path(str(path).removeprefix("file://"))
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f"{PARTIAL_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp"
+    tmp = _partial(path.parent)
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
@@ -73,16 +141,15 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as exc:
-        written = tmp.stat().st_size if tmp.exists() else 0
         tmp.unlink(missing_ok=True)
-        if isinstance(exc, OSError) and exc.errno in DISK_FULL_ERRNOS:
+        if disk_full(exc):
             free = shutil.disk_usage(path.parent).free
             raise CheckpointDiskFullError(
-                exc.errno,
-                f"no space left on the device while writing the checkpoint {path} (failed after {written / 2**20:.1f} "
-                f"MiB; {free / 2**20:.1f} MiB free in {path.parent}). The checkpoints already in {path.parent} are "
-                "intact. Free disk space or point --checkpoint.dirpath at a larger disk, then continue with "
-                "--ckpt_path last",
+                errno.ENOSPC,
+                f"no space left on the device while writing the checkpoint {path}: it needs about "
+                f"{tensor_bytes(obj) / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free in {path.parent}. The "
+                f"checkpoints already in {path.parent} are intact. Free disk space or point --checkpoint.dirpath at a "
+                "larger disk, then continue with --ckpt_path last",
             ) from exc
         raise
     _fsync_dir(path.parent)
@@ -176,7 +243,7 @@ class RLFlowCheckpoint(ModelCheckpoint):
             warnings.filterwarnings("ignore", message="Using ModelCheckpoint with manual optimization")
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
             if self.save_last and _run_ends_here(trainer) and not self._should_skip_saving_checkpoint(trainer) \
-                    and not self._defer_save_until_validation:
+                    and (not self._defer_save_until_validation or trainer.received_sigterm):
                 self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -186,19 +253,32 @@ class RLFlowCheckpoint(ModelCheckpoint):
             super().load_state_dict(state_dict)
 
     def _find_last_checkpoints(self, trainer: Any) -> set[str]:
-        """Lightning's candidates plus the ``last*.ckpt`` of the other versions of the same logger directory."""
-        found = set(super()._find_last_checkpoints(trainer))
-        if self.dirpath is None and trainer.loggers:
-            logger = trainer.loggers[0]
-            root = Path(logger.save_dir or trainer.default_root_dir) / str(logger.name)
-            pattern = re.compile(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-\d+)?{re.escape(self.FILE_EXTENSION)}$")
-            if root.is_dir():
-                found |= {os.path.normpath(p) for p in root.glob("*/checkpoints/*") if pattern.match(p.name)}
-        return found
+        """``ckpt_path="last"`` given to ``Trainer.fit`` directly: this run's newest intact checkpoint, compared on
+        the module's hyper-parameters (``rlflow fit`` resolves ``last`` itself, against its whole configuration)."""
+        module = trainer.lightning_module
+        found = find_last(trainer, {"model": dict(module.hparams)} if module is not None else {})
+        return {str(found)} if found is not None else set()
+
+    @staticmethod
+    def _link_checkpoint(trainer: Any, filepath: str, linkpath: str) -> None:
+        """``save_last="link"``: the link replaced atomically (a new link renamed over the old one), so that a kill
+        never leaves the directory without a ``last.ckpt``."""
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            link = Path(linkpath)
+            tmp = _partial(link.parent)
+            try:
+                os.symlink(os.path.relpath(filepath, link.parent), tmp)
+            except OSError:  # no symbolic links here: a copy, written atomically as well
+                shutil.copy(filepath, tmp)
+            if link.is_dir() and not link.is_symlink():
+                shutil.rmtree(link)
+            os.replace(tmp, link)
+        trainer.strategy.barrier()
 
 
 def _run_ends_here(trainer: Any) -> bool:
-    """Whether ``fit`` stops after the current rollout step (``max_steps`` reached, or a callback stopped it).
+    """Whether ``fit`` stops after the current rollout step (``max_steps`` reached, a callback stopped it, or a
+    signal did: :class:`GracefulStop`).
 
     The last checkpoint of such a run must be written now, in ``on_train_batch_end``, like every step checkpoint:
     Lightning's own end-of-run save (``on_train_end``, for a final step that ``every_n_train_steps`` skips) comes
@@ -207,38 +287,135 @@ def _run_ends_here(trainer: Any) -> bool:
     """
     if trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step:
         return True
-    return bool(trainer.should_stop) and trainer.fit_loop._can_stop_early
+    return trainer.received_sigterm or bool(trainer.should_stop) and trainer.fit_loop._can_stop_early
 
 
-# ------------------------------------------------------------------------------------------------ RNG state
-def capture_rng_state() -> dict[str, Any]:
-    """This process's Python, NumPy and torch (CPU and every CUDA device) generator states."""
-    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
-    state: dict[str, Any] = {  # plain types and tensors only: torch.load(weights_only=True) reads them
-        "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+# ------------------------------------------------------------------------------------------------ signals
+#: Seconds :class:`GracefulStop` waits for the end of the rollout step by default (``RLFLOW_STOP_TIMEOUT``).
+STOP_TIMEOUT = 300.0
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Set the generators back to a :func:`capture_rng_state` result."""
-    random.setstate(state["python"])
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(state["cuda"])
+class StoppedBySignal(BaseException):  # noqa: N818 - not an error: the run was told to stop
+    """The run stopped on a signal (not an ``Exception``: code that catches those must not swallow it).
+
+    ``saved``: the checkpoint written at the step boundary (None: stopped in the middle of a step, or nothing was
+    saved); ``exit_code``: ``128 + signal`` (143 for SIGTERM, 130 for SIGINT), what a shell reports for a process
+    the signal ended."""
+
+    def __init__(self, signum: int, step: int, saved: str | None, boundary: bool, reason: str = "") -> None:
+        self.signum, self.step, self.saved, self.boundary = signum, step, saved, boundary
+        self.exit_code = 128 + signum
+        name = signal.Signals(signum).name
+        if boundary:
+            where = f"after rollout step {step}: " + (
+                f"checkpoint {saved}; continue with --ckpt_path last" if saved
+                else "no checkpoint written (checkpointing or checkpoint.save_last is off)")
+        else:
+            where = (f"in rollout step {step + 1}{reason}, without finishing it: the checkpoints already written "
+                     "are intact; continue with --ckpt_path last")
+        super().__init__(f"stopped by {name} {where} (exit code {self.exit_code})")
 
 
-def gather_rng_states(world_size: int) -> list[dict[str, Any]]:
-    """Every rank's RNG state, indexed by rank (a collective: all ranks must call it)."""
-    local = capture_rng_state()
-    if world_size <= 1 or not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return [local]
-    states: list[Any] = [None] * world_size
-    torch.distributed.all_gather_object(states, local)
-    return states
+class GracefulStop(Callback):
+    """SIGTERM and SIGINT during training: finish the rollout step (and its evaluation), save ``last.ckpt``, stop.
+
+    The first signal is noted (one line) and the run stops at the end of the current rollout step, through
+    Lightning's own stop (``trainer.received_sigterm``): the step's metrics are logged, the checkpoint callback
+    writes ``last.ckpt`` whatever ``every_n_train_steps`` says, and ``fit`` ends with Lightning's
+    ``SIGTERMException``, which ``rlflow fit`` reports as :class:`StoppedBySignal`. A second signal, or
+    ``timeout`` seconds without reaching the end of the step, raise :class:`StoppedBySignal` where the run is
+    (the step is lost; the previous checkpoint is whole: saves are atomic). All ranks stop at the same step (the
+    flag is reduced across ranks at each step's end). The handlers are installed when training starts and put
+    back with Lightning's own at the end of ``fit``; before that, the signals do what they did.
+
+    Args:
+        timeout: Seconds to wait for the end of the rollout step after the first signal (None: no bound).
+    """
+
+    def __init__(self, timeout: float | None = STOP_TIMEOUT) -> None:
+        self.timeout = timeout
+        self.signum: int | None = None
+        self.stopping = False
+        self.timed_out = False
+        self._trainer: Any = None
+        self._timer: threading.Timer | None = None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # handlers can only be installed from the main thread
+        self._trainer = trainer
+        for number in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(number, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        trainer = self._trainer
+        if self.signum is not None:  # a second signal, or the timeout: stop now
+            if self.timed_out and self._timer is None:
+                return  # the timeout, come after the run stopped waiting for it
+            self._cancel_timer()
+            reason = f" (its end not reached within {self.timeout:g} s)" if self.timed_out else " (a second signal)"
+            raise StoppedBySignal(self.signum, trainer.global_step, None, False, reason)
+        self.signum = signum
+        launcher = trainer.strategy.launcher
+        if launcher is not None:  # Lightning's processes of the other ranks stop with this one
+            launcher.kill(signum)
+        bound = f" (at most {self.timeout:g} s)" if self.timeout else ""
+        try:
+            info(f"{signal.Signals(signum).name}: stopping at the end of this rollout step, with a checkpoint{bound}; "
+                 "a second signal stops at once")
+        except RuntimeError:  # the signal came in the middle of a write to the same stream: the line is left out
+            pass
+        if self.timeout:
+            self._timer = threading.Timer(self.timeout, self._time_out)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _time_out(self) -> None:
+        if self._timer is None:  # cancelled meanwhile
+            return
+        self.timed_out = True
+        # the signal again, to the main thread itself: it interrupts a wait there (a sleep, a lock) as a real one does
+        signal.pthread_kill(threading.main_thread().ident, self.signum)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """Runs before the checkpoint callbacks (Lightning orders those last): a stop noted now makes this step's
+        ``last.ckpt`` (:func:`_run_ends_here`)."""
+        requested = self.signum is not None
+        if trainer.world_size > 1:
+            flag = torch.tensor(float(requested), device=trainer.strategy.root_device)
+            requested = bool(trainer.strategy.reduce(flag, reduce_op="sum") > 0)
+            if requested and self.signum is None:
+                self.signum = int(signal.SIGTERM)
+        if requested:
+            self.stopping = True
+            trainer._signal_connector.received_sigterm = True
+
+    def on_validation_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.stopping:  # let this step's evaluation finish (Lightning would cut it short)
+            trainer._signal_connector.received_sigterm = False
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.stopping:
+            trainer._signal_connector.received_sigterm = True
+
+    def stopped(self, trainer: Any) -> StoppedBySignal:
+        """The :class:`StoppedBySignal` of a stop at the step boundary (Lightning's ``SIGTERMException``)."""
+        saved = None
+        callback = trainer.checkpoint_callback
+        if callback is not None and getattr(callback, "_last_global_step_saved", None) == trainer.global_step:
+            saved = callback.last_model_path or callback.best_model_path or None
+        return StoppedBySignal(self.signum or int(signal.SIGTERM), trainer.global_step, saved, True)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._cancel_timer()  # before Lightning puts the handlers back
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        self._cancel_timer()
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._cancel_timer()

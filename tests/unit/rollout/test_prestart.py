@@ -54,7 +54,7 @@ def test_the_early_worker_is_handed_out_once_to_a_generator_with_its_threads():
         assert early is not None and early[0].is_alive()
         assert prestart.adopt(1) is None  # once
     finally:
-        prestart._stop(early[0], early[1])
+        prestart.stop_worker(early[0], early[1])
     assert not early[0].is_alive()
     prestart.start(2)
     process = prestart._EARLY[0]
