@@ -30,6 +30,7 @@ add: under ``model.lora`` a checkpoint leaves out the frozen base weights; a mov
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 import pickle
@@ -163,9 +164,7 @@ UNCOMPARED = ("ckpt_path", "config", "__path__")
 
 def _plain(value: Any) -> Any:
     """``value`` with tuples as lists and settings dataclasses as mappings (a checkpoint's form of settings)."""
-    if hasattr(value, "__dataclass_fields__"):
-        import dataclasses
-
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = dataclasses.asdict(value)
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
