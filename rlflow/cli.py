@@ -37,6 +37,7 @@ from typing import Any
 
 import yaml
 from jsonargparse import Namespace, set_parsing_settings
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -66,6 +67,7 @@ from rlflow.training.checkpointing import (
 from rlflow.training.distributed import resolve_strategy_alias
 from rlflow.training.module import GRPOModule
 from rlflow.training.resume import checkpoint_dir, choose_checkpoint, version_named
+from rlflow.training.safe_load import SafeCheckpointIO
 
 TRAINER_DEFAULTS = {
     "log_every_n_steps": 1,
@@ -178,7 +180,10 @@ class RLFlowCLI(LightningCLI):
         configured = [*(configured if isinstance(configured, list) else [configured]), *callbacks]
         bar = default_progress_bar(configured, config.get("enable_progress_bar"))
         stop = None if any(isinstance(c, GracefulStop) for c in configured) else GracefulStop(stop_timeout())
-        return super()._instantiate_trainer(config, [*callbacks, *(c for c in (bar, stop) if c is not None)])
+        trainer = super()._instantiate_trainer(config, [*callbacks, *(c for c in (bar, stop) if c is not None)])
+        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:  # RLFlowCheckpoint puts the atomic one
+            trainer.strategy.checkpoint_io = SafeCheckpointIO()  # reads never unpickle, with or without it
+        return trainer
 
     def _parse_ckpt_path(self) -> None:
         """Lightning replaces the ``model`` settings with a checkpoint file's hyper-parameters; ``fit`` keeps

@@ -46,6 +46,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from rlflow.config_error import ConfigError
 from rlflow.log import info
 from rlflow.training.resume import find_last
+from rlflow.training.safe_load import SafeCheckpointIO
 
 PARTIAL_PREFIX = ".partial-"
 DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
@@ -155,8 +156,10 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
     _fsync_dir(path.parent)
 
 
-class AtomicCheckpointIO(TorchCheckpointIO):
-    """``TorchCheckpointIO`` whose saves are atomic: a kill or a full disk never leaves a broken checkpoint."""
+class AtomicCheckpointIO(SafeCheckpointIO):
+    """``TorchCheckpointIO`` whose saves are atomic (a kill or a full disk never leaves a broken checkpoint) and
+    whose reads never unpickle (:class:`~rlflow.training.safe_load.SafeCheckpointIO`: ``weights_only=True``, a URL
+    downloaded afresh)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         if storage_options is not None or not _is_local(path):
@@ -231,7 +234,7 @@ class RLFlowCheckpoint(ModelCheckpoint):
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        if type(trainer.strategy.checkpoint_io) is TorchCheckpointIO:
+        if type(trainer.strategy.checkpoint_io) in (TorchCheckpointIO, SafeCheckpointIO):
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
         if trainer.is_global_zero and self.dirpath and _is_local(self.dirpath):
             remove_stale_partials(self.dirpath)

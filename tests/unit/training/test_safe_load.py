@@ -112,3 +112,27 @@ def test_a_url_that_cannot_be_fetched_is_one_line(served):
         load_checkpoint(f"{base}/missing.ckpt")
     assert "\n" not in str(missing.value) and "cannot download the checkpoint" in str(missing.value)
     assert "404" in str(missing.value) or "Not Found" in str(missing.value)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_the_trainer_rlflow_fit_builds_never_unpickles_a_url(served, tmp_path, tiny_model, tiny_data, checkpointing):
+    """``rlflow fit --ckpt_path URL``: the strategy's checkpoint IO is the atomic writer (a SafeCheckpointIO) with
+    rlflow's checkpoint callback, and SafeCheckpointIO without it; a payload served at the URL runs nowhere."""
+    from rlflow.cli import cli_main
+    from rlflow.training.checkpointing import AtomicCheckpointIO
+    from tests.helpers.fit import fit_args
+
+    base, files = served
+    marker = tmp_path / "ran"
+    files["/last.ckpt"] = checkpoint_bytes({"state_dict": {}, "payload": Payload(str(marker))})
+    args = fit_args(tiny_model, tiny_data, tmp_path, f"--trainer.enable_checkpointing={str(checkpointing).lower()}")
+    cli = cli_main(args[1:], run=False)
+    io = cli.trainer.strategy.checkpoint_io
+    assert isinstance(io, SafeCheckpointIO)
+    if checkpointing:  # RLFlowCheckpoint puts its atomic writer in at setup: it reads safely too
+        assert issubclass(AtomicCheckpointIO, SafeCheckpointIO)
+    with pytest.raises(ConfigError, match="will not unpickle it"):
+        io.load_checkpoint(f"{base}/last.ckpt")
+    with pytest.raises(ConfigError, match="will not unpickle it"):
+        AtomicCheckpointIO().load_checkpoint(f"{base}/last.ckpt")
+    assert not marker.exists()
