@@ -60,7 +60,7 @@ def test_rlflow_fit_selects_the_plugin_by_short_name(example_installed, tiny_mod
 
     data = write_countdown_data(tmp_path / "countdown.jsonl")
     config = tmp_path / "countdown.yaml"
-    config.write_text("data:\n  judgers:\n    countdown: countdown\n")  # the short name, nothing else
+    config.write_text("data:\n  judging:\n    judgers:\n      countdown: countdown\n")  # the short name, nothing else
     args = [a for a in fit_args(tiny_model, tiny_data, tmp_path, steps=2) if not a.startswith("--data.train_data_path")]
     cli = cli_main([*args, f"--config={config}", f"--data.train_data_path={data}"])
     assert cli.trainer.global_step == 2

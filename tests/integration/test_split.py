@@ -194,7 +194,7 @@ def test_pipelined_or_multi_turn_runs_leave_the_split_off_and_say_so(
 
 def test_rlflow_fit_starts_the_generator_early_for_a_split(tmp_path):
     config = tmp_path / "c.yaml"
-    config.write_text("data: {split_rollout: true}\n")
+    config.write_text("data: {pipeline: {split_rollout: true}}\n")
     assert prestart.predict(["--config", str(config)]) == (0, 1)
     assert prestart.predict(["--config", str(config), "--data.pipeline.generator_threads=2"]) == (0, 2)
     assert prestart.predict(["--config", str(config), "--data.pipeline.split_rollout=false"]) is None

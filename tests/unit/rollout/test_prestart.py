@@ -20,7 +20,8 @@ def config(tmp_path):
 
 
 def test_predicts_the_staleness_and_threads_a_fit_command_sets(config):
-    pipelined = config("model: {lr: 1.0e-4}\ndata:\n  max_staleness: 1\n  generator_threads: 1\n")
+    pipelined = config("model: {optim: {lr: 1.0e-4}}\n"
+                       "data:\n  pipeline:\n    max_staleness: 1\n    generator_threads: 1\n")
     plain = config("data: {prompt_repeat_k: 8}\n")
     assert prestart.predict(["--config", pipelined]) == (1, 1)
     assert prestart.predict([f"--config={pipelined}", "--trainer.max_steps=3"]) == (1, 1)
@@ -31,7 +32,8 @@ def test_predicts_the_staleness_and_threads_a_fit_command_sets(config):
     # the last word wins, as in jsonargparse: a later file or override
     assert prestart.predict(["--config", pipelined, "--data.pipeline.max_staleness=0"]) is None
     assert prestart.predict(["--config", pipelined, "--config", plain]) == (1, 1)  # plain leaves the key alone
-    assert prestart.predict(["--config", pipelined, "--config", config("data: {max_staleness: 0}\n")]) is None
+    off = config("data: {pipeline: {max_staleness: 0}}\n")
+    assert prestart.predict(["--config", pipelined, "--config", off]) is None
     # a flag without a value does not swallow the next option
     assert prestart.predict(["--print_config", "--config", pipelined]) == (1, 1)
 
@@ -43,7 +45,8 @@ def test_predicts_nothing_it_cannot_read_or_that_needs_no_process(config):
     assert prestart.predict(["--data.pipeline.max_staleness=1", "--data.pipeline.generator_threads=0"]) is None
     # lmdeploy sends its requests from a thread: no generator process
     assert prestart.predict(["--data.pipeline.max_staleness=1", "--data.rollout=lmdeploy"]) is None
-    lmdeploy = config("data:\n  max_staleness: 1\n  rollout: {class_path: rlflow.rollout.lmdeploy.LMDeployRollout}\n")
+    lmdeploy = config("data:\n  pipeline: {max_staleness: 1}\n"
+                      "  rollout: {class_path: rlflow.rollout.lmdeploy.LMDeployRollout}\n")
     assert prestart.predict(["--config", lmdeploy]) is None
 
 
@@ -73,7 +76,7 @@ def test_rlflow_fit_starts_the_worker_before_lightnings_cli(monkeypatch, config)
     calls = []
     monkeypatch.setattr(prestart, "start", lambda threads: calls.append(("start", threads)))
     monkeypatch.setattr(rlflow.cli, "main", lambda argv=None: calls.append(("cli", argv)) or 0)
-    pipelined = config("data: {max_staleness: 1, generator_threads: 1}\n")
+    pipelined = config("data: {pipeline: {max_staleness: 1, generator_threads: 1}}\n")
     assert entry.main(["fit", "--config", pipelined]) == 0
     assert calls == [("start", 1), ("cli", ["fit", "--config", pipelined])]
     calls.clear()
