@@ -15,7 +15,7 @@ def test_gdpo_through_fit_uses_each_judgers_rewards_and_weights(tiny_model, tiny
     sampling it is a config error."""
     import json
 
-    import rlflow.data.datamodule as dm_module
+    import rlflow.data.experience_maker as dm_module
     from rlflow.cli import cli_main
     from rlflow.config_error import ConfigError
     from tests.helpers.fit import fit_args

@@ -24,10 +24,12 @@ BAD_VALUES = [
     ("data.global_batch_size", "0", "data.global_batch_size must be >= 1"),
     ("model.optim.lr", "0", "model.optim.lr must be > 0"),
     ("model.optim.lr", "-1e-6", "model.optim.lr must be > 0"),
-    ("model.update.optimizer_steps", "0", "model.update.optimizer_steps must be >= 1"),
-    ("model.update.micro_batch_size", "0", "model.update.micro_batch_size must be >= 1"),
-    ("model.loss.init_args.epsilon_low", "1.5", "model.loss.init_args.epsilon_low must be in [0.0, 1.0)"),
-    ("model.loss.init_args.epsilon_high", "-0.1", "model.loss.init_args.epsilon_high must be >= 0"),
+    ("model.update.optimizer_steps", "0", "model.update.optimizer_steps must be an integer >= 1, got 0"),
+    ("model.update.micro_batch_size", "0", "model.update.micro_batch_size must be an integer >= 1, got 0"),
+    ("model.loss.init_args.epsilon_low", "1.5",
+     "model.loss (rlflow.losses.clipped.BNPOLoss): epsilon_low must be in [0, 1), got 1.5"),
+    ("model.loss.init_args.epsilon_high", "-0.1",
+     "model.loss (rlflow.losses.clipped.BNPOLoss): epsilon_high must be >= 0, got -0.1"),
 ]
 
 
