@@ -63,9 +63,9 @@ def child(args: argparse.Namespace) -> dict:
     import torch
 
     from rlflow.data.experience import Experience, collate
+    from rlflow.models.loading import load_causal_lm
     from rlflow.models.lora import LoraSettings, apply_lora
     from rlflow.training.logprobs import completion_logprobs
-    from rlflow.training.module import load_causal_lm
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

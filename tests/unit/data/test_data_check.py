@@ -127,4 +127,4 @@ def test_a_judger_that_hangs_times_out_under_data_judger_timeout(tiny_model, tin
     assert time.perf_counter() - start < 20  # the probe was abandoned after 0.5 s, not waited for (30 s)
     out = capsys.readouterr().out
     assert rc == 1
-    assert "judger 'stuck' fails on rows of val: JudgerTimeout" in out and "judger_timeout=0.5" in out
+    assert "judger 'stuck' fails on rows of val: JudgerTimeout" in out and "data.judging.timeout=0.5" in out

@@ -52,7 +52,7 @@ def test_a_model_without_dropout_is_left_alone():
 @pytest.mark.parametrize("disable", [True, False])
 def test_grpo_module_applies_it_at_load_unless_turned_off(tmp_path, disable):
     tiny_causal_lm("gpt2").save_pretrained(tmp_path)
-    settings = {} if disable else {"disable_dropout": False}  # on by default
+    settings = {} if disable else {"policy": {"disable_dropout": False}}  # on by default
     module = GRPOModule(model_path=str(tmp_path), **settings)
     module.configure_model()
     rates = [m.p for m in module.policy.modules() if isinstance(m, torch.nn.Dropout)]

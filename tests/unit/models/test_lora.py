@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from rlflow.config_error import ConfigError
+from rlflow.models.loading import enable_activation_checkpointing
 from rlflow.models.lora import LoraSettings, apply_lora, linear_weights, merge_lora_tensors
-from rlflow.training.module import enable_activation_checkpointing
 from tests.helpers.tiny_archs import IdTokenizer, tiny_causal_lm
 
 peft = pytest.importorskip("peft", reason="LoRA needs PEFT: pip install 'rlflow[lora]'")

@@ -47,7 +47,7 @@ def test_offline_hub_id_not_in_cache_is_an_error(monkeypatch, no_hub):
 def test_hub_id_still_goes_to_from_pretrained_when_the_hub_answers(monkeypatch, no_hub):
     import transformers
 
-    from rlflow.training.module import load_causal_lm
+    from rlflow.models.loading import load_causal_lm
 
     monkeypatch.setattr(model_path, "hub_reachable", lambda *a, **k: True)
     calls = []
