@@ -9,9 +9,11 @@ kernels torch's own CPU inference paths use:
 
 * float32: MKL's packed GEMM (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``_mkl_linear``), packed for one
   row count; a product with fewer rows is padded with zero rows to it (row ``i`` of the result does not depend
-  on the other rows), one with more rows runs unpacked ``torch.mm``. Its results are bit-identical to
-  ``torch.mm`` with the transposed weight (``tests/test_prepack.py`` checks it), so the engine samples the same
-  tokens. Only products without a bias or residual are packed: MKL's ``addmm`` accumulates its addend inside
+  on the other rows), one with more rows runs unpacked ``torch.mm``. Its results must be bit-identical to
+  ``torch.mm`` with the transposed weight, so that the engine samples the same tokens: on some CPUs ``torch.mm``
+  takes another kernel for a few rows and rounds differently, so each row count is checked once against
+  ``torch.mm`` on a random input (:meth:`PackedWeight.agrees`) and a count that differs runs unpacked. Only
+  products without a bias or residual are packed: MKL's ``addmm`` accumulates its addend inside
   the blocked sum, which a packed product followed by an add would round differently.
 * bfloat16: oneDNN's prepacked linear (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``),
   usable for any row count, with the residual add as its ``add`` post-op; bit-identical to ``torch.mm`` /
@@ -37,6 +39,8 @@ import torch
 from rlflow.rollout.hardware import native_bf16
 
 MIN_NUMEL = 1 << 18  # entries of the smallest matrix worth packing (576 x 576 is 331,776)
+#: ``(rows, packed rows, in, out)`` -> whether MKL's padded packed product equals ``torch.mm`` bit for bit here
+_AGREES: dict[tuple[int, ...], bool] = {}
 
 
 def _available(dtype: torch.dtype) -> bool:
@@ -81,13 +85,27 @@ class PackedWeight:
         if not self.mkl:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         rows = x.shape[0]
-        if rows > self.rows or x.dtype != torch.float32:
+        if rows > self.rows or x.dtype != torch.float32 or not self.agrees(rows):
             return torch.mm(x, self.weight_t)
+        return self._mkl_mm(x)
+
+    def _mkl_mm(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
         if rows < self.rows:  # zero rows to the packed count (each row's result depends on that row alone)
             padded = x.new_zeros((self.rows, x.shape[1]))
             padded[:rows] = x
             return torch.ops.mkl._mkl_linear(padded, self.packed, self.weight_t.t(), None, self.rows)[:rows]
         return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.weight_t.t(), None, self.rows)
+
+    def agrees(self, rows: int) -> bool:
+        """Whether the packed float32 product of ``rows`` rows equals ``torch.mm`` bit for bit on this CPU,
+        checked once per row count and matrix shape on a seeded random input (``torch.mm`` may take another
+        kernel for a few rows, which rounds differently)."""
+        key = (rows, self.rows, *self.weight_t.shape)
+        if key not in _AGREES:
+            x = torch.randn(rows, self.weight_t.shape[0], generator=torch.Generator().manual_seed(rows))
+            _AGREES[key] = torch.equal(self._mkl_mm(x), torch.mm(x, self.weight_t))
+        return _AGREES[key]
 
     def addmm(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``h + x @ weight_t``, bit-identical to ``torch.addmm(h, x, weight_t)`` (float32: unpacked, see the

@@ -118,3 +118,18 @@ def test_a_seeded_engine_samples_the_same_tokens_with_and_without_packing(dtype,
     engine, plain = sample()
     assert isinstance(engine._kept_decoder[1].lm_head_w, torch.Tensor)
     assert packed == plain
+
+
+@needs_mkl
+def test_a_row_count_whose_packed_product_rounds_differently_runs_unpacked(monkeypatch):
+    """Where this CPU's ``torch.mm`` takes another kernel for a row count, the packed product is not used for it."""
+    monkeypatch.setattr(prepack, "_AGREES", {})
+    weight_t = matrix(576, 960, torch.float32)
+    packed = PackedWeight(weight_t, 32)
+    real = packed._mkl_mm
+    monkeypatch.setattr(packed, "_mkl_mm", lambda x: real(x) * (1 + 1e-6) if x.shape[0] == 7 else real(x))
+    x = torch.randn(7, 576)
+    assert not packed.agrees(7) and torch.equal(packed.mm(x), torch.mm(x, weight_t))
+    assert prepack._AGREES[(7, 32, 576, 960)] is False  # checked once
+    honest = PackedWeight(weight_t, 32)
+    assert honest.agrees(32) and torch.equal(honest.mm(torch.ones(32, 576)), honest._mkl_mm(torch.ones(32, 576)))
