@@ -12,9 +12,8 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from rlflow.config_checks import DATA_RULES, check_values
 from rlflow.config_error import ConfigError
-from rlflow.rollout.base import SamplingParams
+from rlflow.rollout.base import SamplingParams, SamplingSettings
 from rlflow.rollout.engine import EngineRollout
 from rlflow.rollout.hf import HFRollout
 from rlflow.rollout.penalty import penalize, seen_tokens
@@ -134,7 +133,7 @@ def test_bad_penalties_are_refused():
     with pytest.raises(ConfigError, match="repetition_penalty must be > 0"):
         SamplingParams(repetition_penalty=0.0)
     with pytest.raises(ConfigError, match="data.sampling.repetition_penalty must be > 0"):
-        check_values("data", DATA_RULES, {"repetition_penalty": -1.0})
+        SamplingSettings(repetition_penalty=-1.0)
 
 
 def test_the_datamodule_hands_the_penalty_to_training_rollouts_only(tiny_model, tiny_data):
