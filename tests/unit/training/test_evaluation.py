@@ -125,7 +125,7 @@ def test_eval_sampling_is_seeded_and_leaves_training_rng_alone(tiny_model, tiny_
 
 
 def test_k_samples_need_a_temperature(tiny_data):
-    with pytest.raises(ValueError, match="eval_temperature"):
+    with pytest.raises(ValueError, match=r"data\.eval\.k=4 with data\.eval\.temperature=0"):
         RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), eval={"k": 4})
 
 

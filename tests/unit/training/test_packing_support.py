@@ -42,7 +42,7 @@ def test_packing_is_refused_where_packed_sequences_would_leak_into_each_other(mo
 
 
 def test_packing_is_the_default_and_kept_where_exact(caplog):
-    assert inspect.signature(GRPOModule).parameters["packing"].default is True
+    assert inspect.signature(GRPOModule).parameters["update"].default.packing is True
     with caplog.at_level(logging.INFO, logger="rlflow"):
         assert resolve_packing(True, [tiny_causal_lm("qwen3"), None], False, 64) is True
     assert any(
