@@ -373,8 +373,11 @@ def plugin_argument_error(exc: BaseException) -> str | None:
     text = str(exc)
     if not isinstance(exc, ValueError) or not text.startswith("Does not validate against any of the Union subtypes"):
         return None
-    reasons = [line[4:] for line in text.splitlines()
-               if line.startswith("  - ") and not line.startswith("  - Expected a <class 'str'>")]
+    # the plugin's own messages, at any depth of nested unions (a judger inside data.judging.judgers' mapping)
+    listed = [m.group(1) for line in text.splitlines() if (m := re.match(r"^\s+- (.*)$", line))]
+    reasons = [r for r in listed if not r.startswith(("Expected a <class", "Does not validate against any"))] or [
+        line[4:] for line in text.splitlines()
+        if line.startswith("  - ") and not line.startswith("  - Expected a <class 'str'>")]
     if not reasons:
         return None
     bases = re.findall(r"<class '([\w.]+)'>", text.splitlines()[1] if len(text.splitlines()) > 1 else "")
