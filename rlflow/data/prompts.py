@@ -104,8 +104,7 @@ class PromptSet:
         if len(self.sources) > 1:  # several sources: each gets its weight's share of every batch
             if skip_solved:
                 raise ConfigError("data.filtering.skip_solved works with one training source; a weighted mix of "
-                                  "sources "
-                                  "is not filtered (set data.filtering.skip_solved=false)")
+                                  "sources is not filtered (set data.filtering.skip_solved=false)")
             return MixBatchSampler([self.sizes[s.name] for s in self.sources], [s.weight for s in self.sources],
                                    global_batch_size, seed=seed, names=[s.name for s in self.sources])
         return PromptBatchSampler(len(self.records), global_batch_size, seed=seed, skip_solved=skip_solved)

@@ -111,7 +111,7 @@ def stop_token_ids(tokenizer: Any, stop: list[str]) -> list[int]:
         if len(encoded) != 1:
             raise ValueError(
                 f"data.sampling.stop entry {s!r} is {len(encoded)} tokens for this tokenizer; stop strings must be "
-                f"one token"
+                "one token"
             )
         ids.append(encoded[0])
     return ids

@@ -234,11 +234,9 @@ class RolloutPipeline:
         device = next(policy.parameters()).device
         if device.type != "cpu":
             info(f"data.pipeline.max_staleness={self.gate.max_staleness}: the policy is on {device}; the generator "
-                 f"process "
-                 f"decodes on CPU cores ({self.threads} torch threads, data.pipeline.generator_threads) from a CPU "
-                 f"copy of "
-                 "its weights refreshed every rollout step. That pays for small models; generation on GPUs is the "
-                 "lmdeploy backend's (servers that keep generating while the trainer steps)")
+                 f"process decodes on CPU cores ({self.threads} torch threads, data.pipeline.generator_threads) from "
+                 "a CPU copy of its weights refreshed every rollout step. That pays for small models; generation on "
+                 "GPUs is the lmdeploy backend's (servers that keep generating while the trainer steps)")
             return
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         threads = torch.get_num_threads()
@@ -246,8 +244,7 @@ class RolloutPipeline:
             self.trainer_threads = threads
             torch.set_num_threads(max(1, cores - self.threads))
             info(f"data.pipeline.max_staleness={self.gate.max_staleness}: the trainer uses {torch.get_num_threads()} "
-                 f"torch "
-                 f"threads (was {threads}), the generator process {self.threads}, on {cores} cores")
+                 f"torch threads (was {threads}), the generator process {self.threads}, on {cores} cores")
 
     @contextlib.contextmanager
     def all_cores(self) -> Iterator[None]:

@@ -272,8 +272,8 @@ class NoSignalWarning(L.Callback):
             f"Last step: {100 * g('completions/clipped_ratio'):.0f}% of completions cut at data.sampling.max_tokens, "
             f"judger/failures {g('judger/failures'):.0f}, judger/unscored {g('judger/unscored'):.0f}. Check that "
             "the judger can read the completions' answers (trajectories.jsonl shows them), raise "
-            "data.sampling.max_tokens, "
-            "or start from a model that solves some prompts (--no_signal.patience 0 silences this)"
+            "data.sampling.max_tokens, or start from a model that solves some prompts (--no_signal.patience 0 "
+            "silences this)"
         )
 
 

@@ -108,8 +108,7 @@ def resolve_packing(configured: bool, models: list[Any], sharded: bool, pack_max
     if reason:
         warn(
             f"model.update.packing: training on padded micro-batches of model.update.micro_batch_size sequences, "
-            f"not packs, "
-            f"because {reason}"
+            f"not packs, because {reason}"
         )
         return False
     share = "a group's prompt once per pack" if varlen_supported(models[0]) else "every sequence its own prompt"
