@@ -219,7 +219,12 @@ class ExperienceMaker:
 
     def reward_components(self, per_judger: dict[str, list[float | None]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``[N, judgers]`` rewards of every configured judger (NaN where it gave none) and their weights."""
-        return reward_components(self.judges.weights(), per_judger)
+        weights = self.judges.weights()
+        n = len(next(iter(per_judger.values()))) if per_judger else 0
+        columns = [[float("nan") if v is None else float(v) for v in per_judger.get(name, [None] * n)]
+                   for name in weights]
+        return (torch.tensor(columns, dtype=torch.float32).t().reshape(n, len(weights)),
+                torch.tensor(list(weights.values()), dtype=torch.float32))
 
     def record_solved(self, records: list[PromptRecord], rewards: list[float]) -> dict[str, float]:
         """``skip_solved``: tell the sampler which of every rank's groups were solved (all ``k`` rewards at least
@@ -307,13 +312,3 @@ def with_extra(rows: list[dict[str, Any]], extra: list[dict[str, Any]] | None) -
         for column, value in logged.items():
             row.setdefault(column, value)
     return rows
-
-
-def reward_components(weights: dict[str, float],
-                      per_judger: dict[str, list[float | None]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[N, judgers]`` rewards of every judger in ``weights`` (NaN where it gave none) and the weights."""
-    n = len(next(iter(per_judger.values()))) if per_judger else 0
-    columns = [[float("nan") if v is None else float(v) for v in per_judger.get(name, [None] * n)]
-               for name in weights]
-    return (torch.tensor(columns, dtype=torch.float32).t().reshape(n, len(weights)),
-            torch.tensor(list(weights.values()), dtype=torch.float32))
