@@ -9,14 +9,16 @@ losses, samplers and the data tools may all use it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 from rlflow.config_error import ConfigError
 from rlflow.models.model_path import check_model_path
 
-__all__ = ["ConfigError", "check_data_args", "check_values"]
+__all__ = ["ConfigError", "SettingsGroup", "check_data_args", "check_values"]
 
 
 Rule = Callable[[str, Any], None]
@@ -110,3 +112,42 @@ def check_data_args(values: Mapping[str, Any]) -> None:
     check_values("data", DATA_RULES, values)
     if values.get("tokenizer_path"):
         check_model_path(values["tokenizer_path"], "data.tokenizer_path")
+
+
+@dataclass(frozen=True)
+class SettingsGroup:
+    """What every settings group shares: its key in the config, its value rules, and :meth:`coerce`. (A
+    dataclass without fields: jsonargparse shows a dataclass whose bases are all dataclasses as a group of
+    options, ``--model.optim.lr``.)"""
+
+    #: The group's full key (``model.optim``): the prefix of its error messages.
+    key: ClassVar[str] = "model"
+    #: Rules (:mod:`rlflow.config_checks`) applied to the fields of the same names.
+    rules: ClassVar[dict[str, Rule]] = {}
+
+    def __post_init__(self) -> None:
+        check_values(self.key, self.rules, self.as_dict())
+        self.check()
+
+    def check(self) -> None:
+        """Checks that involve more than one field (none by default)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields as plain data (what checkpoints hold)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def coerce(cls, value: Any) -> Any:
+        """``value`` as settings: a settings object, a mapping of its fields (the Python API, a checkpoint's
+        hyper-parameters), or None for the defaults."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, Mapping):
+            names = [f.name for f in dataclasses.fields(cls)]
+            unknown = sorted(set(value) - set(names))
+            if unknown:
+                raise ConfigError(f"{cls.key} has no option {unknown[0]!r}; its options are {', '.join(names)}")
+            return cls(**value)
+        raise ConfigError(f"{cls.key} must be a mapping of {cls.__name__} fields, got {type(value).__name__}")

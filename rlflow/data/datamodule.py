@@ -54,7 +54,6 @@ from rlflow.data.settings import (
     MultiTurnSettings,
     PipelineSettings,
     PromptSettings,
-    coerce,
 )
 from rlflow.data.sources import parse_sources
 from rlflow.judgers.panel import JudgePanel
@@ -126,13 +125,13 @@ class RolloutDataModule(L.LightningDataModule):
         """
         super().__init__()
         check_data_args(locals())  # every invalid value is one ConfigError naming its option
-        self.sampling_settings = sampling = coerce(SamplingSettings, sampling, "data.sampling")
-        self.judging = judging = coerce(JudgingSettings, judging, "data.judging")
-        self.eval_settings = eval_ = coerce(EvalSettings, eval, "data.eval")
-        prompts = coerce(PromptSettings, prompts, "data.prompts")
-        self.filtering = filtering = coerce(FilteringSettings, filtering, "data.filtering")
-        self.pipeline_settings = pipelining = coerce(PipelineSettings, pipeline, "data.pipeline")
-        multiturn = coerce(MultiTurnSettings, multiturn, "data.multiturn")
+        self.sampling_settings = sampling = SamplingSettings.coerce(sampling)
+        self.judging = judging = JudgingSettings.coerce(judging)
+        self.eval_settings = eval_ = EvalSettings.coerce(eval)
+        prompts = PromptSettings.coerce(prompts)
+        self.filtering = filtering = FilteringSettings.coerce(filtering)
+        self.pipeline_settings = pipelining = PipelineSettings.coerce(pipeline)
+        multiturn = MultiTurnSettings.coerce(multiturn)
         train_sources = parse_sources(train_data_path, "data.train_data_path")
         if not train_sources:
             raise ConfigError("data.train_data_path is empty")

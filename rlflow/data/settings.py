@@ -2,43 +2,26 @@
 
 ``rlflow fit --help`` shows each field's docstring under its group (``--data.eval.k``); each group checks its
 own values when it is built, so a wrong value is one :class:`~rlflow.config_error.ConfigError` naming its full key.
-From Python a group is given as the dataclass or as a mapping of its fields (:func:`coerce`).
+From Python a group is given as the dataclass or as a mapping of its fields
+(:meth:`~rlflow.config_checks.SettingsGroup.coerce`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar
 
-from rlflow.config_checks import at_least, check_values, greater_than, interval, one_of
+from rlflow.config_checks import Rule, SettingsGroup, at_least, greater_than, interval, one_of
 from rlflow.config_error import ConfigError
 from rlflow.judgers.base import Judger
 
-T = TypeVar("T")
 
-
-def coerce(cls: type[T], value: Any, key: str) -> T:
-    """``value`` as ``cls``: the dataclass itself, a mapping of its fields, or None (the defaults).
-
-    A mapping with a field ``cls`` does not have is one ConfigError naming ``key`` and the fields it has.
-    """
-    if value is None:
-        return cls()
-    if isinstance(value, cls):
-        return value
-    if isinstance(value, dict):
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ConfigError(f"{key} has no setting {', '.join(unknown)}; its settings: {', '.join(sorted(names))}")
-        return cls(**value)
-    raise ConfigError(f"{key} must be a {cls.__name__} or a mapping of its fields, got {type(value).__name__}")
-
-
-@dataclass
-class PromptSettings:
+@dataclass(frozen=True)
+class PromptSettings(SettingsGroup):
     """``data.prompts``: how dataset rows become the prompts the policy sees."""
+
+    key: ClassVar[str] = "data.prompts"
+    rules: ClassVar[dict[str, Rule]] = {}
 
     system_prompt: str | None = None
     """If set, replaces (or adds) the system message of every chat prompt."""
@@ -48,9 +31,12 @@ class PromptSettings:
     """Extra keyword arguments for the tokenizer's chat template (e.g. ``enable_thinking: false``)."""
 
 
-@dataclass
-class EvalSettings:
+@dataclass(frozen=True)
+class EvalSettings(SettingsGroup):
     """``data.eval``: how evaluation prompts (``data.eval_data_path``) are sampled and scored."""
+
+    key: ClassVar[str] = "data.eval"
+    rules: ClassVar[dict[str, Rule]] = {"temperature": at_least(0.0), "batch_size": at_least(1), "k": at_least(1)}
 
     temperature: float = 0.0
     """Sampling temperature of evaluation rollouts; 0 is greedy."""
@@ -64,17 +50,19 @@ class EvalSettings:
     reports ``eval/pass@k`` (and ``pass@2``, ``@4``, ... below k) and ``eval/maj@k`` (majority vote, from judgers
     that state answers)."""
 
-    def __post_init__(self) -> None:
-        check_values("data.eval", {"temperature": at_least(0.0), "batch_size": at_least(1), "k": at_least(1)},
-                     dataclasses.asdict(self))
+    def check(self) -> None:
         if self.k > 1 and self.temperature == 0.0:
             raise ConfigError(f"data.eval.k={self.k} with data.eval.temperature=0: k > 1 greedy completions would all "
                               "be identical; set data.eval.temperature > 0 (e.g. 0.6) or data.eval.k=1")
 
 
-@dataclass
-class JudgingSettings:
+@dataclass(frozen=True)
+class JudgingSettings(SettingsGroup):
     """``data.judging``: which judgers score each ``data_source``, and how their rewards combine."""
+
+    key: ClassVar[str] = "data.judging"
+    rules: ClassVar[dict[str, Rule]] = {"timeout": greater_than(0.0, optional=True),
+                                         "max_failure_rate": interval(0.0, 1.0, optional=True)}
 
     judgers: dict[str, str | Judger | list[str | Judger]] | None = None
     """Judgers per ``data_source``: a short name of the ``rlflow.judgers`` group, an import path (a TRL-style reward
@@ -95,19 +83,18 @@ class JudgingSettings:
     (remote services, math verification); a judger of microseconds a sample is better judged after generation,
     since its thread contends with the decode loop for Python's interpreter lock."""
 
-    def __post_init__(self) -> None:
-        check_values("data.judging", {"timeout": greater_than(0.0, optional=True),
-                                      "max_failure_rate": interval(0.0, 1.0, optional=True)},
-                     {"timeout": self.timeout, "max_failure_rate": self.max_failure_rate})
 
     def judger_specs(self) -> dict[str, Any]:
         """The ``judgers`` mapping, with the default where none is set."""
         return self.judgers if self.judgers is not None else {"openai/gsm8k": "gsm8k"}
 
 
-@dataclass
-class FilteringSettings:
+@dataclass(frozen=True)
+class FilteringSettings(SettingsGroup):
     """``data.filtering``: which groups and prompts are worth training on."""
+
+    key: ClassVar[str] = "data.filtering"
+    rules: ClassVar[dict[str, Rule]] = {"max_rounds": at_least(1)}
 
     dynamic_sampling: bool = False
     """DAPO's dynamic sampling: drop groups whose rewards all agree (no learning signal) and sample more prompts
@@ -120,13 +107,15 @@ class FilteringSettings:
     ``data.eval.pass_threshold``), as Skywork-OR1 and POLARIS filter by pass rate: such a group has zero
     advantages and costs a rollout. One training source only (not a weighted mix)."""
 
-    def __post_init__(self) -> None:
-        check_values("data.filtering", {"max_rounds": at_least(1)}, {"max_rounds": self.max_rounds})
 
 
-@dataclass
-class PipelineSettings:
+@dataclass(frozen=True)
+class PipelineSettings(SettingsGroup):
     """``data.pipeline``: where and when rollouts are generated (see the guide's pipelined-generation page)."""
+
+    key: ClassVar[str] = "data.pipeline"
+    rules: ClassVar[dict[str, Rule]] = {"max_staleness": at_least(0), "stale_policy": one_of("drop", "regenerate"),
+                                         "generator_threads": at_least(1), "partial_swap_step": at_least(0)}
 
     max_staleness: int = 0
     """0: the strictly on-policy loop. N > 0: generate the next rollout step in a separate process while the
@@ -157,15 +146,14 @@ class PipelineSettings:
     of one process. Right for small models, whose decode steps leave a second core idle. Ignored (with a log line)
     when pipelined or multi-turn."""
 
-    def __post_init__(self) -> None:
-        check_values("data.pipeline", {"max_staleness": at_least(0), "stale_policy": one_of("drop", "regenerate"),
-                                       "generator_threads": at_least(1), "partial_swap_step": at_least(0)},
-                     dataclasses.asdict(self))
 
 
-@dataclass
-class MultiTurnSettings:
+@dataclass(frozen=True)
+class MultiTurnSettings(SettingsGroup):
     """``data.multiturn``: tool calls and environments, which make rollouts multi-turn."""
+
+    key: ClassVar[str] = "data.multiturn"
+    rules: ClassVar[dict[str, Rule]] = {"max_turns": at_least(1), "tool_timeout": greater_than(0.0, optional=True)}
 
     tools: list[Any] | None = None
     """Tools the policy may call, each an import path (``my_pkg.tools:search``, a TRL-style typed function with a
@@ -184,9 +172,6 @@ class MultiTurnSettings:
     max_turns: int = 4
     """Most model turns per trajectory."""
 
-    def __post_init__(self) -> None:
-        check_values("data.multiturn", {"max_turns": at_least(1), "tool_timeout": greater_than(0.0, optional=True)},
-                     {"max_turns": self.max_turns, "tool_timeout": self.tool_timeout})
 
     @property
     def enabled(self) -> bool:

@@ -16,10 +16,10 @@ trainer uses exactly what this class declares, nothing found by ``getattr`` or `
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field, fields
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
-from rlflow.config_checks import at_least, check_values, greater_than, interval
+from rlflow.config_checks import Rule, SettingsGroup, at_least, greater_than, interval
 from rlflow.config_error import ConfigError
 
 Progress = Callable[[int, int], None]
@@ -60,9 +60,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-@dataclass
-class SamplingSettings:
+@dataclass(frozen=True)
+class SamplingSettings(SettingsGroup):
     """``data.sampling``: how training rollouts sample completions (evaluation: ``data.eval``)."""
+
+    key: ClassVar[str] = "data.sampling"
+    rules: ClassVar[dict[str, Rule]] = {
+        "temperature": at_least(0.0), "top_p": interval(0.0, 1.0, low_open=True), "top_k": at_least(0),
+        "min_p": interval(0.0, 1.0, high_open=True), "repetition_penalty": greater_than(0.0), "max_tokens": at_least(1)}
 
     temperature: float = 1.0
     """Sampling temperature of training rollouts, and the temperature the training log-probs are computed at."""
@@ -83,12 +88,6 @@ class SamplingSettings:
     """Extra stop strings, each a single token of the tokenizer; the tokenizer's EOS always stops."""
     max_tokens: int = 256
     """Most tokens generated per completion (per trajectory in multi-turn rollouts)."""
-
-    def __post_init__(self) -> None:
-        check_values("data.sampling", {
-            "temperature": at_least(0.0), "top_p": interval(0.0, 1.0, low_open=True), "top_k": at_least(0),
-            "min_p": interval(0.0, 1.0, high_open=True), "repetition_penalty": greater_than(0.0),
-            "max_tokens": at_least(1)}, {f.name: getattr(self, f.name) for f in fields(self)})
 
     def params(self, stop_token_ids: list[int] | None = None) -> SamplingParams:
         """The backends' :class:`SamplingParams` of these settings (``stop`` resolved to ``stop_token_ids``)."""

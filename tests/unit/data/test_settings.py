@@ -12,7 +12,6 @@ from rlflow.data.settings import (
     MultiTurnSettings,
     PipelineSettings,
     PromptSettings,
-    coerce,
 )
 from rlflow.rollout.base import SamplingSettings
 
@@ -64,13 +63,13 @@ def test_sampling_settings_become_the_backends_params_with_stop_ids():
 
 def test_coerce_takes_the_dataclass_a_mapping_or_none():
     given = SamplingSettings(max_tokens=8)
-    assert coerce(SamplingSettings, given, "data.sampling") is given
-    assert coerce(SamplingSettings, {"max_tokens": 9}, "data.sampling").max_tokens == 9
-    assert coerce(SamplingSettings, None, "data.sampling") == SamplingSettings()
-    with pytest.raises(ConfigError, match=r"data\.sampling has no setting max_new_tokens; its settings: "):
-        coerce(SamplingSettings, {"max_new_tokens": 9}, "data.sampling")
-    with pytest.raises(ConfigError, match="data.eval must be a EvalSettings"):
-        coerce(EvalSettings, 3, "data.eval")
+    assert SamplingSettings.coerce(given) is given
+    assert SamplingSettings.coerce({"max_tokens": 9}).max_tokens == 9
+    assert SamplingSettings.coerce(None) == SamplingSettings()
+    with pytest.raises(ConfigError, match=r"data\.sampling has no option 'max_new_tokens'; its options are "):
+        SamplingSettings.coerce({"max_new_tokens": 9})
+    with pytest.raises(ConfigError, match="data.eval must be a mapping of EvalSettings fields, got int"):
+        EvalSettings.coerce(3)
 
 
 def test_multiturn_is_enabled_by_tools_or_an_environment():
