@@ -136,15 +136,20 @@ class RolloutDataModule(L.LightningDataModule):
         if not train_sources:
             raise ConfigError("data.train_data_path is empty")
         eval_sources = parse_sources(eval_data_path, "data.eval_data_path")
+        from rlflow.environments.trl_factory import EnvironmentFactory
+        from rlflow.rollout.multiturn import tool_schemas
         from rlflow.tools.base import load_tools
 
         self.tools = load_tools(multiturn.tools)
+        factory = None if multiturn.environment_factory is None else EnvironmentFactory(multiturn.environment_factory,
+                                                                                         self.tools)
         chat_template_kwargs = prompts.chat_template_kwargs
-        if self.tools:  # the prompts are rendered with the tools' schemas, as the multi-turn messages are
-            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": [t.schema for t in self.tools.values()]}
+        schemas = tool_schemas(self.tools, factory)
+        if schemas:  # the prompts are rendered with the tools' schemas, as the multi-turn messages are
+            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": schemas}
         self.multiturn_args = dict(parser=multiturn.parser, environment=multiturn.environment,
                                    max_turns=multiturn.max_turns, tool_timeout=multiturn.tool_timeout,
-                                   chat_template_kwargs=chat_template_kwargs)
+                                   chat_template_kwargs=chat_template_kwargs, environment_factory=factory)
         self.multiturn: MultiTurn | None = None  # built with the tokenizer
         if multiturn.enabled:  # a wrong parser/environment/max_turns fails before any model loads
             MultiTurn(None, self.tools, **self.multiturn_args)
@@ -212,7 +217,8 @@ class RolloutDataModule(L.LightningDataModule):
             stops = stop_token_ids(tokenizer, self.stop)
             self.sampling.stop_token_ids = self.eval_sampling.stop_token_ids = stops
             self.tokenizer = self.judges.tokenizer = tokenizer
-            if self.tools or self.multiturn_args["environment"] is not None:
+            if self.tools or any(self.multiturn_args[key] is not None for key in ("environment",
+                                                                                  "environment_factory")):
                 self.multiturn = MultiTurn(tokenizer, self.tools, **self.multiturn_args)
         return self.tokenizer
 

@@ -169,11 +169,22 @@ class MultiTurnSettings(SettingsGroup):
     environment: str | dict[str, Any] | None = None
     """A multi-turn environment (``rlflow.environments`` short name, import path or ``class_path``/``init_args``),
     one instance per trajectory."""
+    environment_factory: str | dict[str, Any] | None = None
+    """TRL's ``environment_factory``: an environment class written for ``trl.GRPOTrainer`` (import path
+    ``my_pkg.envs:MyEnv`` or ``class_path``/``init_args``; from Python, the class or a function returning an
+    instance). Its public methods are tools, ``reset(**row)`` starts each trajectory, one instance per trajectory;
+    judgers get the instances as ``environments``. Not together with ``environment``."""
     max_turns: int = 4
     """Most model turns per trajectory."""
 
 
+    def check(self) -> None:
+        if self.environment is not None and self.environment_factory is not None:
+            from rlflow.environments.trl_factory import BOTH_ENVIRONMENTS
+
+            raise ConfigError(BOTH_ENVIRONMENTS)
+
     @property
     def enabled(self) -> bool:
-        """Whether rollouts are multi-turn (tools or an environment are set)."""
-        return bool(self.tools) or self.environment is not None
+        """Whether rollouts are multi-turn (tools, an environment or an environment factory are set)."""
+        return bool(self.tools) or self.environment is not None or self.environment_factory is not None

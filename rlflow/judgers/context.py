@@ -6,6 +6,11 @@ metrics, averaged per logging step). The :class:`~rlflow.judgers.runner.JudgerRu
 ``trainer_state`` is the :class:`RunState` the :class:`~rlflow.data.experience_maker.ExperienceMaker` gives for the
 rollout step (or evaluation) being judged; :class:`JudgerLogs` collects what the judgers log during one batch.
 
+In multi-turn runs with environments (``data.multiturn.environment_factory``, TRL's contract, or an rlflow
+``data.multiturn.environment``) a judger also gets ``environments``: the environment instances, one per completion
+in completion order (:func:`environments_of`), as TRL 1.16 passes them; in other runs the keyword is absent. The
+instances live in the trainer process, so a judger given them runs there, in a thread (never in a worker process).
+
 A judger receives only the keywords it takes: all of them where it takes ``**kwargs`` (TRL's reward functions
 do, and so do rlflow's own judgers), else those its signature names (:func:`accepted_keywords`).
 """
@@ -63,6 +68,13 @@ def run_state(step: int, max_steps: int, max_epochs: int | None, steps_per_epoch
         num_train_epochs=epochs if epochs is not None else math.ceil(max_steps / per_epoch),
         is_world_process_zero=rank == 0, is_local_process_zero=(rank if local_rank is None else local_rank) == 0,
     )
+
+
+def environments_of(completions: Sequence[Any]) -> list[Any] | None:
+    """TRL's ``environments``: each completion's environment instance (``Completion.info["environment"]``, set by the
+    multi-turn rollout), in completion order; None where no completion has one (the keyword is not passed)."""
+    found = [(getattr(c, "info", None) or {}).get("environment") for c in completions]
+    return found if any(x is not None for x in found) else None
 
 
 def accepted_keywords(fn: Callable[..., Any]) -> frozenset[str] | None:

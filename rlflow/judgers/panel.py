@@ -15,7 +15,7 @@ from typing import Any
 
 from rlflow.data.dataset import DataError, PromptRecord
 from rlflow.data.sources import DataSource
-from rlflow.judgers.context import RunState
+from rlflow.judgers.context import RunState, environments_of
 from rlflow.judgers.runner import JudgeResult, JudgerRunner, merge_results
 
 log = logging.getLogger(__name__)
@@ -184,6 +184,9 @@ class JudgePanel:
             shaped = [c.messages if c.messages is not None else s for c, s in zip(completions, shaped)]
             texts = self.tokenizer.batch_decode(ids, skip_special_tokens=False)
             columns["env_reward"] = [getattr(c, "env_reward", None) for c in completions]
+            environments = environments_of(completions)  # TRL's ``environments`` keyword
+            if environments is not None:
+                columns["environments"] = environments
         result = self.routing.judge(
             [r.origin for r in reps], [r.prompt for r in reps], shaped, ids, columns, default=self.default, state=state
         )

@@ -25,6 +25,13 @@ no log-prob, no KL). Each turn:
 A trajectory ends when a turn has no tool call and no environment observation, the environment says ``done``, at
 ``data.multiturn.max_turns`` model turns, or when the budget is spent (``finish_reason`` ``length``).
 
+TRL's ``environment_factory`` (:mod:`rlflow.environments.trl_factory`): each trajectory takes its own instance from
+the factory's pool; ``reset(**row)``'s text is appended to its prompt (which is then that trajectory's own, so the
+prefill is not shared), its calls go to the instance's methods (with the configured tools) through a
+:class:`~rlflow.environments.trl_factory.SharedLoopToolRunner` on the shared runner's loop, and once the rollout has
+ended ``get_reward()`` (if defined) is the trajectory's ``env_reward``. The instance rides on the completion
+(``info["environment"]``, an rlflow environment's too), from where judgers get ``environments``.
+
 Scheduling. Trajectories run at their own pace on every built-in backend (:meth:`MultiTurn.run_async`, for a
 backend with ``serve``): the backend takes requests from a :class:`TurnSource` (:mod:`rlflow.rollout.requests`); a
 generated turn's tool calls go to the :class:`ToolRunner` with a completion callback that puts the results in a
@@ -72,7 +79,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlflow import registry
+from rlflow.config_error import ConfigError
 from rlflow.environments.base import Environment, EnvStep
+from rlflow.environments.trl_factory import (
+    BOTH_ENVIRONMENTS,
+    EnvironmentFactory,
+    SharedLoopToolRunner,
+    observed_prompt_text,
+)
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams
 from rlflow.rollout.draws import stream_key
 from rlflow.rollout.requests import DecodeRequest
@@ -90,6 +104,8 @@ class _Trajectory:
     prompt_ids: list[int]
     messages: list[dict[str, Any]]  # the conversation after the prompt
     env: Environment | None = None
+    instance: Any = None  # the trajectory's environment_factory instance (TRL's contract)
+    runner: ToolRunner | None = None  # the tools of ``instance`` with the configured tools; None: MultiTurn.runner
     ids: list[int] = field(default_factory=list)
     mask: list[bool] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -104,6 +120,9 @@ class _Trajectory:
     def completion(self) -> Completion:
         info = {"turns": self.turns, "tool_calls": dict(self.tool_calls), "tool_failures": dict(self.tool_failures),
                 "env_failed": self.env_failed}
+        environment = self.instance if self.instance is not None else self.env
+        if environment is not None:  # the judgers' ``environments`` (rlflow.judgers.context.environments_of)
+            info["environment"] = environment
         return Completion(self.ids, self.logprobs, self.finish_reason, mask=self.mask, prompt_ids=self.prompt_ids,
                           messages=self.messages, env_reward=self.env_reward, info=info)
 
@@ -127,6 +146,9 @@ class MultiTurn:
             object.
         environment: The environment: a short name of ``rlflow.environments``, an import path, a
             ``class_path``/``init_args`` mapping, or None. One instance is built per trajectory.
+        environment_factory: TRL's ``environment_factory`` (:mod:`rlflow.environments.trl_factory`): an import
+            path, a ``class_path``/``init_args`` mapping, a callable or a built :class:`EnvironmentFactory`; its
+            public methods are tools, one instance per trajectory. Not together with ``environment``.
         max_turns: Most model turns per trajectory.
         tool_timeout: Seconds one tool call may take.
         chat_template_kwargs: Passed to every ``apply_chat_template`` (``tools`` is added from ``tools``).
@@ -134,9 +156,11 @@ class MultiTurn:
 
     def __init__(self, tokenizer: Any, tools: dict[str, Tool], parser: Any = "hermes", environment: Any = None,
                  max_turns: int = 4, tool_timeout: float | None = 30.0,
-                 chat_template_kwargs: dict[str, Any] | None = None) -> None:
+                 chat_template_kwargs: dict[str, Any] | None = None, environment_factory: Any = None) -> None:
         if max_turns < 1:
             raise ValueError(f"data.multiturn.max_turns must be >= 1, got {max_turns}")
+        if environment is not None and environment_factory is not None:
+            raise ConfigError(BOTH_ENVIRONMENTS)
         self.tokenizer = tokenizer
         self.tools = tools
         self.runner = ToolRunner(tools, tool_timeout)
@@ -144,10 +168,15 @@ class MultiTurn:
         self.environment = environment
         if environment is not None:
             self.make_env()  # a wrong name or argument fails now, not mid-rollout
+        self.factory: EnvironmentFactory | None = None
+        if environment_factory is not None:
+            self.factory = environment_factory if isinstance(environment_factory, EnvironmentFactory) else \
+                EnvironmentFactory(environment_factory, tools)
         self.max_turns = max_turns
         self.template_kwargs = dict(chat_template_kwargs or {})
-        if tools:
-            self.template_kwargs["tools"] = [t.schema for t in tools.values()]
+        schemas = tool_schemas(tools, self.factory)
+        if schemas:
+            self.template_kwargs["tools"] = schemas
 
     def make_env(self) -> Environment:
         spec = self.environment
@@ -179,8 +208,9 @@ class MultiTurn:
                 suffix = suffix[len(stop_text):]
         return self.tokenizer.encode(suffix, add_special_tokens=False)
 
-    def start(self, record: Any) -> _Trajectory:
-        """A trajectory for ``record``: its own prompt, or the environment's first messages rendered."""
+    def start(self, record: Any, instance: Any = None) -> _Trajectory:
+        """A trajectory for ``record``: its own prompt, or the environment's first messages rendered, or (TRL's
+        ``environment_factory``, with ``instance``) the prompt with ``instance.reset(**row)``'s text appended."""
         env = self.make_env() if self.environment is not None else None
         prompt_ids = list(record.prompt_ids)
         if env is not None:
@@ -188,14 +218,24 @@ class MultiTurn:
             if first is not None:
                 prompt_ids = self.tokenizer.encode(self.render(first, generation_prompt=True),
                                                    add_special_tokens=False)
-        return _Trajectory(prompt_ids, [], env)
+        if instance is None:
+            return _Trajectory(prompt_ids, [], env)
+        observation = self.factory.reset(instance, {"prompt": record.prompt, **record.columns}, record.source)
+        if observation is not None:
+            text = observed_prompt_text(record, observation, lambda messages: self.render(messages, True))
+            prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        runner = SharedLoopToolRunner({**self.tools, **self.factory.tools_for(instance)}, self.runner)
+        return _Trajectory(prompt_ids, [], env, instance=instance, runner=runner)
 
     # ---------------------------------------------------------------------------------------- the loop
     def generate(self, backend: RolloutBackend, records: list[Any], params: SamplingParams, n: int = 1,
                  progress: Progress | None = None) -> list[list[Completion]]:
         """``n`` multi-turn trajectories per record, in record order."""
-        trajectories = [self.start(r) for r in records for _ in range(n)]
-        if self.environment is None:  # n samples of each prompt: the backend shares the prompt's prefill
+        instances = self.factory.take(len(records) * n) if self.factory is not None else [None] * (len(records) * n)
+        trajectories = [self.start(r, instances[i * n + j]) for i, r in enumerate(records) for j in range(n)]
+        if self.environment is None and all(t.prompt_ids == records[i // n].prompt_ids
+                                            for i, t in enumerate(trajectories)):
+            # n samples of each prompt: the backend shares the prompt's prefill
             prompts, owners, k = [r.prompt_ids for r in records], [list(range(i * n, (i + 1) * n))
                                                                     for i in range(len(records))], n
         else:
@@ -206,6 +246,8 @@ class MultiTurn:
                 self.run_async(backend, trajectories, prompts, owners, k, params)
             else:
                 self.run_sync(backend, trajectories, prompts, owners, k, params)
+        if self.factory is not None:
+            self.finish_instances(trajectories)
         done = [t.completion() for t in trajectories]
         if progress is not None:
             progress(len(done), sum(sum(c.mask) for c in done))
@@ -250,7 +292,7 @@ class MultiTurn:
         for p, group in backend.stream(prompts, params, n=n):
             for i, out in zip(owners[p], group):
                 text, calls = self.take_turn(trajectories[i], out, budget)
-                pending[i] = (out, text, calls, self.runner.submit(calls) if calls else None)
+                pending[i] = (out, text, calls, self.runner_of(trajectories[i]).submit(calls) if calls else None)
         for i in sorted(pending):
             out, text, calls, future = pending[i]
             self.finish_turn(trajectories[i], out, text, calls, future.result() if future is not None else [], budget)
@@ -265,7 +307,7 @@ class MultiTurn:
         t.mask += [True] * len(tokens)
         t.turns += 1
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        content, calls = self.parser.parse(text) if self.tools else (text, [])
+        content, calls = self.parser.parse(text) if self.tools or self.factory is not None else (text, [])
         t.messages.append(assistant_message(content, calls))
         if cut or out.finish_reason == "length" or len(t.ids) >= budget:
             t.finish_reason, t.done = "length", True
@@ -298,6 +340,20 @@ class MultiTurn:
         t.logprobs += [0.0] * len(inserted)
         t.mask += [False] * len(inserted)
 
+    def runner_of(self, t: _Trajectory) -> ToolRunner:
+        """The tool runner of ``t``'s calls: its instance's methods with the configured tools, or the shared one."""
+        return t.runner if t.runner is not None else self.runner
+
+    def finish_instances(self, trajectories: list[_Trajectory]) -> None:
+        """After an ``environment_factory`` rollout: each instance's ``get_reward()`` is its trajectory's
+        ``env_reward`` (a failure counts in ``env/failures``); an instance whose tool call timed out, or whose
+        ``get_reward()`` failed, leaves the pool (what timed out may still be running on it)."""
+        for t, (reward, failed) in zip(trajectories, self.factory.rewards([t.instance for t in trajectories],
+                                                                          self.runner)):
+            t.env_reward, t.env_failed = reward, t.env_failed or failed
+            if failed or t.tool_failures.get("timeout"):
+                self.factory.retire(t.instance)
+
     @staticmethod
     def env_step(t: _Trajectory, text: str) -> EnvStep:
         try:
@@ -311,6 +367,11 @@ class MultiTurn:
             raise TypeError(f"environment {type(t.env).__name__}.step() returned {type(step).__name__}; "
                             "it must return an EnvStep")
         return step
+
+
+def tool_schemas(tools: dict[str, Tool], factory: EnvironmentFactory | None) -> list[dict[str, Any]]:
+    """The JSON schemas the chat template renders: the configured tools', then the ``environment_factory``'s."""
+    return [t.schema for t in tools.values()] + (list(factory.schemas.values()) if factory is not None else [])
 
 
 class TurnSource:
@@ -337,7 +398,8 @@ class TurnSource:
         text, calls = self.mt.take_turn(self.trajectories[j], out, self.budget)
         if calls:
             self.turns[j] = (out, text, calls)
-            self.mt.runner.submit(calls).add_done_callback(lambda future, j=j: self.inbox.put((j, future)))
+            self.mt.runner_of(self.trajectories[j]).submit(calls).add_done_callback(
+                lambda future, j=j: self.inbox.put((j, future)))
         else:
             self.finish(j, out, text, [], [])
 
