@@ -1,7 +1,8 @@
 """``rlflow data check``: validate every row of every data source before a run, without training.
 
 ``rlflow data check --config c.yaml`` reads the same config as ``rlflow fit`` (``--data.*`` overrides work);
-``rlflow data check FILE... [--tokenizer T] [--judgers JSON] ...`` checks files directly. Every row is read
+``rlflow data check SOURCE... [--tokenizer T] [--judgers JSON] ...`` checks data paths directly (files, globs,
+folders, ``dir?split=train``, ``hf://OWNER/NAME?config=C&split=S`` from the local cache). Every row is read
 (streaming: memory stays flat), parsed, routed to its judgers (each judger's ``required_columns`` must be
 present), rendered with the chat template or prompt template, and tokenized; each judger is also called once
 on a few rows of every source with an empty completion, to catch a judger that cannot read that source's
@@ -160,7 +161,7 @@ def check_source(dm: Any, source: DataSource, split: str, tokenizer: Any) -> Sou
         pending.clear()
 
     try:
-        for where, item in iter_records(source.path):
+        for where, item in iter_records(source.path, key=source.key):
             report.rows += 1
             if isinstance(item, DataError):
                 report.malformed += 1
@@ -257,7 +258,7 @@ def format_report(report: CheckReport) -> str:
 
 
 USAGE = """usage: rlflow data check --config c.yaml [--config more.yaml] [--data.KEY=VALUE ...]
-       rlflow data check FILE [FILE ...] [--tokenizer PATH] [--max-prompt-length N] [--judgers JSON]
+       rlflow data check SOURCE [SOURCE ...] [--tokenizer PATH] [--max-prompt-length N] [--judgers JSON]
                          [--system-prompt S] [--prompt-template T] [--chat-template-kwargs JSON]"""
 
 
@@ -288,7 +289,8 @@ def datamodule_from_files(argv: list[str]) -> tuple[Any, bool]:
     from rlflow.data.settings import JudgingSettings, PromptSettings
 
     ap = argparse.ArgumentParser(prog="rlflow data check", usage=USAGE)
-    ap.add_argument("files", nargs="+", help="data files, globs or directories; each is one source")
+    ap.add_argument("files", nargs="+", help="data files, globs, directories or hf://OWNER/NAME?config=C&split=S hub "
+                    "datasets in the local cache; each is one source")
     ap.add_argument("--tokenizer", help="tokenizer (model) directory; without it prompt lengths are not measured")
     ap.add_argument("--max-prompt-length", type=int, default=512)
     ap.add_argument(

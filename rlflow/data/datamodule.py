@@ -99,7 +99,10 @@ class RolloutDataModule(L.LightningDataModule):
         """
         Args:
             train_data_path: Training prompts in XTuner's RL format or TRL's layout: a jsonl/JSON/parquet file, a glob,
-                a directory of shards or a ``datasets.save_to_disk`` dir; or a list of sources, each a path or a mapping
+                a directory of shards, a ``datasets.save_to_disk`` dir (``dir?split=train`` for one split of a
+                ``DatasetDict``) or a hub dataset in the local ``datasets`` cache,
+                ``hf://OWNER/NAME?config=CONFIG&split=SPLIT`` (read as ``load_dataset`` reads it, never downloaded; a
+                local path that exists wins); or a list of sources, each a path or a mapping
                 ``{path, weight, max_prompt_length, judgers, name, system_prompt, prompt_template}`` (``weight``: the
                 source's share of every batch). See :class:`rlflow.data.sources.DataSource`.
             eval_data_path: Evaluation prompts, given the same way; None disables evaluation.

@@ -2,13 +2,16 @@
 
 A source is a path (or a ``{path, weight, max_prompt_length, judgers, name, ...}`` mapping, see
 :class:`DataSource`). The path may be a jsonl or JSON file, a parquet / arrow / csv file, a glob, a directory of
-shards (the hub's ``main/train-00000-of-00001.parquet`` layout) or a ``datasets.save_to_disk`` directory.
+shards (the hub's ``main/train-00000-of-00001.parquet`` layout), a ``datasets.save_to_disk`` directory (a
+``DatasetDict``'s split picked with ``?split=``) or a hub dataset in the local cache,
+``hf://openai/gsm8k?config=main&split=train`` (:mod:`rlflow.data.locations`).
 
 jsonl and JSON are read by rlflow itself, line by line, so every error names ``file:line`` and the field (what
 ``datasets``' JSON loader cannot do) and memory stays flat for large files. Columnar files go through Hugging
 Face ``datasets`` in streaming mode (no Arrow cache copy of a large file; rows named ``file:row N``); a saved
-``datasets`` directory is memory-mapped with ``load_from_disk``. Simplification: a source is read whole into
-memory as prompt records for the seeded sampler; streaming bounds the reading, not the record list.
+``datasets`` directory is memory-mapped with ``load_from_disk``, a cached hub dataset with ``load_dataset``.
+Simplification: a source is read whole into memory as prompt records for the seeded sampler; streaming bounds the
+reading, not the record list.
 
 Judging per source lives in :mod:`rlflow.judgers.panel`.
 """
@@ -20,11 +23,12 @@ import json
 import math
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from rlflow.data.dataset import DataError, PromptFormat, PromptRecord, check_row, collect, iter_jsonl, json_error
+from rlflow.data.locations import Location, load_hub, looks_like_hub_id, parse_location, saved_dict_split
 
 COLUMNAR = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 TEXT = (".jsonl", ".json")
@@ -36,7 +40,9 @@ class DataSource:
     """One dataset of a (possibly mixed) run, with its share of each batch and its own limits and judgers.
 
     Args:
-        path: A jsonl/JSON/parquet/arrow/csv file, a glob, a directory of shards, or a ``datasets.save_to_disk`` dir.
+        path: A jsonl/JSON/parquet/arrow/csv file, a glob, a directory of shards, a ``datasets.save_to_disk`` dir
+            (``dir?split=train`` for one split of a ``DatasetDict``), or a hub dataset in the local ``datasets``
+            cache, ``hf://OWNER/NAME?config=CONFIG&split=SPLIT``.
         weight: Relative share of the prompts of every rollout step (weights are normalised over the sources).
         max_prompt_length: Prompts longer than this many tokens are dropped; None uses ``data.max_prompt_length``.
         judgers: This source's judgers, replacing ``data.judging.judgers`` for its rows: a judger spec (short name,
@@ -54,6 +60,8 @@ class DataSource:
     name: str | None = None
     system_prompt: str | None = None
     prompt_template: str | None = None
+    key: str = field(default="", init=False, repr=False, compare=False)
+    """The setting the source was given in (``data.train_data_path[1]``), named by errors about its path."""
 
     def judger_routes(self) -> dict[str, Any] | None:
         """This source's judgers as a ``{data_source: spec}`` routing (a bare spec becomes ``{"*": spec}``)."""
@@ -64,7 +72,10 @@ class DataSource:
         return {"*": self.judgers}
 
 
-def _default_name(path: str) -> str:
+def _default_name(location: Location) -> str:
+    if location.hub:
+        return location.name
+    path = location.path
     p = Path(path.split("*")[0].rstrip("/") or path)
     return p.stem if p.suffix in (*TEXT, *COLUMNAR) else (p.name or str(p))
 
@@ -74,7 +85,7 @@ def parse_sources(spec: Any, what: str = "data.train_data_path") -> list[DataSou
     if spec is None:
         return []
     items = list(spec) if isinstance(spec, (list, tuple)) else [spec]
-    allowed = [f.name for f in fields(DataSource)]
+    allowed = [f.name for f in fields(DataSource) if f.init]
     sources = []
     for i, item in enumerate(items):
         where = f"{what}[{i}]" if isinstance(spec, (list, tuple)) else what
@@ -99,7 +110,12 @@ def parse_sources(spec: Any, what: str = "data.train_data_path") -> list[DataSou
                 PromptFormat(prompt_template=source.prompt_template)
             except ValueError as exc:
                 raise ValueError(f"{where}.{exc}") from exc
-        source.name = source.name or _default_name(source.path)
+        try:
+            location = parse_location(source.path)
+        except DataError as exc:
+            raise ValueError(f"{where}: {exc}") from exc
+        source.name = source.name or _default_name(location)
+        source.key = where
         sources.append(source)
     names = [s.name for s in sources]
     for name in set(names):  # two train.jsonl from different folders: tell them apart
@@ -110,27 +126,42 @@ def parse_sources(spec: Any, what: str = "data.train_data_path") -> list[DataSou
 
 
 # ------------------------------------------------------------------------------------------------ reading
-def resolve(path: str | Path) -> tuple[str, list[Path]]:
-    """Classify ``path``: ``("saved", [dir])`` for a ``datasets`` save, else ``("files", [data files...])``."""
-    text = str(path)
-    if any(ch in text for ch in "*?["):
+def resolve(path: str | Path | Location) -> tuple[str, list[Path]]:
+    """Classify a local data path: ``("saved", [dir])`` for a ``datasets`` save (the split's folder of a
+    ``DatasetDict``), else ``("files", [data files...])``; ``?split=`` picks a split (:mod:`rlflow.data.locations`)."""
+    location = path if isinstance(path, Location) else parse_location(str(path))
+    text, split = location.path, location.split
+    if location.hub:
+        raise DataError(f"{location.text}: a hub dataset, not a local path (rlflow.data.locations.load_hub reads it)")
+    p = Path(text).expanduser()
+    if any(ch in text for ch in "*?[") and not p.exists():
+        if split is not None:
+            raise DataError(f"{location.text}: split= picks a split of a folder or a hub dataset; a glob names its "
+                            f"files itself (e.g. {text.rsplit('/', 1)[0]}/{split}-*)")
         files = [Path(p) for p in sorted(glob.glob(text, recursive=True)) if Path(p).is_file()]
         if not files:
             raise DataError(f"{text}: no file matches this pattern")
         return "files", files
-    p = Path(text).expanduser()
     if not p.exists():
-        raise DataError(f"{p}: data file not found")
+        hint = f"; a hub dataset is written hf://{text}" if looks_like_hub_id(text) else ""
+        raise DataError(f"{p}: data file not found{hint}")
     if p.is_file():
+        if split is not None:
+            raise DataError(f"{location.text}: split= picks a split of a saved DatasetDict, a folder of shards or "
+                            f"a hub dataset; {p} is a file")
         return "files", [p]
     if (p / "dataset_dict.json").is_file():
-        splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
-        raise DataError(
-            f"{p}: a saved datasets.DatasetDict with splits {', '.join(splits)}; point the path at one split, "
-            f"e.g. {p / (splits[0] if splits else 'train')}"
-        )
+        return "saved", [saved_dict_split(p, location)]
     if (p / "state.json").is_file() and (p / "dataset_info.json").is_file():
+        if split is not None:
+            raise DataError(f"{location.text}: {p} is a saved datasets.Dataset, which has no splits; "
+                            f"drop ?split={split}")
         return "saved", [p]
+    return "files", _shards(p, location)
+
+
+def _shards(p: Path, location: Location) -> list[Path]:
+    """The data files under folder ``p``: those of ``location.split`` if given, else all of one split."""
     files = sorted(  # hidden entries skipped: huggingface-cli keeps its own metadata under .cache/
         f for f in p.rglob("*")
         if f.is_file() and f.suffix in (*TEXT, *COLUMNAR)
@@ -142,12 +173,18 @@ def resolve(path: str | Path) -> tuple[str, list[Path]]:
             f"{p}: no data files (.jsonl, .json, .parquet, .arrow, .csv) in this directory; it holds {present}"
         )
     splits = sorted({m["split"] for f in files if (m := SHARD.match(f.name))})
+    if location.split is not None:
+        files = [f for f in files if (m := SHARD.match(f.name)) and m["split"] == location.split]
+        if not files:
+            raise DataError(f"{location.text}: no shards of split {location.split!r} in {p} (named "
+                            f"{location.split}-00000-of-0000N.parquet); its shards are of "
+                            f"{', '.join(splits) or 'no split'}")
+        return files
     if len(splits) > 1:
-        raise DataError(
-            f"{p}: holds shards of several splits ({', '.join(splits)}); name one with a glob, "
-            f"e.g. {p}/**/{splits[-1] if 'train' not in splits else 'train'}-*{files[0].suffix}"
-        )
-    return "files", files
+        split = "train" if "train" in splits else splits[-1]
+        raise DataError(f"{p}: holds shards of several splits ({', '.join(splits)}); name one with a glob, e.g. "
+                        f"{p}/**/{split}-*{files[0].suffix}, or as {location.with_split(split)}")
+    return files
 
 
 def _iter_json_array(path: Path) -> Iterator[tuple[str, PromptRecord | DataError]]:
@@ -188,23 +225,31 @@ def _iter_columnar(path: Path, streaming: bool) -> Iterator[tuple[str, PromptRec
     yield from _iter_rows(rows, str(path))
 
 
-def iter_records(path: str | Path, streaming: bool = True) -> Iterator[tuple[str, PromptRecord | DataError]]:
+def iter_records(
+    path: str | Path, streaming: bool = True, key: str = ""
+) -> Iterator[tuple[str, PromptRecord | DataError]]:
     """Every row of a source path: ``(where, record)`` or ``(where, DataError)``, ``where`` being file:line/row.
 
     Args:
         path: Anything :class:`DataSource` accepts as ``path``.
         streaming: Read columnar files through ``datasets`` without building its Arrow cache (False builds it,
             which makes later runs over the same file faster to open).
+        key: The setting that gave the path (``data.train_data_path``); an error about the path itself (not found,
+            not cached, no such split) starts with it.
     """
-    kind, files = resolve(path)
-    if kind == "saved":
-        from datasets import load_from_disk
-
-        try:
-            ds = load_from_disk(str(files[0]))
-        except Exception as exc:
-            raise DataError(f"{files[0]}: cannot load the saved dataset: {type(exc).__name__}: {exc}") from exc
-        yield from _iter_rows(ds, str(files[0]))
+    try:
+        location = parse_location(str(path))
+        if location.hub:
+            rows, name = load_hub(location), location.text
+        else:
+            kind, files = resolve(location)
+            rows, name = (_load_saved(files[0]), str(files[0])) if kind == "saved" else (None, "")
+    except DataError as exc:
+        if not key:
+            raise
+        raise DataError(f"{key}: {exc}") from exc
+    if rows is not None:
+        yield from _iter_rows(rows, name)
         return
     for f in files:
         if f.suffix == ".jsonl":
@@ -215,10 +260,19 @@ def iter_records(path: str | Path, streaming: bool = True) -> Iterator[tuple[str
             yield from _iter_columnar(f, streaming)
 
 
+def _load_saved(folder: Path) -> Any:
+    from datasets import load_from_disk
+
+    try:
+        return load_from_disk(str(folder))
+    except Exception as exc:  # any failure of a third-party reader is reported, not a traceback
+        raise DataError(f"{folder}: cannot load the saved dataset: {type(exc).__name__}: {exc}") from exc
+
+
 def read_source(source: DataSource | str, streaming: bool = True) -> list[PromptRecord]:
     """All records of a source, each tagged with the source's name; one DataError lists the bad rows."""
     source = source if isinstance(source, DataSource) else parse_sources(source)[0]
-    records = collect(source.path, iter_records(source.path, streaming))
+    records = collect(source.path, iter_records(source.path, streaming, source.key))
     for record in records:
         record.origin = source.name or ""
     return records

@@ -40,3 +40,41 @@ def test_fit_on_a_weighted_mix_logs_per_source_rewards(tiny_model, tiny_data, tm
         mine = [t["reward"] for t in trajectories if t["step"] == step and t["data_source"] == "arith/parquet"]
         assert float(row["reward/arith/parquet"]) == pytest.approx(sum(mine) / len(mine))
 
+
+
+@pytest.mark.slow
+def test_fit_from_a_hub_dataset_in_the_cache(tiny_model, tiny_data, tmp_path, monkeypatch, capsys):
+    """A hub id read from the local ``datasets`` cache, offline, in TRL's conversational layout: each completion's
+    reward is its row's ``solution`` (the judger echoes it); a hub id not in the cache is one ``rlflow: error:``
+    line saying how to download it."""
+    import datasets
+
+    from rlflow.cli import cli_main, main
+    from tests.helpers.hub_cache import cache_hub_dataset
+
+    rows = [json.loads(line) for line in (tiny_data / "train.jsonl").read_text().splitlines()[:16]]
+    trl_rows = [{"prompt": r["prompt"], "solution": r["reward_model"]["ground_truth"]} for r in rows]
+    cache = tmp_path / "hf_datasets"
+    cache_hub_dataset(cache, "tiny/arith", "default", {"train": trl_rows, "test": trl_rows[:4]})
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    judgers = json.dumps({"*": "tests.helpers.reward_helpers:solution_echo"})
+    args = [a for a in fit_args(tiny_model, tiny_data, tmp_path, f"--data.judging.judgers={judgers}",
+                                "--model.export_hf=false", "--summary.enabled=false", steps=2)
+            if not a.startswith("--data.train_data_path")]
+    assert main([*args, "--data.train_data_path=hf://tiny/missing?split=train"]) == 1
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlflow: error:")]
+    assert len(errors) == 1
+    error = errors[0]
+    assert error.startswith("rlflow: error: data.train_data_path: hf://tiny/missing?split=train: not in the local "
+                            f"datasets cache {cache}") and "load_dataset('tiny/missing')" in error
+
+    cli = cli_main([*args, "--data.train_data_path=hf://tiny/arith?split=train"])
+    assert cli.trainer.global_step == 2
+    trajectories = [json.loads(line)
+                    for line in (Path(cli.trainer.log_dir) / "trajectories.jsonl").read_text().splitlines()]
+    assert len(trajectories) == 2 * 4 * 4  # steps x prompts x completions
+    for t in trajectories:  # the row's own `solution` reached the judger
+        solutions = [r["solution"] for r in trl_rows if f"{r['prompt'][0]['content']}<" in t["prompt"]]
+        assert len(solutions) == 1 and t["reward"] == float(solutions[0])
