@@ -1,6 +1,8 @@
-"""The ``rlflow`` console script: dispatches ``plugins``, ``data`` and ``export`` without importing Lightning.
+"""The ``rlflow`` console script: dispatches ``plugins``, ``data``, ``config`` and ``export`` without importing
+Lightning.
 
-``rlflow plugins`` and ``rlflow data check`` answer in about a second; ``rlflow export`` writes a checkpoint's
+``rlflow plugins`` and ``rlflow data check`` answer in about a second; ``rlflow config from-trl`` writes an rlflow
+config from a TRL one (:mod:`rlflow.trl_config`); ``rlflow export`` writes a checkpoint's
 policy as a Hugging Face model (:mod:`rlflow.training.export`); every other command (``fit``,
 ``validate``, ...) goes to Lightning's CLI in :mod:`rlflow.cli`; ``fit`` first starts a pipelined run's generator
 process (:mod:`rlflow.rollout.prestart`), so that its imports overlap Lightning's.
@@ -21,6 +23,10 @@ def main(argv: list[str] | None = None) -> int:
         from rlflow.data.check import main as data_main
 
         return data_main(args[1:])
+    if args and args[0] == "config":
+        from rlflow.trl_config.command import main as config_main
+
+        return config_main(args[1:])
     if args and args[0] == "export":
         from rlflow.training.export import main as export_main
 
