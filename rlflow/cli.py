@@ -36,7 +36,7 @@ import warnings
 from typing import Any
 
 import yaml
-from jsonargparse import Namespace, set_parsing_settings
+from jsonargparse import ArgumentError, Namespace, set_parsing_settings
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
@@ -44,6 +44,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from rlflow import registry
 from rlflow.config_error import ConfigError
 from rlflow.config_moves import check_argv
+from rlflow.config_parse_errors import parse_error_line, parser_keys, raise_errors
 from rlflow.data.datamodule import RolloutDataModule
 from rlflow.models.model_path import check_model_path
 from rlflow.training.callbacks import (
@@ -235,10 +236,15 @@ class RLFlowCLI(LightningCLI):
         if isinstance(argv, list):
             check_argv(argv)  # a flat key of the old layout: one line naming its new place
             function_judger_help(argv)
-        if args is None:  # the console script: read sys.argv ourselves to expand the logger short names
-            self.config = parser.parse_args(expand_logger_aliases(sys.argv[1:]))
-            return
-        super().parse_arguments(parser, expand_logger_aliases(list(args)) if isinstance(args, list) else args)
+        raise_errors(parser)  # an unknown key or a bad value: one line (below), not jsonargparse's usage text
+        try:
+            if args is None:  # the console script: read sys.argv ourselves to expand the logger short names
+                self.config = parser.parse_args(expand_logger_aliases(sys.argv[1:]))
+                return
+            super().parse_arguments(parser, expand_logger_aliases(list(args)) if isinstance(args, list) else args)
+        except ArgumentError as exc:
+            named = argv if isinstance(argv, list) else []
+            raise ConfigError(parse_error_line(str(exc), named, parser_keys(parser))) from None
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config

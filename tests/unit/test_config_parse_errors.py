@@ -1,0 +1,53 @@
+"""A bad setting (unknown key, wrong type) in a config file or on the command line is one ``rlflow: error:`` line
+naming the file and line (or the command line), the full key, and for an unknown key the closest known one."""
+
+from __future__ import annotations
+
+from rlflow.cli import main
+from rlflow.config_parse_errors import key_line, parse_error_line
+
+DEMO = "configs/demo_cpu.yaml"
+
+
+def run(capsys, *extra: str) -> tuple[int, list[str]]:
+    code = main(["fit", "--config", DEMO, *extra])
+    err = capsys.readouterr().err
+    return code, [line for line in err.splitlines() if line.strip() and not line.startswith(("Seed set", "(set "))]
+
+
+def test_a_bad_key_in_a_config_file_is_one_line_naming_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  optim:\n    lr: 1e-4\n  update:\n    packng: false\n")
+    code, lines = run(capsys, "--config", str(bad))
+    assert code == 1
+    assert lines == [f"rlflow: error: {bad}, line 5: model.update.packng is not a setting; "
+                     "did you mean model.update.packing?"]
+
+
+def test_a_bad_value_on_the_command_line_is_one_line(capsys):
+    code, lines = run(capsys, "--data.sampling.max_tokens=abc")
+    assert code == 1
+    assert lines == ["rlflow: error: command line: data.sampling.max_tokens: expected int, got abc"]
+
+
+def test_a_bad_plugin_argument_names_its_init_args_key(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("model:\n  loss:\n    class_path: bnpo\n    init_args:\n      kl_coef: x\n")
+    message = ("Parser key \"model.loss\":\n  Does not validate against any of the Union subtypes\n  Errors:\n"
+               "    - Expected a <class 'str'>\n    - Problem with given class_path 'rlflow.losses.clipped.BNPOLoss':\n"
+               "        Parser key \"kl_coef\":\n          Expected a <class 'float'>. Got value: x\n")
+    line = parse_error_line(message, ["--config", str(config)], [])
+    assert line == f"{config}, line 5: model.loss.init_args.kl_coef: expected float, got x"
+
+
+def test_a_key_far_from_every_setting_gets_no_guess():
+    line = parse_error_line("Subcommand 'fit' does not accept option 'zzz.qqq'", [], ["data.sampling.max_tokens"])
+    assert line == "zzz.qqq is not a setting (`rlflow fit --help` lists the settings)"
+
+
+def test_key_line_follows_nesting_and_the_fit_level(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("fit:\n  data:\n    a: 1\n    sampling:\n      max_tokens: 3\n")
+    assert key_line(str(path), "data.sampling.max_tokens") == 5
+    assert key_line(str(path), "data.a") == 3
+    assert key_line(str(path), "data.b") is None
