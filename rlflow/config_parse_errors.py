@@ -90,7 +90,7 @@ def parse_error_line(message: str, argv: Sequence[str], known_keys: Iterable[str
     if key and typ is not None:
         return f"{where(key, argv)}{key}: expected {typ.rsplit('.', 1)[-1]}, got {value}"
     first = message.strip().splitlines()[0] if message.strip() else "invalid arguments"
-    return f"{where(key, argv) if key else ''}{first} (`rlflow fit --help` lists the settings)"
+    return f"{where(key, argv) if key else ''}{first}"
 
 
 def parser_keys(parser: Any) -> list[str]:
