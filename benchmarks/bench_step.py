@@ -211,14 +211,18 @@ def summarise(runs: list[dict], warmup: int) -> dict:
             "steps_timed": len(times)}
 
 
-#: bench_step argument <- (section, key) of an rlflow config
+#: bench_step argument <- where an rlflow config sets it: its grouped key, else the flat key of older configs
 CONFIG_KEYS = {
-    "prompts": ("data", "global_batch_size"), "group": ("data", "prompt_repeat_k"),
-    "max_tokens": ("data", "max_tokens"),
-    "temperature": ("data", "temperature"), "lr": ("model", "lr"), "warmup_steps": ("model", "warmup_steps"),
-    "loss": ("model", "loss"), "epsilon": ("model", "epsilon_low"), "epsilon_high": ("model", "epsilon_high"),
-    "kl_coef": ("model", "kl_coef"), "micro_batch": ("model", "micro_batch_size"), "model": ("model", "model_path"),
-    "data": ("data", "train_data_path"),
+    "prompts": ("data.global_batch_size",), "group": ("data.prompt_repeat_k",),
+    "max_tokens": ("data.sampling.max_tokens", "data.max_tokens"),
+    "temperature": ("data.sampling.temperature", "data.temperature"),
+    "lr": ("model.optim.lr", "model.lr"), "warmup_steps": ("model.optim.warmup_steps", "model.warmup_steps"),
+    "loss": ("model.loss.class_path", "model.loss"),
+    "epsilon": ("model.loss.init_args.epsilon_low", "model.epsilon_low"),
+    "epsilon_high": ("model.loss.init_args.epsilon_high", "model.epsilon_high"),
+    "kl_coef": ("model.loss.init_args.kl_coef", "model.kl_coef"),
+    "micro_batch": ("model.update.micro_batch_size", "model.micro_batch_size"),
+    "model": ("model.model_path",), "data": ("data.train_data_path",),
 }
 
 
@@ -229,10 +233,14 @@ def config_settings(path: str) -> dict:
     with open(path, encoding="utf-8") as f:
         config = yaml.safe_load(f)
     out = {}
-    for arg, (section, key) in CONFIG_KEYS.items():
-        value = (config.get(section) or {}).get(key)
-        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
-            out[arg] = value
+    for arg, keys in CONFIG_KEYS.items():
+        for key in keys:
+            value = config
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+                out[arg] = value
+                break
     return out
 
 

@@ -107,14 +107,16 @@ def _residual(
 
 
 def _packed(
-    weight_t: torch.Tensor | PackedWeight, bias: torch.Tensor | None, rows: int, residual: bool = False
+    weight_t: torch.Tensor | PackedWeight, bias: torch.Tensor | None, rows: int, residual: bool = False,
+    checked: bool = False,
 ) -> torch.Tensor | PackedWeight:
     """``weight_t`` packed for products of ``rows`` rows where :mod:`rlflow.rollout.prepack` packs it exactly (no
-    bias; a float32 residual product stays ``addmm``), else as it is."""
+    bias; a float32 residual product stays ``addmm``; ``checked``: a 16-bit product packed only for the row counts
+    where it equals ``torch.mm``), else as it is."""
     plain = weight_t.weight_t if isinstance(weight_t, PackedWeight) else weight_t
     if bias is not None or not packable(plain) or (residual and plain.dtype == torch.float32):
         return plain
-    return PackedWeight(plain, rows)
+    return PackedWeight(plain, rows, checked=checked)
 
 
 def _cat(
@@ -250,8 +252,10 @@ class FusedDecoder:
             return
         for layer in self.layers:
             layer.pack(rows)
-        if self.dtype == torch.float32:  # a 16-bit head is a physical transpose, whose mm rounds unlike oneDNN's
-            self.lm_head_w = _packed(self.lm_head_w, self.lm_head_b, rows)  # packed product: kept as it is
+        if self.dtype == torch.float32:
+            self.lm_head_w = _packed(self.lm_head_w, self.lm_head_b, rows)
+        elif not self.head_fp32:  # a 16-bit head is a physical transpose, whose mm may round unlike oneDNN's packed
+            self.lm_head_w = _packed(self.lm_head_w, self.lm_head_b, rows, checked=True)  # product: per row count
         self.packed_rows = rows
 
     def _rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,8 +19,10 @@ kernels torch's own CPU inference paths use:
   usable for any row count, with the residual add as its ``add`` post-op; bit-identical to ``torch.mm`` /
   ``torch.addmm`` with the same weight as a transposed view of a ``[out, in]`` matrix (checked by the same test),
   which is how the decoder holds its 16-bit layer weights. Its 16-bit LM head is a physically transposed copy,
-  whose ``mm`` takes another kernel path and rounds differently at some row counts, so it stays unpacked (a
-  small part of a step). Only on CPUs with native bf16 (AMX or AVX512-BF16): where bf16 is emulated,
+  whose ``mm`` takes another kernel path on some CPUs and rounds differently at some row counts (and on others
+  repacks the whole head on every call, a large part of a step): it is packed ``checked``, so each row count's
+  packed product is compared once with ``torch.mm`` on a random input (:meth:`PackedWeight.agrees`) and a count
+  that differs runs unpacked. Only on CPUs with native bf16 (AMX or AVX512-BF16): where bf16 is emulated,
   ``torch.mm`` takes other kernels at some row counts (1 row; 333 rows on two threads, on a Xeon with AVX-512 but
   neither) and rounds unlike the packed product for some inputs; bf16 decoding is slower than float32 there
   anyway, and ``dtype: auto`` does not choose it.
@@ -63,11 +65,13 @@ class PackedWeight:
     """A weight matrix (``[in, out]``, as the fused decoder stores it) with a copy in the CPU GEMM library's
     packed layout: ``x @ weight_t`` without repacking the weight on every call (see the module docstring)."""
 
-    def __init__(self, weight_t: torch.Tensor, rows: int) -> None:
+    def __init__(self, weight_t: torch.Tensor, rows: int, checked: bool = False) -> None:
         """
         Args:
             weight_t: The matrix, ``[in, out]``; kept (the products it cannot pack use it).
             rows: Row count of the products to pack for (float32 only: its packing is for one row count).
+            checked: bfloat16: use the packed product only for row counts where it equals ``torch.mm`` with
+                ``weight_t`` (:meth:`agrees`; float32 products are always checked).
         """
         if not packable(weight_t):
             raise ValueError(f"PackedWeight: cannot pack a {weight_t.dtype} {tuple(weight_t.shape)} matrix on "
@@ -75,6 +79,7 @@ class PackedWeight:
         self.weight_t = weight_t
         self.mkl = weight_t.dtype == torch.float32
         self.rows = rows
+        self.checked = checked or self.mkl
         if self.mkl:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight_t.t().contiguous(), rows)
         else:
@@ -82,12 +87,20 @@ class PackedWeight:
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight_t`` (``x`` ``[rows', in]``), bit-identical to ``torch.mm(x, weight_t)``."""
-        if not self.mkl:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         rows = x.shape[0]
+        if not self.mkl:
+            if self.checked and not self.agrees(rows):
+                return torch.mm(x, self.weight_t)
+            return self._packed_mm(x)
         if rows > self.rows or x.dtype != torch.float32 or not self.agrees(rows):
             return torch.mm(x, self.weight_t)
         return self._mkl_mm(x)
+
+    def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """The packed product: MKL's (float32, padded to the packed row count) or oneDNN's (bfloat16)."""
+        if self.mkl:
+            return self._mkl_mm(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
     def _mkl_mm(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
@@ -98,13 +111,16 @@ class PackedWeight:
         return torch.ops.mkl._mkl_linear(x.contiguous(), self.packed, self.weight_t.t(), None, self.rows)
 
     def agrees(self, rows: int) -> bool:
-        """Whether the packed float32 product of ``rows`` rows equals ``torch.mm`` bit for bit on this CPU,
-        checked once per row count and matrix shape on a seeded random input (``torch.mm`` may take another
-        kernel for a few rows, which rounds differently)."""
+        """Whether the packed product of ``rows`` rows equals ``torch.mm`` bit for bit on this CPU, checked once per
+        row count and matrix shape (for bfloat16 also per memory layout and thread count) on a seeded random input
+        (``torch.mm`` may take another kernel for some row counts or layouts, which rounds differently)."""
         key = (rows, self.rows, *self.weight_t.shape)
+        if not self.mkl:
+            key = (self.weight_t.dtype, self.weight_t.stride(), torch.get_num_threads(), *key)
         if key not in _AGREES:
             x = torch.randn(rows, self.weight_t.shape[0], generator=torch.Generator().manual_seed(rows))
-            _AGREES[key] = torch.equal(self._mkl_mm(x), torch.mm(x, self.weight_t))
+            x = x.to(self.weight_t.dtype)
+            _AGREES[key] = torch.equal(self._packed_mm(x), torch.mm(x, self.weight_t))
         return _AGREES[key]
 
     def addmm(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

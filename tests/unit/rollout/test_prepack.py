@@ -86,7 +86,7 @@ def test_a_prepacked_decoder_gives_bit_identical_logits(dtype):
     packed.prepack(6)
     layer = packed.layers[0]
     assert isinstance(layer.qkv_w, PackedWeight)
-    assert isinstance(packed.lm_head_w, PackedWeight) == (dtype == torch.float32)  # a 16-bit head stays mm
+    assert isinstance(packed.lm_head_w, PackedWeight)  # a 16-bit head: packed where its product agrees with mm
     assert isinstance(layer.down_w, PackedWeight) == (dtype == torch.bfloat16)  # float32 residuals stay addmm
     tokens, positions = torch.tensor([5, 9, 11, 300, 2, 7]), torch.tensor([0, 1, 2, 3, 4, 5])
 
@@ -133,3 +133,22 @@ def test_a_row_count_whose_packed_product_rounds_differently_runs_unpacked(monke
     assert prepack._AGREES[(7, 32, 576, 960)] is False  # checked once
     honest = PackedWeight(weight_t, 32)
     assert honest.agrees(32) and torch.equal(honest.mm(torch.ones(32, 576)), honest._mkl_mm(torch.ones(32, 576)))
+
+
+@needs_onednn
+def test_a_checked_bfloat16_head_runs_unpacked_at_a_row_count_whose_packed_product_rounds_differently(monkeypatch):
+    """The 16-bit LM head is a physically transposed copy, whose ``torch.mm`` may take another kernel than oneDNN's
+    packed product: it is packed ``checked``, each row count compared once with ``torch.mm``."""
+    monkeypatch.setattr(prepack, "_AGREES", {})
+    weight_t = torch.randn(640, 512).to(torch.bfloat16).t().contiguous()  # [in, out], physically transposed
+    packed = PackedWeight(weight_t, 6, checked=True)
+    real = packed._packed_mm
+    monkeypatch.setattr(packed, "_packed_mm", lambda x: real(x) * 2 if x.shape[0] == 3 else real(x))
+    x = torch.randn(3, 512).to(torch.bfloat16)
+    assert not packed.agrees(3) and torch.equal(packed.mm(x), torch.mm(x, weight_t))
+    assert packed.agrees(6) and torch.equal(packed.mm(torch.ones(6, 512, dtype=torch.bfloat16)),
+                                            real(torch.ones(6, 512, dtype=torch.bfloat16)))
+    assert len(prepack._AGREES) == 2  # each row count checked once
+    unchecked = PackedWeight(weight_t, 6)  # the layers' products: bit-identical by construction, never checked
+    unchecked.mm(x)
+    assert len(prepack._AGREES) == 2
