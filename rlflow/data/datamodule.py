@@ -152,6 +152,7 @@ class RolloutDataModule(L.LightningDataModule):
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": schemas}
         self.multiturn_args = dict(parser=multiturn.parser, environment=multiturn.environment,
                                    max_turns=multiturn.max_turns, tool_timeout=multiturn.tool_timeout,
+                                   tool_isolation=multiturn.tool_isolation,
                                    chat_template_kwargs=chat_template_kwargs, environment_factory=factory)
         self.multiturn: MultiTurn | None = None  # built with the tokenizer
         if multiturn.enabled:  # a wrong parser/environment/max_turns fails before any model loads
@@ -165,7 +166,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.eval_sampling = SamplingParams(eval_.temperature, 1.0, 0, sampling.max_tokens)
         self.judges = JudgePanel(judging.judger_specs(), judging.weights, [*train_sources, *eval_sources],
                                  timeout=judging.timeout, max_tokens=sampling.max_tokens,
-                                 max_failure_rate=judging.max_failure_rate)
+                                 max_failure_rate=judging.max_failure_rate, isolation=judging.isolation)
         self.advantage = registry.build("rlflow.advantages", advantage)
         dynamic = DynamicSampling(filtering.max_rounds, seed)  # validated even when off
         self.dynamic_sampling = dynamic if filtering.dynamic_sampling else None

@@ -62,7 +62,8 @@ class JudgingSettings(SettingsGroup):
 
     key: ClassVar[str] = "data.judging"
     rules: ClassVar[dict[str, Rule]] = {"timeout": greater_than(0.0, optional=True),
-                                         "max_failure_rate": interval(0.0, 1.0, optional=True)}
+                                         "max_failure_rate": interval(0.0, 1.0, optional=True),
+                                         "isolation": one_of("process", "thread")}
 
     judgers: dict[str, str | Judger | list[str | Judger]] | None = None
     """Judgers per ``data_source``: a short name of the ``rlflow.judgers`` group, an import path (a TRL-style reward
@@ -73,6 +74,12 @@ class JudgingSettings(SettingsGroup):
     timeout: float | None = 60.0
     """Seconds one judger may take on one batch; past it (or if it raises) its samples get no reward from it and
     are counted in ``judger/failures``. None waits forever."""
+    isolation: str = "process"
+    """Where user-written synchronous judgers run (TRL-style reward functions, plugins' judgers, the ``function``
+    judger's function): ``process``: each in a worker process, which ``timeout`` kills together with every process
+    the judger started (counted in ``judger/killed_workers``; the next batch gets a fresh worker); ``thread``: in a
+    thread of the trainer, which ``timeout`` abandons (it runs on, counted in ``judger/abandoned_threads``).
+    rlflow's own judgers, ``async def`` ones and those taking ``environments`` run in the trainer either way."""
     max_failure_rate: float | None = None
     """Share of a rollout step's samples one judger may fail on (raise, time out) while the run goes on; past it
     the run stops at that step, naming the judger, its exception and the keywords it was given. None: stop only
@@ -153,7 +160,8 @@ class MultiTurnSettings(SettingsGroup):
     """``data.multiturn``: tool calls and environments, which make rollouts multi-turn."""
 
     key: ClassVar[str] = "data.multiturn"
-    rules: ClassVar[dict[str, Rule]] = {"max_turns": at_least(1), "tool_timeout": greater_than(0.0, optional=True)}
+    rules: ClassVar[dict[str, Rule]] = {"max_turns": at_least(1), "tool_timeout": greater_than(0.0, optional=True),
+                                         "tool_isolation": one_of("process", "thread")}
 
     tools: list[Any] | None = None
     """Tools the policy may call, each an import path (``my_pkg.tools:search``, a TRL-style typed function with a
@@ -166,6 +174,11 @@ class MultiTurnSettings(SettingsGroup):
     tool_timeout: float | None = 30.0
     """Seconds one tool call may take; past it (or if the tool raises, or gets bad arguments) the model gets an
     error message as the tool's result, counted in ``tools/failure_frequency``."""
+    tool_isolation: str = "process"
+    """Where a user's plain tools run: ``process``: in worker processes, which ``tool_timeout`` kills together with
+    every process the call started; ``thread``: in threads of the trainer, which ``tool_timeout`` abandons.
+    ``async def`` tools and rlflow's own (``calculator``; ``python`` runs in its sandbox) run in the trainer either
+    way."""
     environment: str | dict[str, Any] | None = None
     """A multi-turn environment (``rlflow.environments`` short name, import path or ``class_path``/``init_args``),
     one instance per trajectory."""

@@ -8,7 +8,8 @@ calls it with TRL's keywords (``prompts``, ``completions``, ``completion_ids``, 
 ``rename`` passes a column under another keyword, e.g. ``{"solution": "ground_truth"}`` so TRL's
 ``accuracy_reward`` reads XTuner's ``reward_model.ground_truth``. The metric name is the function's
 ``__name__``, as in TRL. (A bare import path as the judger, ``"my_pkg.rewards:reward_fn"``, also works; this
-class adds the options.)
+class adds the options.) With ``data.judging.isolation: process`` the function runs in a worker process, where
+the judger is rebuilt from its arguments (so a factory's closure works there too).
 """
 
 from __future__ import annotations
@@ -45,8 +46,16 @@ class FunctionJudger(Judger):
         self.fn = fn
         self.accepts = accepted_keywords(fn)  # what fn is given after the renames
         self.path = path
+        self.factory_kwargs = factory_kwargs
         self.rename = dict(rename or {})
         self.name = name or getattr(fn, "__name__", None) or type(fn).__name__
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled as its arguments: a copy imports the function again (and calls the factory again), so a
+        factory's closure reaches a judger's worker process (:mod:`rlflow.isolation`) too."""
+        if type(self) is not FunctionJudger:  # a subclass's constructor may take other arguments
+            return super().__reduce_ex__(protocol)
+        return FunctionJudger, (self.path, self.factory_kwargs, self.rename, self.name)
 
     def __call__(self, **kwargs: Any) -> Any:
         for new, old in self.rename.items():

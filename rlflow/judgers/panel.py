@@ -91,13 +91,15 @@ class JudgePanel:
         max_tokens: The completion budget, a default for judgers that take it (``overlong``).
         max_failure_rate: Share of a step's samples one judger may fail on (``data.judging.max_failure_rate``;
             None: any share short of all of them; :func:`~rlflow.judgers.runner.stop_if_unusable` reads it).
+        isolation: Where user-written judgers run (``data.judging.isolation``: ``process`` or ``thread``).
     """
 
     def __init__(self, judgers: dict[str, Any], reward_weights: dict[str, float] | None,
                  sources: Sequence[DataSource], timeout: float | None = 60.0, max_tokens: int | None = None,
-                 max_failure_rate: float | None = None) -> None:
+                 max_failure_rate: float | None = None, isolation: str = "process") -> None:
         defaults = {"max_tokens": max_tokens} if max_tokens is not None else {}
-        self.routing = SourceJudgers(judgers, reward_weights, sources, timeout=timeout, defaults=defaults)
+        self.routing = SourceJudgers(judgers, reward_weights, sources, timeout=timeout, defaults=defaults,
+                                     isolation=isolation)
         self.max_failure_rate = max_failure_rate
         self.default: JudgerRunner = self.routing.default  # rows of sources without their own judgers
         self.tokenizer: Any = None

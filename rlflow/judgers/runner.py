@@ -5,17 +5,24 @@ or a list of them; the key ``"*"`` catches every source without its own entry. S
 are summed with ``reward_weights`` (default 1.0), skipping ``None`` ("not applicable") as TRL's NaN-aware sum
 does; a sample no judger scored gets 0.0 and is counted in ``judger/unscored``.
 
-All judgers of a batch run at once, awaited on the runner's event loop: plain ones each in its own daemon
-thread (so a hung one can be abandoned and cannot block the process from exiting), ``async def`` ones on an
-event loop of their own, one per judger in its own daemon thread, kept across batches (so loop-bound clients
-survive, and an async judger that blocks its loop, e.g. with ``time.sleep``, stalls only that loop; the next
-batch gets it a fresh one). Every call has a timeout; a judger that raises (any exception, ``SystemExit`` and
-``KeyboardInterrupt`` raised inside it too) or times out gives ``None`` for its samples, is counted in
-``judger/failures`` and logged with its exception once, and training goes on; so does an infinite reward (NaN
-means "not applicable", as in TRL). Each judger's share of the failures is in :attr:`JudgeResult.judgers`, from
-which :meth:`JudgeResult.problem` tells a judger that cannot work (it failed on every sample, or on more than
-``data.judging.max_failure_rate`` of them): :func:`stop_if_unusable` stops the run on it with a
-:class:`JudgerError`.
+All judgers of a batch run at once, awaited on the runner's event loop. With ``isolation="process"`` (the default,
+``data.judging.isolation``) a user-written synchronous judger (a TRL-style reward function, a plugin's judger, the
+``function`` judger's function: :func:`runs_in_worker`; one that a new process can load, not a closure) runs in a
+worker process (:class:`rlflow.isolation.Isolated`): at the timeout the worker is killed, with every process it
+started, and the next batch gets a fresh one (counted in ``judger/killed_workers``); a worker that dies fails its
+call with how it ended. The call's ``trainer_state`` travels to the worker, its ``log_extra``/``log_metric`` calls
+are checked there and replayed here, and a judger's ``consume_failed()`` report comes back with its rewards.
+rlflow's own judgers, ``async def`` ones and those taking ``environments`` (whose instances live in the trainer) run
+in the trainer, as every judger does with ``isolation="thread"``: plain ones each in its own daemon thread (so a
+hung one can be abandoned and cannot block the process from exiting), ``async def`` ones on an event loop of their
+own, one per judger in its own daemon thread, kept across batches (so loop-bound clients survive, and an async
+judger that blocks its loop, e.g. with ``time.sleep``, stalls only that loop; the next batch gets it a fresh one).
+Every call has a timeout; a judger that raises (any exception, ``SystemExit`` and ``KeyboardInterrupt`` raised
+inside it too) or times out gives ``None`` for its samples, is counted in ``judger/failures`` and logged with its
+exception once, and training goes on; so does an infinite reward (NaN means "not applicable", as in TRL). Each
+judger's share of the failures is in :attr:`JudgeResult.judgers`, from which :meth:`JudgeResult.problem` tells a
+judger that cannot work (it failed on every sample, or on more than ``data.judging.max_failure_rate`` of them):
+:func:`stop_if_unusable` stops the run on it with a :class:`JudgerError`.
 A judger that breaks the contract (wrong number of rewards, a non-number) is a bug, not bad luck: that is an
 error naming it.
 
@@ -23,19 +30,21 @@ Each call gets TRL's keywords besides the samples and columns: ``trainer_state``
 ``log_metric`` (:mod:`rlflow.judgers.context`); a judger without ``**kwargs`` gets only those its signature names.
 
 Simplifications: one call per judger per batch (a judger batches or parallelises inside itself, as
-``remote`` does); a timed-out thread is abandoned, not killed (Python cannot kill threads): the threads still
-running are counted in ``judger/abandoned_threads``. The wait for a whole batch is bounded too (the timeout and
-a few seconds), so not even a broken event loop can hang the run.
+``remote`` does); a timed-out thread (a judger running in the trainer) is abandoned, not killed (Python cannot
+kill threads): the threads still running are counted in ``judger/abandoned_threads``. The wait for a whole
+batch is bounded too (the timeout and a few seconds), so not even a broken event loop can hang the run.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import logging
 import math
 import numbers
+import pickle
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -43,12 +52,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlflow import registry
-from rlflow.judgers.context import JudgerLogs, RunState, accepted_keywords, before_training, select_keywords
+from rlflow.isolation import Isolated, Outcome, Recorded, close_all, portable, warm_up
+from rlflow.judgers.context import JudgerLogs, RunState, accepted_keywords, before_training, plain, select_keywords
+from rlflow.judgers.function import FunctionJudger
 
 GROUP = "rlflow.judgers"
 log = logging.getLogger(__name__)
 #: Seconds a batch's judging may run past ``data.judging.timeout`` before its wait gives up on the whole batch.
 GRACE = 5.0
+#: Seconds a judger's worker process is given past the timeout to be killed before the wait gives up on it.
+KILL_MARGIN = 2.0
+#: Where ``data.judging.isolation`` (and ``data.multiturn.tool_isolation``) may run user code.
+ISOLATIONS = ("process", "thread")
+#: Keywords whose values live in the trainer (TRL's ``environments``, the environment instances): a judger naming
+#: one, or a call given one, runs in the trainer, where changes to them are seen.
+TRAINER_ONLY = frozenset({"environments"})
 #: Threads of plain judgers abandoned after their timeout (alive until the call returns, if ever).
 _abandoned_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
@@ -90,7 +108,12 @@ class JudgerContractError(registry.PluginError, ValueError, TypeError):
 
 
 class JudgerTimeout(TimeoutError):
-    """A judger did not return within ``data.judging.timeout`` seconds."""
+    """A judger did not return within ``data.judging.timeout`` seconds; ``killed``: its worker process was killed
+    (else its thread was abandoned)."""
+
+    def __init__(self, message: str, killed: bool = False) -> None:
+        super().__init__(message)
+        self.killed = killed
 
 
 class JudgerError(registry.PluginError):
@@ -108,16 +131,19 @@ def one_line(exc: BaseException) -> str:
 @dataclass
 class JudgerStats:
     """One judger's share of a judged batch: the samples routed to it, how many it failed on, and (where one did)
-    the first failure, with the keywords that call was given."""
+    the first failure, with the keywords that call was given; ``killed``: its worker processes killed at the
+    timeout."""
 
     samples: int = 0
     failed: int = 0
     error: str | None = None
     keywords: tuple[str, ...] = ()
+    killed: int = 0
 
     def __add__(self, other: JudgerStats) -> JudgerStats:
         first = self if self.error is not None else other
-        return JudgerStats(self.samples + other.samples, self.failed + other.failed, first.error, first.keywords)
+        return JudgerStats(self.samples + other.samples, self.failed + other.failed, first.error, first.keywords,
+                           self.killed + other.killed)
 
 
 @dataclass
@@ -205,15 +231,17 @@ def judge_metrics(per_judger: dict[str, list[float | None]],
     """The metrics of a judged batch from each judger's per-sample values (None: not scored by it).
 
     ``judger/unscored`` counts samples no judger scored, ``judger/failures`` the judgers' failures (``judgers``: a
-    failure is not visible in the values), ``judger/abandoned_threads`` the judger threads still running after their
-    timeout, and ``rewards/<name>/mean|std`` (TRL's names; sample std) cover the scored samples.
+    failure is not visible in the values), ``judger/killed_workers`` the judgers' worker processes killed at their
+    timeout, ``judger/abandoned_threads`` the judger threads (in the trainer) still running after their timeout, and
+    ``rewards/<name>/mean|std`` (TRL's names; sample std) cover the scored samples.
     One implementation for the runner, mixed-source batches and batches judged in chunks.
     """
     n = max((len(v) for v in per_judger.values()), default=0)
     unscored = sum(all(values[i] is None for values in per_judger.values()) for i in range(n))
     failures = sum(stats.failed for stats in (judgers or {}).values())
+    killed = sum(stats.killed for stats in (judgers or {}).values())
     metrics = {"judger/unscored": float(unscored), "judger/failures": float(failures),
-               "judger/abandoned_threads": float(abandoned_threads())}
+               "judger/killed_workers": float(killed), "judger/abandoned_threads": float(abandoned_threads())}
     for name, values in per_judger.items():
         scored = [v for v in values if v is not None]
         if scored:
@@ -226,10 +254,101 @@ def judge_metrics(per_judger: dict[str, list[float | None]],
 
 @dataclass
 class _Call:
-    """One judger call in flight: set ``ended`` once an async call's coroutine ends; ``thread`` runs a plain one."""
+    """One judger call in flight: set ``ended`` once an async call's coroutine ends; ``thread`` runs a plain one (or
+    waits on its worker process); ``killed``: its worker was killed at the timeout; ``reported``: what the judger's
+    ``consume_failed()`` said in its worker process."""
 
     ended: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
+    killed: bool = False
+    reported: tuple[list[int], int] | None = None
+
+
+def is_rlflows(code: Any) -> bool:
+    """Whether ``code`` (a function, class or instance) is defined in rlflow itself."""
+    try:
+        module = getattr(code, "__module__", None)
+    except Exception:  # noqa: BLE001 - a hostile __getattr__: not ours
+        module = None
+    module = module if isinstance(module, str) else type(code).__module__
+    return module == "rlflow" or module.startswith("rlflow.")
+
+
+def names_any(code: Any, keywords: frozenset[str]) -> bool:
+    """Whether the signature of ``code`` names one of ``keywords`` (False where it cannot be read)."""
+    try:
+        return not keywords.isdisjoint(inspect.signature(code).parameters)
+    except (TypeError, ValueError):
+        return False
+
+
+def runs_in_worker(judger: Any) -> bool:
+    """Whether ``data.judging.isolation: process`` runs ``judger`` in a worker process: a user-written synchronous
+    judger (for the ``function`` judger, its function decides). rlflow's own judgers, ``async def`` ones and those
+    whose signature names a keyword of :data:`TRAINER_ONLY` run in the trainer."""
+    code = judger.fn if isinstance(judger, FunctionJudger) else judger
+    return not (is_async(code) or is_rlflows(code) or names_any(code, TRAINER_ONLY))
+
+
+def reported_failures(judger: Any) -> tuple[list[int], int]:
+    """The samples ``judger`` gave None because of an error in its last call, for judgers that fail per sample (see
+    :mod:`rlflow.judgers.base`): their positions in the call and how many, from ``consume_failed()``; from a judger
+    that only counts them (``consume_failures()``), no positions and the count."""
+    consume_failed = getattr(judger, "consume_failed", None)
+    if callable(consume_failed):
+        positions = sorted(consume_failed())
+        return positions, len(positions)
+    consume = getattr(judger, "consume_failures", None)
+    return [], int(consume()) if callable(consume) else 0
+
+
+class InWorker:
+    """A judger as its worker process calls it: the rewards (an iterator or a coroutine resolved, to travel back)
+    and the failures it reports for the call (:func:`reported_failures`)."""
+
+    def __init__(self, judger: Any) -> None:
+        self.judger = judger
+
+    def __call__(self, **kwargs: Any) -> tuple[Any, tuple[list[int], int]]:
+        out = self.judger(**kwargs)
+        if inspect.isawaitable(out):
+            out = asyncio.run(_awaited(out))
+        if hasattr(out, "__next__"):  # a generator: a list travels
+            out = list(out)
+        try:
+            pickle.dumps(out)
+        except Exception as exc:  # noqa: BLE001 - anything pickle refuses: the call's failure, with what it was
+            shown = repr(out)
+            raise TypeError(f"it returned {shown[:200] + '...' if len(shown) > 200 else shown}, which cannot be sent "
+                            f"back from its worker process ({one_line(exc)})") from None
+        return out, reported_failures(self.judger)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
+
+
+def _checked_extra(n: int, column: str, values: Any) -> tuple[str, list[Any]]:
+    """A worker's ``log_extra`` arguments checked as :class:`JudgerLogs` checks them (raising inside the judger)."""
+    values = list(values)
+    if len(values) != n:
+        raise ValueError(f"log_extra({column!r}, values) got {len(values)} values for the call's {n} completions "
+                         "(one per completion)")
+    return str(column), [plain(value) for value in values]
+
+
+def _checked_metric(name: str, value: float) -> tuple[str, float]:
+    return str(name), float(value)
+
+
+def worker_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A judger call's keywords as its worker process gets them: ``log_extra``/``log_metric`` recorded there."""
+    out = dict(kwargs)
+    if "log_extra" in out:
+        out["log_extra"] = Recorded(functools.partial(_checked_extra, len(kwargs.get("completions", ()))))
+    if "log_metric" in out:
+        out["log_metric"] = Recorded(_checked_metric)
+    return out
 
 
 def _in_daemon_thread(fn: Callable[..., Any], kwargs: dict[str, Any], name: str, call: _Call) -> asyncio.Future:
@@ -287,6 +406,8 @@ class JudgerRunner:
         reward_weights: Weight of each judger (by name) in the summed reward; default 1.0.
         timeout: Seconds one judger may take on one batch before its samples get ``None``; None waits forever.
         defaults: Constructor arguments offered to every judger class that accepts them (e.g. ``max_tokens``).
+        isolation: ``process``: user-written synchronous judgers (:func:`runs_in_worker`) run in worker processes,
+            killed at the timeout; ``thread``: every judger runs in the trainer (a hung one is abandoned).
     """
 
     def __init__(
@@ -295,6 +416,7 @@ class JudgerRunner:
         reward_weights: dict[str, float] | None = None,
         timeout: float | None = 60.0,
         defaults: dict[str, Any] | None = None,
+        isolation: str = "process",
     ) -> None:
         if not judgers:
             raise ValueError(
@@ -303,7 +425,10 @@ class JudgerRunner:
             )
         if timeout is not None and timeout <= 0:
             raise ValueError(f"data.judging.timeout must be positive seconds (or null to wait forever), got {timeout}")
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"data.judging.isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
         self.timeout = timeout
+        self.isolation = isolation
         self.routes: dict[str, list[str]] = {}
         self.judgers: dict[str, Callable[..., Any]] = {}
         built: list[tuple[Any, str]] = []  # (spec, name): an identical spec on two routes is one judger
@@ -343,15 +468,40 @@ class JudgerRunner:
         self._loop_lock = threading.Lock()
         self._judger_loops: dict[str, asyncio.AbstractEventLoop] = {}  # each async judger's own loop
         self._abandoned: dict[str, list[threading.Event]] = {}  # async calls that timed out: set once they end
+        self._pools: dict[str, Isolated | None] = {}  # each judger's worker processes (None: in-thread)
+        if any(self.in_worker(name) for name in self.judgers):
+            warm_up()  # the worker processes' zygote starts while the model loads
 
-    def __getstate__(self) -> dict[str, Any]:  # event loops and threads do not pickle; they restart lazily
+    def __getstate__(self) -> dict[str, Any]:  # event loops, threads and processes do not pickle; they restart lazily
         state = dict(self.__dict__)
         state["_loop"], state["_loop_lock"], state["_judger_loops"], state["_abandoned"] = None, None, {}, {}
+        state["_pools"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._loop_lock = threading.Lock()
+
+    def in_worker(self, name: str) -> bool:
+        """Whether judger ``name`` runs in a worker process (``isolation="process"`` and :func:`runs_in_worker`)."""
+        return self.isolation == "process" and runs_in_worker(self.judgers[name])
+
+    def pool(self, name: str) -> Isolated | None:
+        """The worker processes of judger ``name`` (made on first use), or None where it runs in the trainer: not
+        :meth:`in_worker`, or a judger a new process cannot load (a closure, a lambda, a function of ``__main__``:
+        it runs in a thread, with a warning)."""
+        with self._loop_lock:
+            if name not in self._pools:
+                payload, why = portable(InWorker(self.judgers[name])) if self.in_worker(name) else (None, None)
+                if why is not None:
+                    log.warning("judger %r runs in a thread of the trainer, where a timeout abandons it instead of "
+                                "stopping it: a worker process cannot load it (%s); name it by import path", name, why)
+                self._pools[name] = Isolated(payload, f"judger {name!r}") if payload is not None else None
+            return self._pools[name]
+
+    def close(self) -> None:
+        """Kill the judgers' idle worker processes (a later batch starts new ones)."""
+        close_all(self._pools)
 
     def route(self, data_source: str | None) -> list[str]:
         names = self.routes.get(data_source or "", self.routes.get("*"))
@@ -391,9 +541,39 @@ class JudgerRunner:
             self._judger_loops[name] = loop
         return loop
 
+    def _in_worker(self, pool: Isolated, kwargs: dict[str, Any]) -> Outcome:
+        """One call in ``pool``'s worker process, its ``log_extra``/``log_metric`` records replayed on ``kwargs``'s."""
+        outcome = pool.call((), worker_keywords(kwargs), self.timeout)
+        for key, args in outcome.records:
+            try:
+                kwargs[key](*args)
+            except Exception as exc:  # noqa: BLE001 - checked in the worker already; a failure of the call if not
+                outcome.error = outcome.error or exc
+        return outcome
+
+    async def _in_pool(self, name: str, pool: Isolated, kwargs: dict[str, Any],
+                       call: _Call) -> tuple[Any, BaseException | None]:
+        outcome = await _in_daemon_thread(self._in_worker, {"pool": pool, "kwargs": kwargs}, name, call)
+        if outcome.killed:
+            call.killed = True
+            return None, JudgerTimeout(f"judger {name!r} did not answer within data.judging.timeout={self.timeout} s;"
+                                       " its worker process was killed", killed=True)
+        if outcome.error is not None:
+            return None, outcome.error
+        out, call.reported = outcome.value
+        return out, None
+
+    def _pooled(self, name: str, kwargs: dict[str, Any]) -> Isolated | None:
+        """Judger ``name``'s worker processes for a call with ``kwargs``; None: this call runs in the trainer (it
+        passes a keyword of :data:`TRAINER_ONLY`)."""
+        return None if not TRAINER_ONLY.isdisjoint(kwargs) else self.pool(name)
+
     async def _invoke(self, name: str, kwargs: dict[str, Any], call: _Call) -> tuple[Any, BaseException | None]:
         judger = self.judgers[name]
         try:
+            pool = self._pooled(name, kwargs)
+            if pool is not None:
+                return await self._in_pool(name, pool, kwargs, call)
             if is_async(judger):
                 async def run() -> tuple[Any, BaseException | None]:
                     try:
@@ -416,10 +596,12 @@ class JudgerRunner:
         except BaseException as exc:  # noqa: BLE001 - a failing judger costs its samples' rewards, not the run
             return None, exc
 
-    async def _call(self, name: str, kwargs: dict[str, Any]) -> tuple[Any, BaseException | None]:
-        call = _Call()
+    async def _call(self, name: str, kwargs: dict[str, Any], call: _Call) -> tuple[Any, BaseException | None]:
+        bound = self.timeout
+        if bound is not None and self._pooled(name, kwargs) is not None:
+            bound += KILL_MARGIN  # the worker is killed at the timeout itself; this wait is for a wedged pipe
         try:  # only wait_for's own timeout lands here: the judger's exceptions are caught in _invoke
-            return await asyncio.wait_for(self._invoke(name, kwargs, call), self.timeout)
+            return await asyncio.wait_for(self._invoke(name, kwargs, call), bound)
         except asyncio.TimeoutError:
             if is_async(self.judgers[name]):
                 self._abandoned.setdefault(name, []).append(call.ended)
@@ -427,8 +609,9 @@ class JudgerRunner:
                 _abandoned_threads.add(call.thread)
             return None, JudgerTimeout(f"judger {name!r} did not answer within data.judging.timeout={self.timeout} s")
 
-    async def _call_all(self, jobs: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, BaseException | None]]:
-        results = await asyncio.gather(*(self._call(name, kwargs) for name, kwargs in jobs.items()))
+    async def _call_all(self, jobs: dict[str, dict[str, Any]],
+                        calls: dict[str, _Call]) -> dict[str, tuple[Any, BaseException | None]]:
+        results = await asyncio.gather(*(self._call(name, kwargs, calls[name]) for name, kwargs in jobs.items()))
         return dict(zip(jobs, results))
 
     def keywords(self, name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -440,26 +623,41 @@ class JudgerRunner:
             kwargs = {**kwargs, **JudgerLogs(n).keywords(range(n), before_training())}
         return select_keywords(kwargs, self.accepts[name])
 
-    def call_all(self, jobs: dict[str, dict[str, Any]]) -> dict[str, tuple[Any, BaseException | None]]:
+    def call_all(self, jobs: dict[str, dict[str, Any]],
+                 calls: dict[str, _Call] | None = None) -> dict[str, tuple[Any, BaseException | None]]:
         """Run every ``name -> kwargs`` job concurrently (each judger given :meth:`keywords`); return
-        ``name -> (output, exception or None)``.
+        ``name -> (output, exception or None)`` (``calls``, if given, gets each job's :class:`_Call`).
 
-        The wait is bounded by the timeout and :data:`GRACE` seconds: past it (the runner's own event loop no
-        longer answers) every job counts as timed out and the next batch gets a fresh loop."""
+        Judgers running in worker processes first get a loaded worker each (up to
+        :data:`rlflow.isolation.START_TIMEOUT` seconds; one that cannot start fails its job), so the timeout counts
+        the call alone. The wait is bounded by the timeout and :data:`GRACE` seconds (and the kill margin): past it
+        (the runner's own event loop no longer answers) every job counts as timed out and the next batch gets a fresh
+        loop."""
+        calls = calls if calls is not None else {}
         if not jobs:
             return {}
         jobs = {name: self.keywords(name, kwargs) for name, kwargs in jobs.items()}
-        future = asyncio.run_coroutine_threadsafe(self._call_all(jobs), self.loop())
-        bound = None if self.timeout is None else self.timeout + GRACE
+        calls.update({name: _Call() for name in jobs})
+        failed = {}
+        for name, kwargs in jobs.items():
+            pool = self._pooled(name, kwargs)
+            error = pool.prepare() if pool is not None else None
+            if error is not None:
+                failed[name] = (None, error)
+        jobs = {name: kwargs for name, kwargs in jobs.items() if name not in failed}
+        if not jobs:
+            return failed
+        future = asyncio.run_coroutine_threadsafe(self._call_all(jobs, calls), self.loop())
+        bound = None if self.timeout is None else self.timeout + GRACE + KILL_MARGIN
         try:
-            return future.result(bound)
+            return {**future.result(bound), **failed}
         except concurrent.futures.TimeoutError:
             future.cancel()
             with self._loop_lock:
                 self._loop = None  # the stuck loop's thread is abandoned (a daemon)
             error = JudgerTimeout(f"the judgers' event loop did not answer within data.judging.timeout={self.timeout}"
                                   f" s + {GRACE:g} s")
-            return {name: (None, error) for name in jobs}
+            return {**{name: (None, error) for name in jobs}, **failed}
 
     def check(self, name: str, out: Any, n: int) -> list[float | None]:
         """Check one judger's output for ``n`` samples: a list of numbers or None (NaN counts as None)."""
@@ -495,16 +693,9 @@ class JudgerRunner:
         )
 
     def own_failures(self, name: str) -> tuple[list[int], int]:
-        """The samples judger ``name`` gave None because of an error in its last call, for judgers that fail per
-        sample (see :mod:`rlflow.judgers.base`): their positions in the call and how many, from ``consume_failed()``;
-        from a judger that only counts them (``consume_failures()``), no positions and the count."""
-        judger = self.judgers[name]
-        consume_failed = getattr(judger, "consume_failed", None)
-        if callable(consume_failed):
-            positions = sorted(consume_failed())
-            return positions, len(positions)
-        consume = getattr(judger, "consume_failures", None)
-        return [], int(consume()) if callable(consume) else 0
+        """The samples judger ``name`` gave None because of an error in its last call (in the trainer):
+        :func:`reported_failures`."""
+        return reported_failures(self.judgers[name])
 
     # ------------------------------------------------------------------------------------------- judging
     def judge(
@@ -539,10 +730,12 @@ class JudgerRunner:
             })
         failed: list[tuple[str, ...]] = [()] * n
         stats: dict[str, JudgerStats] = {}
-        outputs = self.call_all(jobs)
+        calls: dict[str, _Call] = {}
+        outputs = self.call_all(jobs, calls)
         logs.close()  # a judger abandoned after its timeout logs nothing more into this batch
         for name, (out, exc) in outputs.items():
             idx = indices[name]
+            call = calls.get(name) or _Call()
             if exc is not None:
                 self.report_failure(name, exc, len(idx))
                 lost, counted = list(range(len(idx))), len(idx)
@@ -557,10 +750,10 @@ class JudgerRunner:
                         values[p] = None
                 for i, value in zip(idx, values):
                     per_judger[name][i] = value
-                own, own_count = self.own_failures(name)
+                own, own_count = call.reported if call.reported is not None else self.own_failures(name)
                 lost, counted = lost + own, len(lost) + own_count
             stats[name] = JudgerStats(len(idx), counted, one_line(exc) if exc is not None else None,
-                                      tuple(jobs[name]))
+                                      tuple(jobs[name]), int(call.killed))
             for p in lost:  # positions in this judger's share of the batch
                 failed[idx[p]] += (name,)
         rewards = []

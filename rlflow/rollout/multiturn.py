@@ -151,11 +151,13 @@ class MultiTurn:
             public methods are tools, one instance per trajectory. Not together with ``environment``.
         max_turns: Most model turns per trajectory.
         tool_timeout: Seconds one tool call may take.
+        tool_isolation: Where a user's plain tools run: ``process`` (worker processes the timeout kills) or
+            ``thread`` (:class:`~rlflow.tools.base.ToolRunner`).
         chat_template_kwargs: Passed to every ``apply_chat_template`` (``tools`` is added from ``tools``).
     """
 
     def __init__(self, tokenizer: Any, tools: dict[str, Tool], parser: Any = "hermes", environment: Any = None,
-                 max_turns: int = 4, tool_timeout: float | None = 30.0,
+                 max_turns: int = 4, tool_timeout: float | None = 30.0, tool_isolation: str = "process",
                  chat_template_kwargs: dict[str, Any] | None = None, environment_factory: Any = None) -> None:
         if max_turns < 1:
             raise ValueError(f"data.multiturn.max_turns must be >= 1, got {max_turns}")
@@ -163,7 +165,7 @@ class MultiTurn:
             raise ConfigError(BOTH_ENVIRONMENTS)
         self.tokenizer = tokenizer
         self.tools = tools
-        self.runner = ToolRunner(tools, tool_timeout)
+        self.runner = ToolRunner(tools, tool_timeout, tool_isolation)
         self.parser: ToolParser = registry.build(PARSER_GROUP, parser)
         self.environment = environment
         if environment is not None:

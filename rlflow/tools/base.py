@@ -9,14 +9,19 @@ as ``{class_path: <name or path>, init_args: {...}}``: its instance is the tool,
 its ``name`` attribute the tool's name.
 
 :class:`ToolRunner` runs the calls of one model turn concurrently, each with a timeout, on its own event loop
-(the judger runner's approach: ``async`` tools as tasks, plain ones each in a daemon thread that can be
-abandoned). A call to an unknown tool, with arguments that do not fit the signature or that failed to parse, a
-tool that raises (any exception: ``SystemExit`` and ``KeyboardInterrupt`` raised inside a tool too) and a tool
-that times out all become a :class:`ToolResult` with ``ok=False`` whose ``content`` says what went wrong, for
-the model to read; the rollout goes on. Inside a call, :func:`time_left` says how long the call has left: a tool
-that starts work it can stop (the ``python`` tool's sandboxed process) stops it at that deadline, so nothing it
-started outlives the call. Simplifications: a plain tool's thread that times out is abandoned, not killed (Python
-cannot kill threads); a tool's return value is turned into text with ``str`` (``json.dumps`` for dicts and lists).
+(the judger runner's approach). With ``isolation="process"`` (the default, ``data.multiturn.tool_isolation``) a
+user's plain tool runs in a worker process (:class:`rlflow.isolation.Isolated`, one per concurrent call, kept for
+later calls): at the timeout the worker is killed with every process it started, and the next call gets a fresh
+one; a worker that dies fails its call (``crashed``). ``async`` tools run as tasks; rlflow's own tools, tools a new
+process cannot load (a closure, a lambda: with a warning) and, with ``isolation="thread"``, every plain tool run in
+a daemon thread that is abandoned at the timeout. A call to an
+unknown tool, with arguments that do not fit the signature or that failed to parse, a tool that raises (any
+exception: ``SystemExit`` and ``KeyboardInterrupt`` raised inside a tool too), crashes or times out all become a
+:class:`ToolResult` with ``ok=False`` whose ``content`` says what went wrong, for the model to read; the rollout
+goes on. Inside a call, :func:`time_left` says how long the call has left (in a worker process too): a tool that
+starts work it can stop (the ``python`` tool's sandboxed process) stops it at that deadline, so nothing it started
+outlives the call. Simplifications: a thread that times out is abandoned, not killed (Python cannot kill threads);
+a tool's return value is turned into text with ``str`` (``json.dumps`` for dicts and lists).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import contextvars
 import functools
 import inspect
 import json
+import logging
 import threading
 import time
 import weakref
@@ -36,9 +42,11 @@ from typing import Any
 
 from rlflow import registry
 from rlflow.config_error import ConfigError
-from rlflow.judgers.runner import _Call, _in_daemon_thread, _serve, is_async
+from rlflow.isolation import Isolated, Outcome, WorkerCrashed, WorkerError, portable
+from rlflow.judgers.runner import ISOLATIONS, _Call, _in_daemon_thread, _serve, is_async, is_rlflows
 
 GROUP = "rlflow.tools"
+log = logging.getLogger(__name__)
 #: When the tool call running in this thread or task must end (``time.monotonic()``); None: no limit.
 _deadline: contextvars.ContextVar[float | None] = contextvars.ContextVar("rlflow_tool_deadline", default=None)
 
@@ -57,6 +65,12 @@ def _until(deadline: float | None, fn: Callable[..., Any], /, **arguments: Any) 
     return fn(**arguments)
 
 
+def _tool_in_worker(fn: Callable[..., Any], deadline: float | None, /, **arguments: Any) -> Any:
+    """:func:`_until` with the tool first: the callable a tool's worker process keeps (``time.monotonic`` is the
+    same clock in every process)."""
+    return _until(deadline, fn, **arguments)
+
+
 @dataclass
 class ToolCall:
     """One call parsed from a completion; ``error`` is set when the call could not be parsed (``arguments`` is then
@@ -70,7 +84,8 @@ class ToolCall:
 @dataclass
 class ToolResult:
     """What a call returned, as the text of the tool message; ``ok`` is False for every kind of failure, and
-    ``failure`` names it (``unknown_tool``, ``bad_arguments``, ``raised``, ``timeout``)."""
+    ``failure`` names it (``unknown_tool``, ``bad_arguments``, ``raised``, ``timeout``, ``crashed``: its worker
+    process died or could not load the tool)."""
 
     name: str
     content: str
@@ -128,6 +143,32 @@ def load_tools(specs: Sequence[Any] | None) -> dict[str, Tool]:
     return tools
 
 
+#: Each tool function's worker processes, shared by the runners that have it (a multi-turn rollout's runner and
+#: the per-trajectory runners beside it); they end once no runner holds them.
+_TOOL_POOLS: weakref.WeakValueDictionary[int, Isolated] = weakref.WeakValueDictionary()
+_TOOL_POOLS_LOCK = threading.Lock()
+_IN_THREAD: set[str] = set()  # tools warned about running in a thread
+
+
+def _tool_pool(fn: Callable[..., Any], name: str) -> Isolated | None:
+    """The worker processes of tool function ``fn`` (a new :class:`~rlflow.isolation.Isolated` unless a runner
+    holds one); None for a tool a new process cannot load (a closure, a lambda, a function of ``__main__``), which
+    runs in a thread (with a warning, once per tool name)."""
+    with _TOOL_POOLS_LOCK:
+        pool = _TOOL_POOLS.get(id(fn))
+        if pool is not None and pool.source is fn:
+            return pool
+        payload, why = portable(functools.partial(_tool_in_worker, fn))
+        if payload is None:
+            if name not in _IN_THREAD:
+                _IN_THREAD.add(name)
+                log.warning("tool %r runs in a thread of the trainer, where a timeout abandons it instead of stopping "
+                            "it: a worker process cannot load it (%s); name it by import path", name, why)
+            return None
+        pool = _TOOL_POOLS[id(fn)] = Isolated(payload, f"tool {name!r}", source=fn)
+        return pool
+
+
 def result_text(value: Any) -> str:
     """The text of a tool's return value in the tool message."""
     if isinstance(value, str):
@@ -146,22 +187,45 @@ class ToolRunner:
     Args:
         tools: The tools by name (:func:`load_tools`).
         timeout: Seconds one call may take; None waits forever.
+        isolation: ``process``: a user's plain tool runs in worker processes, killed at the timeout; ``thread``:
+            every tool runs in the trainer (a hung one is abandoned).
     """
 
-    def __init__(self, tools: dict[str, Tool], timeout: float | None = 30.0) -> None:
+    def __init__(self, tools: dict[str, Tool], timeout: float | None = 30.0, isolation: str = "process") -> None:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"data.multiturn.tool_timeout must be positive seconds (or null), got {timeout}")
+        if isolation not in ISOLATIONS:
+            raise ValueError(f"data.multiturn.tool_isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
         self.tools = tools
         self.timeout = timeout
+        self.isolation = isolation
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
+        self._pools: dict[str, Isolated | None] = {}  # each tool's worker processes (None: in the trainer)
 
-    def __getstate__(self) -> dict[str, Any]:  # the loop and its thread do not pickle; they restart lazily
-        return {**self.__dict__, "_loop": None, "_lock": None}
+    def __getstate__(self) -> dict[str, Any]:  # the loop, its thread and processes do not pickle; they restart lazily
+        return {**self.__dict__, "_loop": None, "_lock": None, "_pools": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+
+    def pool(self, name: str) -> Isolated | None:
+        """The worker processes of tool ``name`` (made on first use, shared with every runner that has the same
+        tool function): a user's plain tool with ``isolation="process"``; None where it runs in the trainer
+        (``async``, rlflow's own, or ``thread``)."""
+        with self._lock:
+            if name not in self._pools:
+                fn = self.tools[name].fn
+                pooled = self.isolation == "process" and not is_async(fn) and not is_rlflows(fn)
+                self._pools[name] = _tool_pool(fn, name) if pooled else None
+            return self._pools[name]
+
+    def close(self) -> None:
+        """Kill the tools' idle worker processes (later calls start new ones)."""
+        for pool in list(self._pools.values()):
+            if pool is not None:
+                pool.close()
 
     def loop(self) -> asyncio.AbstractEventLoop:
         with self._lock:
@@ -192,10 +256,26 @@ class ToolRunner:
             return ToolResult(call.name, f"Error: bad arguments for tool {call.name!r}: {exc}", False, "bad_arguments")
         return None
 
+    def _in_worker(self, pool: Isolated, arguments: dict[str, Any]) -> tuple[Outcome, bool]:
+        """One call in ``pool``'s worker process (loaded before the call's time starts): how it ended, and whether
+        it ran out of time (killed, or it stopped itself at its deadline)."""
+        try:
+            worker = pool.acquire()
+        except WorkerError as exc:
+            return Outcome(error=exc), False
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        outcome = pool.run(worker, (deadline,), arguments, self.timeout)
+        return outcome, outcome.killed or (deadline is not None and time.monotonic() >= deadline)
+
     async def _call(self, call: ToolCall) -> ToolResult:
         failed = self.check(call)
         if failed is not None:
             return failed
+        pool = self.pool(call.name)
+        if pool is not None:
+            outcome, timed_out = await _in_daemon_thread(
+                self._in_worker, {"pool": pool, "arguments": dict(call.arguments or {})}, call.name, _Call())
+            return self._result(call.name, outcome.value, outcome.error, timed_out)
         fn = self.tools[call.name].fn
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
 
@@ -215,20 +295,23 @@ class ToolRunner:
             except BaseException as exc:  # noqa: BLE001 - a failing tool is a message to the model, not a crash
                 return None, exc
 
+        value: Any = None
         try:
             value, exc = await asyncio.wait_for(invoke(), self.timeout)
             timed_out = deadline is not None and time.monotonic() >= deadline  # it stopped itself at the deadline
         except asyncio.TimeoutError:
-            timed_out = True
+            exc, timed_out = None, True
+        return self._result(call.name, value, exc, timed_out)
+
+    def _result(self, name: str, value: Any, exc: BaseException | None, timed_out: bool) -> ToolResult:
+        """The tool message of a call that returned ``value``, raised ``exc`` or ran out of time."""
         if timed_out:
-            return ToolResult(
-                call.name, f"Error: tool {call.name!r} timed out after {self.timeout} s", False, "timeout"
-            )
+            return ToolResult(name, f"Error: tool {name!r} timed out after {self.timeout} s", False, "timeout")
+        if isinstance(exc, WorkerCrashed):
+            return ToolResult(name, f"Error: tool {name!r} crashed: {exc}", False, "crashed")
         if exc is not None:
-            return ToolResult(
-                call.name, f"Error: tool {call.name!r} raised {type(exc).__name__}: {exc}", False, "raised"
-            )
-        return ToolResult(call.name, result_text(value))
+            return ToolResult(name, f"Error: tool {name!r} raised {type(exc).__name__}: {exc}", False, "raised")
+        return ToolResult(name, result_text(value))
 
     async def _call_all(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         return list(await asyncio.gather(*(self._call(c) for c in calls)))

@@ -120,6 +120,7 @@ def test_validate_reports_maj_at_k_as_a_plain_vote_over_the_judged_samples(tiny_
         tmp_path,
         f"--data.eval_data_path={tmp_path / 'eval.jsonl'}",
         '--data.judging.judgers={"*": {"class_path": "tests.integration.test_evaluation_fit.FirstCharJudger"}}',
+        "--data.judging.isolation=thread",  # the judger fills EVAL_SEEN in this process
         "--data.eval.k=5",
         "--data.eval.temperature=1.0",
         "--data.eval.batch_size=4",

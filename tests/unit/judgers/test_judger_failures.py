@@ -95,7 +95,7 @@ def hung(completions, **kwargs):
 
 def test_a_timed_out_thread_is_counted_while_it_runs():
     RELEASE.clear()
-    runner = JudgerRunner({"*": [hung, ok]}, timeout=0.2)
+    runner = JudgerRunner({"*": [hung, ok]}, timeout=0.2, isolation="thread")  # a thread is abandoned
     try:
         result = runner.judge(*batch(2))
         assert result.metrics["judger/abandoned_threads"] >= 1

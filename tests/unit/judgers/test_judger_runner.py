@@ -43,7 +43,8 @@ def batch(n: int = 5, sources=("a", "a", "b", "c", "a")):
 
 
 def test_weighted_routed_none_skipping_against_hand_computed_rewards():
-    runner = JudgerRunner({"a": [J1, J2], "b": [J2], "*": [J3]}, reward_weights={"j1": 2.0, "j2": 0.5, "j3": -1.0})
+    runner = JudgerRunner({"a": [J1, J2], "b": [J2], "*": [J3]}, reward_weights={"j1": 2.0, "j2": 0.5, "j3": -1.0},
+                           isolation="thread")  # CALLS records what each judger saw, in this process
     result = runner.judge(*batch())
     # s0: 2*1 + 0.5*4 = 4 | s1: j1 None, 0.5*2 = 1 | s2: j2 None, nothing else applies -> 0 (unscored)
     # s3: source c -> '*' -> -1*3 = -3 | s4: j1 NaN is skipped like None, 0.5*6 = 3
@@ -132,7 +133,7 @@ def test_two_async_judgers_overlap_in_time():
 
 def test_sync_judgers_run_beside_async_ones():
     SPANS.clear()
-    runner = JudgerRunner({"*": [slow_async_a, slow_sync]})
+    runner = JudgerRunner({"*": [slow_async_a, slow_sync]}, isolation="thread")
     t0 = time.perf_counter()
     assert runner.judge(*batch(1)).rewards == [5.0]
     assert time.perf_counter() - t0 < 0.9

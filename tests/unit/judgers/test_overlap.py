@@ -29,7 +29,7 @@ def make_dm(tiny_model, tiny_data, judgers, **kw):
         sampling={"max_tokens": 8},
     )
     dm.setup("fit")
-    dm.judges.default = JudgerRunner(judgers, timeout=10.0)
+    dm.judges.default = JudgerRunner(judgers, timeout=10.0, isolation="thread")  # judgers record calls here
     return dm
 
 

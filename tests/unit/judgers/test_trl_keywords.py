@@ -37,7 +37,7 @@ def batch(sources=("a", "b", "a", "b")):
 
 
 def test_every_call_gets_trl_keywords_and_its_log_calls_land_at_its_samples():
-    runner = JudgerRunner({"a": [trl_curriculum, narrow], "b": [narrow]})
+    runner = JudgerRunner({"a": [trl_curriculum, narrow], "b": [narrow]}, isolation="thread")  # SEEN: here
     state = RunState(global_step=3, max_steps=4)
     result = runner.judge(*batch(), state=state)
     assert SEEN["trl_curriculum"]["state"] is state  # the step context, passed through as given
@@ -52,7 +52,7 @@ def test_every_call_gets_trl_keywords_and_its_log_calls_land_at_its_samples():
 
 
 def test_outside_a_run_judgers_get_the_state_before_training():
-    runner = JudgerRunner({"*": [trl_curriculum, narrow]})
+    runner = JudgerRunner({"*": [trl_curriculum, narrow]}, isolation="thread")
     assert runner.judge(*batch(("a",))).rewards == [0.0 + 1.0]  # step 0 of 1: a curriculum does not divide by 0
     assert SEEN["trl_curriculum"]["state"] == RunState(max_steps=1, num_train_epochs=1)
     # any caller's job (rlflow data check probes judgers through call_all) gets the keywords a judger takes too

@@ -161,7 +161,8 @@ def test_evaluate_flags_the_samples_a_judger_failed_on(tiny_model, tiny_data, tm
         tokenizer_path=str(tiny_model),
         eval={"k": 2, "temperature": 1.0},
         sampling={"max_tokens": 8},
-        judging={"judgers": {"*": "tests.unit.training.test_evaluation:fails_on_some_answers"}},
+        judging={"judgers": {"*": "tests.unit.training.test_evaluation:fails_on_some_answers"},
+                 "isolation": "thread"},  # FAIL_ON is filled in this process
     )
     dm.setup("validate")
     dm.bind(AutoModelForCausalLM.from_pretrained(tiny_model))
