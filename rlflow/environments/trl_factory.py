@@ -131,10 +131,10 @@ def in_thread(method: Callable[..., Any]) -> Callable[..., Any]:
 
 class SharedLoopToolRunner(ToolRunner):
     """A :class:`~rlflow.tools.base.ToolRunner` over one trajectory's tools that runs them on another runner's event
-    loop (one loop for all trajectories), with that runner's timeout."""
+    loop (one loop for all trajectories), with that runner's timeout and isolation."""
 
     def __init__(self, tools: dict[str, Tool], shared: ToolRunner) -> None:
-        super().__init__(tools, shared.timeout)
+        super().__init__(tools, shared.timeout, shared.isolation)
         self.shared = shared
 
     def loop(self) -> asyncio.AbstractEventLoop:

@@ -236,3 +236,13 @@ def test_without_environments_the_keyword_is_absent(tok):
     assert "environments" not in result.judgers["names_environments"].keywords
     assert result.judgers["names_environments"].failed == 2  # it requires the keyword: a failure, as in TRL
     assert result.per_judger["no_environments"] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_a_trajectorys_tools_keep_the_configured_timeout_and_isolation(isolation):
+    from rlflow.environments.trl_factory import SharedLoopToolRunner
+    from rlflow.tools.base import ToolRunner
+
+    shared = ToolRunner({}, timeout=7.0, isolation=isolation)
+    runner = SharedLoopToolRunner({}, shared)
+    assert (runner.timeout, runner.isolation) == (7.0, isolation)
