@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 from rlflow.config_error import ConfigError
 from rlflow.models.model_path import check_model_path
 
-__all__ = ["ConfigError", "SettingsGroup", "check_data_args", "check_values"]
+__all__ = ["ConfigError", "SettingsGroup", "check_data_args", "check_multiturn_images", "check_values"]
 
 
 Rule = Callable[[str, Any], None]
@@ -112,6 +112,21 @@ def check_data_args(values: Mapping[str, Any]) -> None:
     check_values("data", DATA_RULES, values)
     if values.get("tokenizer_path"):
         check_model_path(values["tokenizer_path"], "data.tokenizer_path")
+
+
+def check_multiturn_images(images: bool, multiturn: bool) -> None:
+    """Refuse prompts with images in multi-turn rollouts (``data.multiturn.tools``, ``.environment`` or
+    ``.environment_factory``).
+
+    A multi-turn rollout generates every turn from the conversation's token ids alone (an environment may even
+    write the first prompt itself), so the model would sample without the images it is then trained with.
+    ``images``: whether any training or evaluation prompt has images; ``multiturn``: whether rollouts are multi-turn.
+    """
+    if images and multiturn:
+        raise ConfigError("prompts with images are not rolled out multi-turn: data.multiturn.tools, "
+                          "data.multiturn.environment and data.multiturn.environment_factory generate each turn from "
+                          "the text alone, without the images; unset them for this data, or use prompts without "
+                          "images")
 
 
 @dataclass(frozen=True)

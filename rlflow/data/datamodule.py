@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 
 from rlflow import registry
 from rlflow.advantages.base import AdvantageEstimator
-from rlflow.config_checks import check_data_args
+from rlflow.config_checks import check_data_args, check_multiturn_images
 from rlflow.config_error import ConfigError
 from rlflow.data.dataset import PromptRecord
 from rlflow.data.dynamic_sampling import DynamicSampling
@@ -307,6 +307,7 @@ class RolloutDataModule(L.LightningDataModule):
             if self._rollout_rng is not None and hasattr(self.backend, "load_rng_state"):
                 self.backend.load_rng_state(self._rollout_rng)  # a resumed run: continue a seeded engine's draws
             check_backend_accepts_images(self.backend, self.train_records + self.eval_records)
+            check_multiturn_images(any_images(self.train_records + self.eval_records), self.multiturn is not None)
             if self.pipeline is not None and any_images(self.train_records):
                 raise ConfigError(f"prompts with images are not pipelined: set data.pipeline.max_staleness=0 (got "
                                   f"{self.max_staleness})")

@@ -6,6 +6,10 @@
   ``RuntimeError`` raised while handling it) removes the partial file and raises one
   :class:`CheckpointDiskFullError` naming the directory, the space the checkpoint needs and the space free;
   nothing already written is lost. :func:`check_writable` finds an unwritable directory at startup instead.
+* A distributed (FSDP2) checkpoint is a folder of shards: :func:`save_folder_atomically` has every rank write its
+  shards to a hidden temporary sibling folder and rank 0 then swaps it with the target in one atomic rename
+  (:func:`replace_folder`), so a kill during the save leaves the previous ``last.ckpt`` folder whole. Removing an
+  old checkpoint renames it out of the way first, so a kill never leaves half a folder under a checkpoint's name.
 * :class:`RLFlowCheckpoint` is Lightning's ``ModelCheckpoint`` with rlflow's defaults (``last.ckpt`` after every
   rollout step; ``every_n_train_steps`` and the ``step`` of the file names count rollout steps, see
   :mod:`rlflow.training.step_unit`), the atomic writer installed (``save_last="link"`` links atomically too),
@@ -20,22 +24,27 @@
 What a checkpoint holds besides the weights (every rank's RNG state, the counters), and which checkpoint is this
 run's, are :mod:`rlflow.training.resume`'s.
 
-Simplifications: local file systems only get the atomic write (remote URLs use Lightning's writer, an FSDP2
-checkpoint folder is written in place); the partial files of a killed process are removed the next time a run
-sets up the same checkpoint directory; the space a checkpoint needs is the size of its tensors.
+Simplifications: local file systems only get the atomic write (remote URLs use Lightning's writer); the partial
+files and folders of a killed process are removed the next time a run sets up the same checkpoint directory; the
+space a checkpoint needs is the size of its tensors. Swapping two folders in one step needs Linux's
+``renameat2(RENAME_EXCHANGE)``; elsewhere (or on a file system without it) the old folder is renamed aside and the
+new one into place, and a kill between those two renames is repaired when the next run sets up the directory.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import re
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import uuid
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +58,8 @@ from rlflow.training.resume import find_last
 from rlflow.training.safe_load import SafeCheckpointIO
 
 PARTIAL_PREFIX = ".partial-"
+#: the suffix of a checkpoint folder renamed aside while the new one takes its name (no atomic swap available)
+ASIDE_SUFFIX = ".aside"
 DISK_FULL_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
 
 
@@ -85,7 +96,7 @@ def tensor_bytes(obj: Any) -> int:
 def check_writable(directory: str | os.PathLike, key: str) -> None:
     """Raise a one-line :class:`ConfigError` naming ``key`` if ``directory`` (or, where it does not exist yet,
     the nearest folder above it, where it would be created) does not take a new file. Nothing is left behind."""
-    if not _is_local(directory):
+    if not is_local(directory):
         return
     target = Path(str(directory).removeprefix("file://")).absolute()
     existing = target
@@ -106,7 +117,8 @@ def check_writable(directory: str | os.PathLike, key: str) -> None:
                           "write")
 
 
-def _is_local(path: str | os.PathLike) -> bool:
+def is_local(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is on a local file system (a plain path or a ``file://`` URL)."""
     text = str(path)
     return "://" not in text or text.startswith("file://")
 
@@ -162,33 +174,129 @@ class AtomicCheckpointIO(SafeCheckpointIO):
     downloaded afresh)."""
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None or not _is_local(path):
+        if storage_options is not None or not is_local(path):
             return super().save_checkpoint(checkpoint, path, storage_options)
         atomic_torch_save(checkpoint, path)
 
+    def remove_checkpoint(self, path: Any) -> None:
+        """A local checkpoint folder (FSDP2's) is renamed aside before it is deleted: a kill during the deletion
+        leaves a hidden partial folder (removed by the next run), never half a checkpoint under its name."""
+        local = Path(str(path).removeprefix("file://"))
+        if is_local(path) and local.is_dir() and not local.is_symlink():
+            aside = _partial(local.parent)
+            os.rename(local, aside)
+            _remove(aside)
+            return
+        super().remove_checkpoint(path)
+
+
+# ---------------------------------------------------------------------------------- checkpoint folders (FSDP2)
+def _remove(path: Path) -> None:
+    """Delete a file, link or folder (whichever ``path`` is)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the names of ``a`` and ``b`` in one atomic step (Linux ``renameat2`` with ``RENAME_EXCHANGE``); False,
+    with nothing changed, where the system or the file system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+        return False
+    raise OSError(code, f"cannot swap {a} and {b}: {os.strerror(code)}")
+
+
+def replace_folder(new: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Put the fully written ``new`` (a sibling of ``path``) at ``path``, then delete what was there.
+
+    Where ``path`` exists the two are swapped in one atomic step (:func:`_exchange`), so ``path`` is always the
+    old checkpoint or the new one, whole. Without an atomic swap the old one is renamed aside
+    (``.partial-<pid>-<id>-<name>.aside``) and ``new`` renamed into place; :func:`remove_stale_partials` puts an
+    aside folder back if a kill came between the two renames.
+    """
+    new, path = Path(new), Path(path)
+    if not os.path.lexists(path):
+        os.rename(new, path)
+    elif _exchange(new, path):
+        _remove(new)  # the previous checkpoint, under the temporary name now
+    else:
+        aside = path.parent / f"{_partial(path.parent).name.removesuffix('.tmp')}-{path.name}{ASIDE_SUFFIX}"
+        os.rename(path, aside)
+        os.rename(new, path)
+        _remove(aside)
+    _fsync_dir(path.parent)
+
+
+def save_folder_atomically(strategy: Any, path: str | os.PathLike, write: Callable[[Path], None]) -> None:
+    """Write a checkpoint folder with every rank of ``strategy`` through ``write(folder)`` into a temporary sibling
+    of ``path`` (named by rank 0), then let rank 0 put it at ``path`` (:func:`replace_folder`). A failure or a kill
+    before the rename leaves ``path`` as it was; the temporary folder is removed (by the next run after a kill)."""
+    path = Path(strategy.broadcast(str(Path(str(path).removeprefix("file://")).absolute())))
+    if strategy.is_global_zero:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    new = Path(strategy.broadcast(str(_partial(path.parent)) if strategy.is_global_zero else None))
+    try:
+        write(new)
+        if strategy.is_global_zero:
+            for file in new.iterdir():  # the shards are synced by their writer; the metadata file here
+                if file.is_file():
+                    with open(file, "rb+") as f:
+                        os.fsync(f.fileno())
+            _fsync_dir(new)
+        strategy.barrier()
+        if strategy.is_global_zero:
+            replace_folder(new, path)
+        strategy.barrier()
+    except BaseException:
+        if strategy.is_global_zero:
+            _remove(new)
+        raise
+
 
 def remove_stale_partials(directory: str | os.PathLike) -> list[Path]:
-    """Delete the temporary files that processes no longer running left behind in ``directory``."""
+    """Delete the temporary files and folders that processes no longer running left behind in ``directory``; a
+    checkpoint folder such a process had renamed aside (:func:`replace_folder`) goes back under its name if
+    nothing took it, else is deleted too."""
     removed = []
     directory = Path(directory)
     if not directory.is_dir():
         return removed
-    for tmp in directory.glob(f"{PARTIAL_PREFIX}*.tmp"):
-        match = re.match(rf"{re.escape(PARTIAL_PREFIX)}(\d+)-", tmp.name)
-        pid = int(match.group(1)) if match else -1
-        if pid == os.getpid():
+    for tmp in directory.glob(f"{PARTIAL_PREFIX}*"):
+        match = re.match(rf"{re.escape(PARTIAL_PREFIX)}(\d+)-[0-9a-f]{{8}}(?:-(.+){re.escape(ASIDE_SUFFIX)}|\.tmp)$",
+                         tmp.name)
+        if match is None or _alive(int(match.group(1))):
             continue
-        try:
-            os.kill(pid, 0)
-            alive = pid > 0
-        except (ProcessLookupError, OverflowError, ValueError):
-            alive = False
-        except PermissionError:
-            alive = True
-        if not alive:
-            tmp.unlink(missing_ok=True)
-            removed.append(tmp)
+        original = directory / match.group(2) if match.group(2) else None
+        if original is not None and not os.path.lexists(original):
+            os.rename(tmp, original)
+            info(f"checkpoint {original} put back: a run was stopped while it replaced it")
+            continue
+        _remove(tmp)
+        removed.append(tmp)
     return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` (this one included) is running."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+        return pid > 0
+    except (ProcessLookupError, OverflowError, ValueError):
+        return False
+    except PermissionError:
+        return True
 
 
 class RLFlowCheckpoint(ModelCheckpoint):
@@ -236,7 +344,7 @@ class RLFlowCheckpoint(ModelCheckpoint):
         super().setup(trainer, pl_module, stage)
         if type(trainer.strategy.checkpoint_io) in (TorchCheckpointIO, SafeCheckpointIO):
             trainer.strategy.checkpoint_io = AtomicCheckpointIO()
-        if trainer.is_global_zero and self.dirpath and _is_local(self.dirpath):
+        if trainer.is_global_zero and self.dirpath and is_local(self.dirpath):
             remove_stale_partials(self.dirpath)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -273,9 +381,10 @@ class RLFlowCheckpoint(ModelCheckpoint):
                 os.symlink(os.path.relpath(filepath, link.parent), tmp)
             except OSError:  # no symbolic links here: a copy, written atomically as well
                 shutil.copy(filepath, tmp)
-            if link.is_dir() and not link.is_symlink():
-                shutil.rmtree(link)
-            os.replace(tmp, link)
+            if link.is_dir() and not link.is_symlink():  # a checkpoint folder (FSDP2's) there: swapped out whole
+                replace_folder(tmp, link)
+            else:
+                os.replace(tmp, link)
         trainer.strategy.barrier()
 
 

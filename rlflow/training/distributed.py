@@ -7,7 +7,8 @@ offload as plain options. ``GRPOModule.configure_model`` calls :func:`shard_mode
 is registered in Lightning's ``StrategyRegistry`` as ``fsdp2`` (plus ``fsdp2_bf16`` and ``fsdp2_cpu_offload``),
 and rlflow's CLI maps ``trainer.strategy: fsdp`` to ``fsdp2``, since rlflow shards in ``configure_model`` the
 FSDP2 way and Lightning's own ``fsdp`` (FSDP1) would wrap the whole module instead. It runs on CPU with gloo as
-well as on CUDA with NCCL.
+well as on CUDA with NCCL. Its distributed checkpoints (a folder of shards per checkpoint) are written atomically,
+to a temporary folder renamed into place.
 
 The rest is small helpers: :func:`full_weights` unshards a sharded model for generation (every decode step
 would otherwise all-gather, and ranks that stop at different lengths would deadlock) and reshards it after;
@@ -101,6 +102,17 @@ class FSDP2Strategy(ModelParallelStrategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
         return CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy()
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        """A distributed checkpoint (a folder of shards) is written to a temporary sibling folder and then renamed
+        into place (:func:`rlflow.training.checkpointing.save_folder_atomically`): a kill during the save leaves the
+        previous checkpoint folder whole. A single-file checkpoint goes through the checkpoint IO (atomic too)."""
+        from rlflow.training.checkpointing import is_local, save_folder_atomically
+
+        if storage_options is not None or not self._save_distributed_checkpoint or not is_local(filepath):
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        write = super().save_checkpoint
+        save_folder_atomically(self, filepath, lambda folder: write(checkpoint, folder))
 
     def model_to_device(self) -> None:
         if not self.cpu_offload:

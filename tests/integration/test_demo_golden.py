@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.demo_model import demo_model
 from tests.helpers.paths import DATA, ROOT
 
 RECORD = DATA / "demo_first_10_steps.csv"
@@ -26,12 +27,9 @@ def read(path: Path) -> list[dict[str, str]]:
 
 
 @pytest.mark.slow
-def test_demo_config_reproduces_the_recorded_first_10_steps(tmp_path):
-    model, data = tmp_path / "tiny-qwen3", tmp_path / "arith"
+def test_demo_config_reproduces_the_recorded_first_10_steps(tmp_path, tmp_path_factory):
+    model, data = demo_model(tmp_path_factory)  # tools/make_tiny_model.py's build, shared by the session
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--out", str(model),
-                    "--data-out", str(data), "--eval-prompts", "0"], check=True, cwd=ROOT, env=env,
-                   capture_output=True, timeout=600)
     subprocess.run([sys.executable, "-m", "rlflow", "fit", "--config", "configs/demo_cpu.yaml",
                     "--trainer.max_steps", "10", "--trainer.enable_progress_bar", "false",
                     "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), "--model.export_hf", "false",

@@ -172,6 +172,43 @@ def test_lora_under_fsdp2_on_two_gloo_ranks_resumes_and_exports(tiny_model, tiny
         assert torch.equal(a, b), name  # the resumed run ends with the straight run's adapters
 
 
+# ------------------------------------------------------------------------------------ learning on the demo
+def fitted_rise(values: list[float]) -> float:
+    """The rise of the least-squares line through ``values`` (one per step) from the first step to the last."""
+    n = len(values)
+    mean_x, mean_y = (n - 1) / 2, sum(values) / n
+    slope = sum((i - mean_x) * (y - mean_y) for i, y in enumerate(values)) / sum((i - mean_x) ** 2 for i in range(n))
+    return slope * (n - 1)
+
+
+@pytest.mark.slow
+def test_lora_on_the_shipped_demo_config_learns(tmp_path, tmp_path_factory, capsys):
+    """``configs/demo_cpu.yaml`` as shipped (split rollouts on) plus ``--model.lora '{r: 16, alpha: 32}'``: over 30
+    rollout steps the training reward (the share of 128 completions the GSM8K judger accepts) rises clearly.
+
+    Measured (seeds 0, 1, 2 for ``seed_everything`` and ``data.seed``): the least-squares line through the 30 step
+    rewards rises by 0.19, 0.21 and 0.17 (from about 0.45); a run that does not learn rises by 0 +- 0.03 (the step
+    reward's sampling noise, about 0.044 for 128 completions, over the line's 30 points). 0.08 is the bar.
+    """
+    import csv
+
+    from rlflow.cli import cli_main
+    from tests.helpers.demo_model import demo_model
+    from tests.helpers.paths import ROOT
+
+    model, data = demo_model(tmp_path_factory)
+    cli = cli_main(["fit", "--config", str(ROOT / "configs" / "demo_cpu.yaml"), "--model.lora={r: 16, alpha: 32}",
+                    f"--model.model_path={model}", f"--data.train_data_path={data / 'train.jsonl'}",
+                    "--data.eval_data_path=null", "--trainer.max_steps=30", "--trainer.enable_progress_bar=false",
+                    f"--trainer.logger.init_args.save_dir={tmp_path}", "--model.export_hf=false"])
+    assert cli.model.peft_model is not None and cli.trainer.global_step == 30
+    assert "data.pipeline.split_rollout: the generator process decodes half" in capsys.readouterr().out
+    with open(Path(cli.trainer.log_dir) / "metrics.csv") as f:
+        rewards = [float(row["reward"]) for row in csv.DictReader(f) if row.get("reward")]
+    assert len(rewards) == 30
+    assert fitted_rise(rewards) > 0.08, rewards
+
+
 # ------------------------------------------------------------------------------------------ the 1-GPU recipe
 def test_single_gpu_lora_recipe_resolves_and_its_memory_arithmetic_holds(tiny_model):
     """The recipe parses (model.lora typed and validated), and the parameter counts its comments' memory

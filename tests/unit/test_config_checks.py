@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlflow.config_checks import ConfigError, check_data_args
+from rlflow.config_checks import ConfigError, check_data_args, check_multiturn_images
 from rlflow.rollout.base import SamplingParams
 
 
@@ -25,3 +25,11 @@ def test_config_error_is_a_value_error_and_sampling_params_raise_it():
     assert issubclass(ConfigError, ValueError)
     with pytest.raises(ConfigError, match="max_tokens must be >= 1"):
         SamplingParams(max_tokens=0)
+
+
+def test_prompts_with_images_are_not_rolled_out_multi_turn():
+    check_multiturn_images(images=True, multiturn=False)
+    check_multiturn_images(images=False, multiturn=True)
+    with pytest.raises(ConfigError, match=r"^prompts with images are not rolled out multi-turn: data.multiturn.tools, "
+                                          r"data.multiturn.environment and .* without the images; unset them"):
+        check_multiturn_images(images=True, multiturn=True)
