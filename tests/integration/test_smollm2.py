@@ -133,3 +133,25 @@ def test_the_shipped_cpu_config_trains_a_step_on_the_real_model_and_the_export_r
     ids = torch.tensor([gsm8k_prompts(cli.datamodule.tokenizer, 1)[0][:32]])
     with torch.no_grad():
         assert torch.equal(policy(ids).logits, reloaded(ids).logits)
+
+
+def test_the_sums_recipe_trains_on_the_real_model_with_both_rewards(smollm2, tmp_path):
+    """configs/smollm2_sums_cpu.yaml (``tools/demo.sh smollm2``) as shipped, one rollout step of shorter completions:
+    each sample's reward is half its last number being the sum and half GSM8K's strict answer line."""
+    from rlflow.cli import cli_main
+    from rlflow.demo.sums import final_number_reward, write_data
+    from rlflow.judgers.gsm8k import extract_answer
+
+    train, val = write_data(tmp_path / "sums")
+    cli = cli_main(["fit", f"--config={ROOT / 'configs' / 'smollm2_sums_cpu.yaml'}", f"--model.model_path={smollm2}",
+                    f"--data.train_data_path={train}", f"--data.eval_data_path={val}", "--trainer.max_steps=1",
+                    "--data.sampling.max_tokens=16", f"--trainer.default_root_dir={tmp_path}",
+                    f"--trainer.logger.init_args.save_dir={tmp_path}", "--trainer.enable_progress_bar=false",
+                    "--model.export_hf=false", "--checkpoint.every_n_train_steps=0"])
+    assert cli.trainer.global_step == 1
+    rows = [json.loads(line) for line in (Path(cli.trainer.log_dir) / "trajectories.jsonl").read_text().splitlines()]
+    assert len(rows) == 16
+    for row in rows:
+        number = final_number_reward([row["completion"]], [row["ground_truth"]])[0]
+        strict = float(extract_answer(row["completion"]) == str(row["ground_truth"]))
+        assert row["reward"] == pytest.approx(0.5 * number + 0.5 * strict), row
