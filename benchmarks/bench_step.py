@@ -7,8 +7,7 @@ micro-batches of ``--micro-batch`` sequences, the GSM8K judger as the reward. Ea
 subprocess (same ``OMP_NUM_THREADS``), alternately, ``--repeats`` times; the first ``--warmup`` steps of every run
 are left out. The last line (one line, wrapped here) is the ratio of median step times::
 
-    pip install --no-deps --target /tmp/trl-site trl accelerate psutil   # only for this benchmark
-    PYTHONPATH=/tmp/trl-site python benchmarks/bench_step.py --model checkpoints/tiny-qwen3 \
+    python benchmarks/bench_step.py --model checkpoints/tiny-qwen3 \
         --data checkpoints/arith/train.jsonl --threads 2 --repeats 3 --steps 6
     ...
     step rlflow/trl speedup: 3.57x (rlflow 0.20 s/step 14470 tok/s, trl 0.72 s/step 3778 tok/s; tok/s ratio 3.83x;
@@ -19,7 +18,7 @@ checkpointing and evaluation overridden), so the figure is what users of the con
 TRL mirrors (prompts, group, max tokens, temperature, lr, warm-up, loss, epsilons, KL coefficient, micro-batch)
 from it; explicit flags still win::
 
-    PYTHONPATH=/tmp/trl-site python benchmarks/bench_step.py --config configs/demo_cpu.yaml --threads 2 \
+    python benchmarks/bench_step.py --config configs/demo_cpu.yaml --threads 2 \
         --repeats 3 --steps 6
 
 ``--bf16`` compares both at bf16 compute with float32 master weights: TRL with ``bf16=True`` (on CPU, accelerate's
@@ -308,8 +307,8 @@ def main(argv=None) -> None:
         try:
             import trl  # noqa: F401
         except ImportError:
-            sys.exit("trl is not importable: 'pip install --no-deps --target /tmp/trl-site trl accelerate psutil' and "
-                     "PYTHONPATH=/tmp/trl-site (only for this benchmark), or pass --only rlflow")
+            sys.exit("trl is not importable: pip install -e '.[dev]' (TRL is a development dependency), or pass "
+                     "--only rlflow")
     runs: dict[str, list[dict]] = {name: [] for name in names}
     for r in range(args.repeats):
         for name in names:

@@ -17,6 +17,24 @@ import torch
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+@pytest.fixture(autouse=True)
+def restored_environment():
+    """Each test leaves ``os.environ``, torch's thread count and the default process group as it found them. An
+    in-process run under a distributed strategy has Lightning export its rank and rendezvous address (``LOCAL_RANK``,
+    ``MASTER_PORT``, ...); a later ``rlflow fit`` subprocess of the same worker would inherit them and wait for ranks
+    nobody starts."""
+    environ = dict(os.environ)
+    threads = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != threads:  # a run that shared out this process's threads (split rollouts)
+        torch.set_num_threads(threads)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():  # an in-process run's group
+        torch.distributed.destroy_process_group()
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
 class ProgressRecorder:
     """A rollout progress listener (``start``/``update``/``close``) that records its calls."""
 
@@ -79,3 +97,11 @@ def one_thread():
     yield
     torch.set_num_threads(threads)
 
+
+
+def pytest_collection_modifyitems(config, items):
+    """Modules with end-to-end runs (``slow``) first, each module's tests kept together and in order: pytest-xdist
+    hands tests out in this order, so the long runs start early and short tests fill the last minutes of every
+    worker instead of one long run finishing alone."""
+    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow") is not None}
+    items.sort(key=lambda item: item.module.__name__ not in slow_modules)

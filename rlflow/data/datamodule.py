@@ -411,5 +411,8 @@ class RolloutDataModule(L.LightningDataModule):
                 if split is not None:
                     split.close()
             self.split = self._split_generator = None
+            self.judges.close()  # user judgers' and tools' idle worker processes end with the run
+            if self.multiturn is not None:
+                self.multiturn.runner.close()
             if self.maker is not None:
                 self.maker.single_turn = self.backend  # later evaluations run on the trainer's backend

@@ -57,6 +57,11 @@ class SourceJudgers:
                 if name in runner.weights:
                     runner.weights[name] = float(weight)
 
+    def close(self) -> None:
+        """End every runner's idle judger worker processes (a later batch starts new ones)."""
+        for runner in (self.default, *self.runners.values()):
+            runner.close()
+
     def judge(self, origins: Sequence[str], prompts: Sequence[Any], completions: Sequence[Any],
               completion_ids: Sequence[Sequence[int]], columns: dict[str, Sequence[Any]], default: Any = None,
               state: RunState | None = None) -> JudgeResult:
@@ -103,6 +108,12 @@ class JudgePanel:
         self.max_failure_rate = max_failure_rate
         self.default: JudgerRunner = self.routing.default  # rows of sources without their own judgers
         self.tokenizer: Any = None
+
+    def close(self) -> None:
+        """End the judgers' idle worker processes, at the end of a run (a later batch starts new ones)."""
+        self.routing.close()
+        if self.default is not self.routing.default:
+            self.default.close()
 
     def runner_for(self, record: PromptRecord) -> JudgerRunner:
         return self.routing.runners.get(record.origin, self.default)

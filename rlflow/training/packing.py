@@ -3,19 +3,23 @@
 A padded micro-batch of GRPO sequences wastes most of its tokens when lengths vary (every row is as long as
 the longest prompt plus the longest completion). Here each experience's ``prompt + completion`` is laid end to
 end in one row of at most ``pack_max_length`` tokens, with ``position_ids`` restarting at 0 for every sequence
-and no attention mask. transformers reads such position ids as packed sequences: the sdpa/eager paths build a
-block-diagonal causal mask from them (``masking_utils.find_packed_sequence_indices``) and the flash-attention
-paths run variable-length kernels, so a token never attends across a sequence boundary. A micro-batch is one
-pack, so micro-batches are sized by tokens, not by sequences.
+and no attention mask. A micro-batch is one pack, so micro-batches are sized by tokens, not by sequences.
 
-With ``share_prompts`` (rlflow's own var-len attention, below) a group's prompt is laid once per pack, and a
+Attention stays within each sequence. For ``sdpa``/``eager`` models rlflow swaps in its own packed attention
+(:mod:`rlflow.training.pack_attention`, registered as ``rlflow_varlen_sdpa``), whose memory is linear in the
+pack's tokens: per-sequence causal kernels on a CPU, one variable-length flash call on a GPU, and never the dense
+``tokens x tokens`` block-diagonal mask that transformers' own sdpa/eager paths build from packed position ids
+(``masking_utils.find_packed_sequence_indices``). It runs under gradient checkpointing too (the recomputation in
+the backward pass attends the same way). flash-attention implementations keep transformers' variable-length path.
+
+With ``share_prompts`` (rlflow's packed attention only) a group's prompt is laid once per pack, and a
 prompt head common to every group of a pack (a chat template's head, a system prompt, an instruction: at least
 :data:`MIN_SHARED_HEAD` tokens) once per pack: the groups' prompt tails attend to it, as the rollout engine's
 shared prefix does.
 
 Simplifications: packs are filled first-fit-decreasing by length (no reordering across mini-batches); a single
 sequence longer than ``pack_max_length`` gets a pack of its own rather than an error; a pack is one row (batch
-size 1), which is what the var-len kernels want; on sdpa the block-diagonal mask is dense (``tokens²``).
+size 1), which is what the var-len kernels want.
 """
 
 from __future__ import annotations
@@ -23,128 +27,23 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from transformers import AttentionInterface
 
 from rlflow.data.experience import Experience, completion_tensors, flat_tensor
 from rlflow.training.logprobs import _has_logit_postprocessing, naive_token_stats, token_stats_from_hidden
+from rlflow.training.pack_attention import ATTENTION_NAME, attention_layout, rows_layout
 
-ATTENTION_NAME = "rlflow_varlen_sdpa"
 #: Fewest tokens of a prompt head common to the groups of a pack for it to be laid once per pack (shorter common
 #: heads stay in each group's prompt: an extra attention row set costs more than it saves).
 MIN_SHARED_HEAD = 16
-
-
-def rows_layout(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``index`` ``[sequences, longest]``: each attention row's flat token positions (0 past its end), and
-    ``valid``, the real entries."""
-    width = max(len(r) for r in rows)
-    flat: list[int] = []
-    for r in rows:  # one tensor from one flat list, not one per row
-        flat.extend(r)
-        flat.extend([0] * (width - len(r)))
-    index = flat_tensor(flat, torch.long).view(len(rows), width)
-    valid = torch.arange(width)[None, :] < flat_tensor([len(r) for r in rows], torch.long)[:, None]
-    return index, valid
+#: From this many completion rows on, those longer than the median go to a set of their own: each set is padded to
+#: its longest row, and the CPU attention kernels' time follows the padded sizes (128 rows of 15-32 tokens: -22%).
+SPLIT_COMPLETION_ROWS = 16
 
 
 def segment_layout(lengths: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rows_layout` of sequences of ``lengths`` laid end to end."""
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
     return rows_layout([list(range(s, s + n)) for s, n in zip(starts, lengths)])
-
-
-#: Attention row sets of a pack: 0 queries = keys (a whole sequence, a shared prompt or head), 1 completions behind
-#: a shared prompt (3: the longer half of them, see :data:`SPLIT_COMPLETION_ROWS`), 2 prompt tails behind a head.
-ROW_SETS = (0, 1, 2, 3)
-#: From this many completion rows on, those longer than the median go to a set of their own: each set is padded to
-#: its longest row, and the CPU attention kernels' time follows the padded sizes (128 rows of 15-32 tokens: -22%).
-SPLIT_COMPLETION_ROWS = 16
-
-
-def attention_layout(rows: list[tuple[list[int], int, int]]) -> dict[str, torch.Tensor]:
-    """The tensors :func:`varlen_sdpa_attention` needs, for attention rows ``(key positions, first query, set)``.
-
-    Each row attends causally over its keys (flat token positions of the pack); its queries are its keys from
-    index ``first query`` on, so a shared prompt can be one row of its own (queries = keys = the prompt) while
-    each member's completion is another (queries = the completion, keys = prompt + completion). Every pack
-    position must be a query of exactly one row. Rows are attended in sets (0 to 3), each padded to its own
-    widths. Per set: ``attn{s}_q``/``attn{s}_k`` ``[rows, width]`` (positions, 0 past the end), ``attn{s}_mask``
-    ``[rows, 1, q_width, k_width]`` (causal and key padding); over the sets: ``attn_q_all``/``attn_k_all`` (the
-    sets' flattened ``attn{s}_q``/``attn{s}_k`` end to end) and ``attn_out``, each pack position's place in the
-    sets' flattened ``[rows * q_width]`` outputs end to end. Equal-length rows laid end to end with nothing shared
-    only get ``attn_full`` ``[rows, width]``: attention is then a reshape.
-    """
-    widths = {len(keys) for keys, _, _ in rows}
-    if all(first == 0 for _, first, _ in rows) and len(widths) == 1:
-        width = widths.pop()
-        if [k for keys, _, _ in rows for k in keys] == list(range(len(rows) * width)):
-            return {"attn_full": torch.tensor([len(rows), width])}
-    layout: dict[str, torch.Tensor] = {}
-    order, q_all, k_all, takes, offset = [], [], [], [], 0
-    for s in sorted({row_set for _, _, row_set in rows}):
-        if s not in ROW_SETS:
-            raise ValueError(f"attention_layout: row set {s} is not one of {ROW_SETS}")
-        group = [(keys, first) for keys, first, row_set in rows if row_set == s]
-        k_index, k_valid = rows_layout([keys for keys, _ in group])
-        q_index, q_valid = rows_layout([keys[first:] for keys, first in group])
-        q_col = torch.tensor([first for _, first in group])[:, None] + torch.arange(q_index.shape[1])[None, :]
-        mask = (torch.arange(k_index.shape[1])[None, None, :] <= q_col[:, :, None]) & k_valid[:, None, :]
-        take = q_valid.reshape(-1).nonzero().squeeze(1)
-        layout.update({f"attn{s}_q": q_index, f"attn{s}_k": k_index, f"attn{s}_mask": mask.unsqueeze(1)})
-        order.append(q_index.reshape(-1)[take])
-        q_all.append(q_index.reshape(-1))
-        k_all.append(k_index.reshape(-1))
-        takes.append(take + offset)
-        offset += q_index.numel()
-    positions = torch.cat(order)
-    if positions.numel() != int(positions.max()) + 1 or torch.unique(positions).numel() != positions.numel():
-        raise ValueError("attention_layout: every pack position must be the query of exactly one row")
-    inv = torch.empty_like(positions)
-    inv[positions] = torch.arange(positions.numel())
-    # one gather per tensor for every set (its backward is one index_add_), and one back to pack order
-    layout.update({"attn_q_all": torch.cat(q_all), "attn_k_all": torch.cat(k_all), "attn_out": torch.cat(takes)[inv]})
-    return layout
-
-
-def varlen_sdpa_attention(
-    module, query, key, value, attention_mask, scaling=None, dropout=0.0, rlflow_pack=None, **kwargs
-):
-    """Causal attention within each packed sequence, for implementations without a var-len kernel (CPU sdpa).
-
-    For each row set of :func:`attention_layout` the packed ``[1, heads, tokens, dim]`` states are gathered into
-    ``[rows, heads, width, dim]`` (queries and keys each at their own width), attended with the set's mask and
-    the real queries gathered back, so attention costs ``sum(queries x keys)`` over the rows while every other
-    layer runs on the packed tokens; a shared prompt's own attention is computed once, not once per member.
-    """
-    layout = rlflow_pack
-    dropout_p = dropout if module.training else 0.0
-    gqa = query.shape[1] != key.shape[1]
-    if "attn_full" in layout:  # equally long, nothing shared: a reshape, no gather, no mask
-        seqs, width = layout["attn_full"].tolist()
-        q, k, v = (t.squeeze(0).unflatten(1, (seqs, width)).transpose(0, 1) for t in (query, key, value))
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling,
-                                                               dropout_p=dropout_p, enable_gqa=gqa)
-        return out.transpose(1, 2).reshape(1, -1, out.shape[1], out.shape[3]), None  # [1, tokens, heads, dim]
-    sets = [s for s in ROW_SETS if f"attn{s}_q" in layout]
-    # every set's queries (keys, values) in one index_select of the token-major [tokens, heads, dim] view (the
-    # projections' own memory order): its backward is one index_add_ over whole token rows, 3-4x faster on a CPU
-    # than over [heads, tokens, dim] (squeeze, not [0], whose backward would build a zero tensor per use)
-    q_all = query.squeeze(0).transpose(0, 1).index_select(0, layout["attn_q_all"])
-    k_all, v_all = (t.squeeze(0).transpose(0, 1).index_select(0, layout["attn_k_all"]) for t in (key, value))
-    q_parts = q_all.split([layout[f"attn{s}_q"].numel() for s in sets])
-    k_sizes = [layout[f"attn{s}_k"].numel() for s in sets]
-    outs = []
-    for s, q, k, v in zip(sets, q_parts, k_all.split(k_sizes), v_all.split(k_sizes)):
-        q_shape, k_shape = layout[f"attn{s}_q"].shape, layout[f"attn{s}_k"].shape
-        q, k, v = q.unflatten(0, q_shape).transpose(1, 2), *(t.unflatten(0, k_shape).transpose(1, 2) for t in (k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=layout[f"attn{s}_mask"], scale=scaling, dropout_p=dropout_p, enable_gqa=gqa)
-        outs.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))  # [rows * q_width, heads, dim]
-    out = (torch.cat(outs) if len(outs) > 1 else outs[0]).index_select(0, layout["attn_out"])  # real queries, in order
-    return out.unsqueeze(0), None  # [1, tokens, heads, dim]
-
-
-AttentionInterface.register(ATTENTION_NAME, varlen_sdpa_attention)
 
 
 def is_checkpointing(model: torch.nn.Module) -> bool:
@@ -157,31 +56,64 @@ def is_checkpointing(model: torch.nn.Module) -> bool:
 
 
 def varlen_supported(model: torch.nn.Module) -> bool:
-    """Whether packed forwards of ``model`` run :func:`varlen_sdpa_attention` (and so may share prompts)."""
-    return getattr(model.config, "_attn_implementation", None) in ("sdpa", "eager") and not is_checkpointing(model)
+    """Whether packed forwards of ``model`` run :func:`~rlflow.training.pack_attention.varlen_sdpa_attention`
+    (and so may share prompts): ``sdpa`` and ``eager`` models, with or without gradient checkpointing."""
+    return getattr(model.config, "_attn_implementation", None) in ("sdpa", "eager")
+
+
+def _checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that run their forward through a gradient-checkpointing function (transformers'
+    ``_gradient_checkpointing_func``, set on each checkpointed layer when checkpointing is on)."""
+    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False)
+            and callable(getattr(m, "_gradient_checkpointing_func", None))]
+
+
+def _recomputed_under(checkpoint, config, implementation: str):
+    """``checkpoint`` (a layer's checkpointing function) whose checkpointed function runs with ``config``'s
+    attention implementation set to ``implementation``: in the forward and again when the backward pass recomputes
+    it, after :func:`_varlen_attention` has restored the model's own implementation."""
+
+    def checkpointed(function, *args, **kwargs):
+        def under_implementation(*inner_args, **inner_kwargs):
+            previous = config._attn_implementation
+            config._attn_implementation = implementation
+            try:
+                return function(*inner_args, **inner_kwargs)
+            finally:
+                config._attn_implementation = previous
+
+        return checkpoint(under_implementation, *args, **kwargs)
+
+    return checkpointed
 
 
 @contextlib.contextmanager
 def _varlen_attention(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
-    """Run the model with :func:`varlen_sdpa_attention` where it helps; yields the extra forward kwargs.
+    """Run the model with rlflow's packed attention where it applies; yields the extra forward kwargs.
 
-    Used for ``sdpa``/``eager`` (whose packed-sequence path builds a dense ``tokens²`` mask); flash-attention
-    implementations keep their own var-len kernels, and gradient checkpointing keeps the model's path (the
-    recomputed forward would run after the implementation is restored).
+    Used for ``sdpa``/``eager``, whose own packed-sequence path builds a dense ``tokens x tokens`` mask:
+    transformers builds no mask for an attention implementation it does not know, and the layers call
+    :func:`~rlflow.training.pack_attention.varlen_sdpa_attention` with the pack's layout. Under gradient
+    checkpointing the layers' checkpointing functions are wrapped for the forward so that the recomputation in the
+    backward pass (which runs after this context has restored the model's implementation) attends the same way.
+    flash-attention implementations keep their own var-len kernels (plain packs only).
     """
     config = model.config
     previous = getattr(config, "_attn_implementation", None)
     if not varlen_supported(model):
-        if any(f"attn{s}_q" in batch for s in ROW_SETS[1:]):
-            raise ValueError(
-                "a pack with shared prompts needs rlflow's var-len attention (sdpa/eager, no gradient checkpointing)"
-            )
+        if "attn_rows" in batch and bool(batch["attn_rows"][:, 0].any()):
+            raise ValueError("a pack with shared prompts needs rlflow's packed attention (sdpa/eager models)")
         yield {}
         return
+    layers = [(layer, layer._gradient_checkpointing_func) for layer in _checkpointed_layers(model)]
     config._attn_implementation = ATTENTION_NAME
+    for layer, checkpoint in layers:
+        layer._gradient_checkpointing_func = _recomputed_under(checkpoint, config, ATTENTION_NAME)
     try:
         yield {"rlflow_pack": {k: v for k, v in batch.items() if k.startswith("attn")}}
     finally:
+        for layer, checkpoint in layers:
+            layer._gradient_checkpointing_func = checkpoint
         config._attn_implementation = previous
 
 

@@ -1,9 +1,9 @@
 """Whether packed micro-batches (:mod:`rlflow.training.packing`) are exact for a model: a check, then a probe.
 
 Why a probe: packing relies on the model's forward honouring restarting ``position_ids`` as sequence boundaries.
-With ``sdpa``/``eager`` attention rlflow swaps in its own var-len attention, which needs the attention to go
-through transformers' attention interface with extra keyword arguments passed down; with flash-attention (or
-gradient checkpointing) transformers' own packed-sequence detection must see the position ids. Neither can be
+With ``sdpa``/``eager`` attention rlflow swaps in its own packed attention (:mod:`rlflow.training.pack_attention`),
+which needs the attention to go through transformers' attention interface with extra keyword arguments passed down;
+with flash-attention transformers' own packed-sequence detection must see the position ids. Neither can be
 read from a config, so three tiny sequences (two sharing a prompt) are scored packed and padded and compared:
 it costs two forward passes of ~20 tokens, once per run.
 

@@ -22,6 +22,7 @@ import torch
 from rlflow.rollout.hf import HFRollout
 from tests.helpers.fit import fit_args
 from tests.helpers.paths import ROOT
+from tests.helpers.processes import rlflow_env
 
 
 # ----------------------------------------------------------------------------------- plugins for the runs
@@ -58,6 +59,9 @@ def test_cli_maps_fsdp_to_fsdp2(tiny_model, tiny_data, tmp_path):
 SEEDED = [
     '--data.rollout={"class_path": "tests.integration.test_distributed_fit.SeededGroupRollout"}',
     '--data.judging.judgers={"*": "tests.integration.test_distributed_fit:digit_reward"}',
+    # in a thread: these runs test sharding, not isolation (test_judger_isolation_fit.py does), and a worker process
+    # zygote per rank is one more Python start with torch per rank and run
+    "--data.judging.isolation=thread",
     "--model.loss.kl_coef=0.01",
     "--model.optim.lr=1e-4",
 ]
@@ -69,8 +73,7 @@ def read_metrics(log_dir: Path) -> list[dict[str, float]]:
 
 
 def run_two_ranks(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
+    env = rlflow_env()
     out = subprocess.run([sys.executable, "-m", "rlflow", *args], cwd=cwd, env=env, capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]

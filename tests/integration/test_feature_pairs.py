@@ -23,7 +23,6 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ from tests.helpers import tiny_vlm
 from tests.helpers.covering import allowed_pairs, covered_pairs, covering_runs, run_pairs, switched_off
 from tests.helpers.fit import fit_args
 from tests.helpers.paths import ROOT
+from tests.helpers.processes import rlflow_env
 from tests.helpers.resume_helpers import TIMINGS
 
 DIGITS = '["0","1","2","3","4","5","6","7","8","9"]'
@@ -195,8 +195,7 @@ def gpu_skip(run) -> None:
 
 def rlflow_process(args: list[str]) -> subprocess.CompletedProcess:
     """``rlflow`` in a subprocess (for 2 FSDP2 ranks: Lightning starts the second rank), one torch thread a rank."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
+    env = rlflow_env()
     return subprocess.run([sys.executable, "-m", "rlflow", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
 

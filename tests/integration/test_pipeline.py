@@ -26,6 +26,7 @@ from rlflow.rollout.engine import EngineRollout
 from rlflow.rollout.pipeline import RolloutPipeline
 from rlflow.rollout.process import ThreadGenerator, copy_weights
 from tests.helpers.paths import ROOT
+from tests.helpers.processes import rlflow_env
 from tests.helpers.resume_helpers import (
     TIMINGS,
     assert_same_final_state,
@@ -281,11 +282,7 @@ def kill_mid_step(tiny_model, small_data, out: Path, pid_file: Path, extra: tupl
         '--trainer.callbacks+={"class_path": "tests.integration.test_pipeline.KillMidStep", '
         f'"init_args": {{"step": 3, "pid_file": "{pid_file}"}}}}'
     )
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = rlflow_env()
     command = [sys.executable, "-m", "rlflow", *run_args(tiny_model, small_data, out, *extra, kill)]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
@@ -398,16 +395,13 @@ def fsdp_run(tiny_model, tiny_data, root, steps, *extra):
         root,
         "--trainer.strategy=fsdp",
         "--data.pipeline.max_staleness=1",
+        "--data.judging.isolation=thread",  # pipelining under sharding is tested here, not judger isolation
         slow,
         *extra,
         steps=steps,
     )
     args = [a.replace("--trainer.devices=1", "--trainer.devices=2") for a in args]
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = rlflow_env()
     out = subprocess.run(
         [sys.executable, "-m", "rlflow", *args], cwd=root, env=env, capture_output=True, text=True, timeout=600
     )

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 
 from rlflow.cli import cli_main, main
 from tests.helpers.fit import fit_args
-from tests.helpers.paths import ROOT
+from tests.helpers.processes import rlflow_env
 
 pytest.importorskip("trl.rewards", reason="TRL is not installed (pip install --no-deps trl; it is in the dev extra)")
 pytest.importorskip("math_verify", reason="trl.rewards.accuracy_reward needs math_verify")
@@ -111,8 +110,7 @@ def test_max_failure_rate_stops_a_judger_failing_more_often(tiny_model, tiny_dat
 def two_ranks(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """``rlflow`` on 2 gloo ranks under FSDP2 (Lightning's launcher starts the second)."""
     args = [a.replace("--trainer.devices=1", "--trainer.devices=2") for a in args]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
+    env = rlflow_env()
     return subprocess.run([sys.executable, "-m", "rlflow", *args, "--trainer.strategy=fsdp"], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 

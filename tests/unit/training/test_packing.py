@@ -73,6 +73,14 @@ def random_groups(rng: random.Random, groups: int, prompt_len: tuple[int, int], 
     return exps
 
 
+def row_queries(batch: dict[str, torch.Tensor]) -> dict[int, list[int]]:
+    """Each attention row set's rows, as their query counts."""
+    sets: dict[int, list[int]] = {}
+    for first, keys, row_set in batch["attn_rows"].tolist():
+        sets.setdefault(row_set, []).append(keys - first)
+    return sets
+
+
 def test_pack_indices_respects_the_budget_and_places_every_sequence_once():
     lengths = [5, 9, 3, 7, 2, 12, 4]
     packs = pack_indices(lengths, 12)
@@ -184,8 +192,9 @@ def test_a_prompt_head_common_to_every_group_is_laid_once_and_stays_exact(model)
     batch = collate_packed(packs[0], share_prompts=True)
     assert batch["input_ids"].shape[1] == budget  # not 5 x 20 head tokens: one
     assert batch["input_ids"][0, :20].tolist() == head and batch["position_ids"][0, :20].tolist() == list(range(20))
-    assert {"attn0_q", "attn1_q", "attn2_q"} <= set(batch)  # head, completions, the non-empty tails
-    assert batch["attn2_q"].shape[0] == 4  # four non-empty tails (the second group's prompt is the head)
+    sets = row_queries(batch)
+    assert {0, 1, 2} <= set(sets)  # head, completions, the non-empty tails
+    assert len(sets[2]) == 4  # four non-empty tails (the second group's prompt is the head)
     logprobs, _ = packed_completion_logprobs(model, batch)
     for row, e, want in zip(logprobs, packs[0], [refs[exps.index(e)] for e in packs[0]]):
         torch.testing.assert_close(row[: len(e.completion_ids)], want, atol=1e-5, rtol=0)
@@ -206,15 +215,16 @@ def test_many_completion_rows_are_attended_in_two_sets_by_length_and_stay_exact(
     batch = collate_packed(exps, share_prompts=True)
     lengths = sorted(len(e.completion_ids) for e in exps)
     median = lengths[len(lengths) // 2]
-    assert batch["attn1_q"].shape == (sum(n <= median for n in lengths), median)  # 18 rows: split at the median
-    assert batch["attn3_q"].shape == (sum(n > median for n in lengths), lengths[-1])
+    sets = row_queries(batch)
+    assert sorted(sets[1]) == [n for n in lengths if n <= median]  # 18 rows: split at the median
+    assert sorted(sets[3]) == [n for n in lengths if n > median]
     logprobs, _ = packed_completion_logprobs(model, batch)
     for row, e, want in zip(logprobs, exps, refs):
         torch.testing.assert_close(row[: len(e.completion_ids)], want, atol=1e-5, rtol=0)
     logprobs[batch["completion_mask"]].sum().backward()
     assert_grads_equal(model, ref_grads)
     model.zero_grad()
-    assert "attn3_q" not in collate_packed(exps[:15], share_prompts=True)  # 15 rows: one set
+    assert 3 not in row_queries(collate_packed(exps[:15], share_prompts=True))  # 15 rows: one set
 
 
 def test_equal_length_pack_takes_the_reshape_path_and_stays_exact(model):
