@@ -78,8 +78,9 @@ def rlflow_worker(args) -> dict:
     with tempfile.TemporaryDirectory() as root:
         cli = cli_main([
             "fit", "--config", str(CONFIG), f"--model.model_path={args.model}", "--model.export_hf=false",
-            f"--data.train_data_path={args.data / 'train.jsonl'}", "--data.eval_data_path=null",
-            "--evaluate_every_n_steps=0", "--trajectories.enabled=false", f"--trainer.max_steps={args.steps}",
+            f"--data.train_data_path={args.data / 'train.jsonl'}", f"--data.eval_data_path={args.data / 'val.jsonl'}",
+            f"--evaluate_every_n_steps={args.steps + 1}",  # never within the run: evaluated below, as TRL's
+            "--trajectories.enabled=false", f"--trainer.max_steps={args.steps}",
             f"--trainer.logger.init_args.save_dir={root}", "--trainer.enable_progress_bar=false",
             "--trainer.enable_checkpointing=false", f"--seed_everything={args.seed}", f"--data.seed={args.seed}",
         ])

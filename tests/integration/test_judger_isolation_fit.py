@@ -1,6 +1,6 @@
 """``rlflow fit`` with a TRL-style reward function that hangs at the first step: its worker process is killed at
 ``data.judging.timeout`` (``judger/killed_workers``), those samples count as failed, and the next step's calls,
-in a fresh worker, score."""
+in a fresh worker, score; the workers end with the run."""
 
 from __future__ import annotations
 
@@ -36,3 +36,4 @@ def test_a_hanging_reward_function_is_killed_and_the_run_goes_on(tiny_model, tin
     pids = hostile.read_pids(pidfile)
     killed = sorted(set(pids[:-1]) - {pids[-1]})  # the workers of step 0; the last one served step 1
     assert killed and hostile.all_gone(killed)
+    assert hostile.all_gone(pids[-1:])  # the worker of the last step ended with the run, not with the process
