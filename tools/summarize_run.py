@@ -40,7 +40,8 @@ def main() -> None:
               f"{float(r['completions/mean_length']):8.1f}  {float(r['completions/clipped_ratio']):7.2f}  "
               f"{float(r['step_time']):8.2f}s" + extra)
     for r in evals:
-        print(f"eval at step {int(float(r['step']))}: accuracy {float(r['eval/accuracy']):.3f}")
+        reward = f"reward {float(r['eval/reward']):.3f}, " if r.get("eval/reward") else ""
+        print(f"eval at step {int(float(r['step']))}: {reward}accuracy {float(r['eval/accuracy']):.3f}")
     rewards = [float(r["reward"]) for r in train]
     if len(rewards) >= 10:
         first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5

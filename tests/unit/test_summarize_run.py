@@ -1,0 +1,28 @@
+"""tools/summarize_run.py: the curve and the evaluations of a run's metrics.csv, each evaluation with its reward."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+
+from tests.helpers.paths import ROOT
+
+COLUMNS = ["step", "reward", "reward_std", "completions/mean_length", "completions/clipped_ratio", "step_time",
+           "eval/reward", "eval/accuracy"]
+
+
+def test_each_evaluation_is_printed_with_its_reward_and_accuracy(tmp_path):
+    run = tmp_path / "version_0"
+    run.mkdir()
+    rows = [{"step": s, "reward": 0.1 * s, "reward_std": 0.1, "completions/mean_length": 20,
+             "completions/clipped_ratio": 0.0, "step_time": 2.0} for s in range(10)]
+    rows.append({"step": 9, "eval/reward": 0.4375, "eval/accuracy": 0.0})
+    with open(run / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "summarize_run.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "eval at step 9: reward 0.438, accuracy 0.000" in out
+    assert "first 5 steps 0.200, last 5 steps 0.700, gain +0.500" in out
