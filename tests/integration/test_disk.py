@@ -17,6 +17,7 @@ import torch
 
 from rlflow.cli import main
 from tests.helpers.paths import ROOT
+from tests.helpers.processes import rlflow_env
 from tests.helpers.resume_helpers import run_args
 
 pytestmark = pytest.mark.slow
@@ -107,8 +108,7 @@ def test_a_real_full_disk(tiny_model, small_data, tmp_path):
     check = f"import torch; print('step', torch.load('{small}/last.ckpt', weights_only=True)['global_step'])"
     script = (f"mount -t tmpfs -o size=6m tmpfs {small} && {sys.executable} -m rlflow {shlex.join(args)}; "
               f"echo rc=$?; {sys.executable} -c \"{check}\"; ls -a {small}")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    env = rlflow_env()
     proc = subprocess.run(["unshare", "-rm", "sh", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=400)
     line = one_error_line(proc.stderr)

@@ -19,6 +19,7 @@ import torch
 from rlflow.cli import cli_main
 from tests.helpers.fit import fit_args
 from tests.helpers.paths import ROOT
+from tests.helpers.processes import rlflow_env
 from tests.helpers.resume_helpers import assert_same_final_state, assert_same_run, run_args, trajectories
 
 pytestmark = pytest.mark.slow
@@ -46,11 +47,7 @@ def test_kill_and_resume_matches_straight_run(tiny_model, small_data, tmp_path, 
     # a real `rlflow fit` process, killed with SIGKILL between the two optimizer steps of the step after step 3's
     # checkpoint (one thread, as in-process: the same float reductions)
     kill = '--trainer.callbacks+={"class_path": "tests.integration.test_resume.KillMidStep", "init_args": {"step": 3}}'
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1",
-    }
+    env = rlflow_env()
     command = [sys.executable, "-m", "rlflow", *run_args(tiny_model, small_data, killed, two_updates, kill)]
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]

@@ -21,6 +21,7 @@ import torch
 
 from rlflow.cli import cli_main, main
 from tests.helpers.paths import ROOT
+from tests.helpers.processes import rlflow_env
 from tests.helpers.resume_helpers import assert_same_final_state, assert_same_run, run_args
 
 pytestmark = pytest.mark.slow
@@ -60,11 +61,7 @@ def callback(**init_args) -> str:
 
 
 def run_rlflow(args: list[str], threads: int = 1) -> subprocess.CompletedProcess:
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": str(threads),
-    }
+    env = rlflow_env(OMP_NUM_THREADS=str(threads))
     return subprocess.run([sys.executable, "-m", "rlflow", *args], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=400, start_new_session=True)
 

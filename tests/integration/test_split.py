@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 
 import pytest
 import torch
@@ -128,27 +127,19 @@ def test_an_fsdp2_run_leaves_the_split_off_and_starts_no_process(
 ):
     started = []
     monkeypatch.setattr("rlflow.data.datamodule.GeneratorProcess", lambda *a, **k: started.append(a))
-    environ = dict(os.environ)
-    try:
-        with caplog.at_level(logging.INFO, logger="rlflow"):
-            cli = cli_main(
-                fit_args(
-                    tiny_model,
-                    small_data,
-                    tmp_path,
-                    "--data.pipeline.split_rollout=true",
-                    "--trainer.strategy=fsdp",
-                    steps=1,
-                )
+    # the run leaves a one-rank process group and Lightning's rank variables behind: tests/conftest.py's
+    # restored_environment removes both after the test
+    with caplog.at_level(logging.INFO, logger="rlflow"):
+        cli = cli_main(
+            fit_args(
+                tiny_model,
+                small_data,
+                tmp_path,
+                "--data.pipeline.split_rollout=true",
+                "--trainer.strategy=fsdp",
+                steps=1,
             )
-    finally:  # the one-rank process group would make later tests' metrics sync as if distributed
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-        # and Lightning exported its rank and address (LOCAL_RANK, NODE_RANK, MASTER_PORT...): a later 2-rank
-        # `rlflow fit` subprocess of this worker would inherit them, take itself for an externally launched rank
-        # and wait for the other until the test times out (or bind the port this process's store still holds)
-        os.environ.clear()
-        os.environ.update(environ)
+        )
     assert cli.trainer.global_step == 1 and cli.datamodule.split is None and started == []
     assert "data.pipeline.split_rollout is off for this run: the policy is sharded (FSDP2)" in caplog.text
 
