@@ -6,18 +6,20 @@ rlflow.demo.sums``), with the same two rewards weighted 0.5 each (GSM8K's strict
 4 prompts x 4 completions a step, 32 new tokens at temperature 0.8, the ``bnpo`` loss with epsilons 0.2/0.28, no
 KL, AdamW at a constant 2e-5, one optimizer step per rollout step, float32 master weights with bf16 autocast where
 the CPU multiplies bf16. rlflow runs the config as shipped (only the step count, seed, logging, checkpointing and
-evaluation overridden); TRL gets those settings as ``GRPOConfig`` fields. Each run is its own process, alternately,
-with the same ``OMP_NUM_THREADS``.
+evaluation overridden); TRL gets those settings as ``GRPOConfig`` fields. Each run is its own process with the same
+``OMP_NUM_THREADS`` (``--threads``); ``--jobs`` runs that many at once (TRL's runs started first).
 
 What it prints: per run, each step's sampled reward (the weighted mean over the step's 16 completions, what both
 log as ``reward``) and seconds; after training, the greedy held-out accuracy (the last number of a 32-token
 ``model.generate`` completion equals the sum, on the 64 ``val.jsonl`` sums never trained on), by one evaluator for
 both, and the base model's. The last lines: mean reward of the first and last 5 steps, held-out accuracy (mean and
 range over seeds), median step seconds, and the seconds each side took to first reach ``--target`` (the reward's
-3-step moving average), with the ratio::
+``--window``-step moving average), with the ratio of the medians (a run that never reaches it counted
+as the slowest)::
 
     python tools/get_smollm2.py && python -m rlflow.demo.sums       # the model and the rows
-    python benchmarks/learn_vs_trl.py --seeds 0 1 2 --trl-seeds 0 --steps 15   # TRL: a dev dependency (.[dev])
+    python benchmarks/learn_vs_trl.py --seeds 0 1 2 3 4 --trl-seeds 0 1 2 3 4 --steps 20 --threads 1 --jobs 2
+    # TRL: a dev dependency (.[dev])
 
 Simplifications: TRL's step seconds come from a ``TrainerCallback`` (``on_step_begin`` to ``on_step_end``, its
 generation included), rlflow's from its ``step_time`` metric (the training step, generation included); model
@@ -30,12 +32,14 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,25 +178,32 @@ def moving_average(values: list[float], width: int = 3) -> list[float]:
     return [statistics.mean(values[max(0, i - width + 1):i + 1]) for i in range(len(values))]
 
 
-def seconds_to(target: float, rewards: list[float], times: list[float]) -> float | None:
-    """Seconds of training until the reward's 3-step moving average first reaches ``target`` (None: never)."""
-    for i, value in enumerate(moving_average(rewards)):
+def seconds_to(target: float, rewards: list[float], times: list[float], window: int = 3) -> float | None:
+    """Seconds of training until the reward's ``window``-step moving average first reaches ``target`` (None:
+    never)."""
+    for i, value in enumerate(moving_average(rewards, window)):
         if value >= target:
             return sum(times[:i + 1])
     return None
 
 
-def summary(name: str, runs: list[dict], target: float) -> tuple[str, list[float]]:
+def median_seconds(reached: list[float | None]) -> float:
+    """Median of seconds to the target over runs, a run that never reached it counted as slower than every run that
+    did (``inf``): the median is finite only when at least half the runs reached the target."""
+    return statistics.median(math.inf if s is None else s for s in reached)
+
+
+def summary(name: str, runs: list[dict], target: float, window: int = 3) -> tuple[str, list[float | None]]:
     first = statistics.mean(r for run in runs for r in run["reward"][:5])
     last = statistics.mean(r for run in runs for r in run["reward"][-5:])
     accuracies = [run["accuracy"] for run in runs]
     step = statistics.median(t for run in runs for t in run["step_time"])
-    reached = [seconds_to(target, run["reward"], run["step_time"]) for run in runs]
+    reached = [seconds_to(target, run["reward"], run["step_time"], window) for run in runs]
     shown = ", ".join("never" if s is None else f"{s:.0f}" for s in reached)
     line = (f"{name:7} {len(runs)} run(s): reward steps 1-5 {first:.3f} -> last 5 {last:.3f}; held-out accuracy "
             f"{statistics.mean(accuracies):.1%} ({min(accuracies):.1%}-{max(accuracies):.1%}); median step "
             f"{step:.1f} s; seconds to reward {target:g}: {shown}")
-    return line, [s for s in reached if s is not None]
+    return line, reached
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--seeds", type=int, nargs="*", default=[0, 1, 2], help="rlflow runs")
     ap.add_argument("--trl-seeds", type=int, nargs="*", default=[0], help="TRL runs")
-    ap.add_argument("--target", type=float, default=0.3, help="reward whose reaching is timed (3-step average)")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--target", type=float, default=0.3, help="reward whose reaching is timed (moving average)")
+    ap.add_argument("--window", type=int, default=3, help="steps of the reward's moving average")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads of each run")
+    ap.add_argument("--jobs", type=int, default=1, help="runs at once (each its own process of --threads threads)")
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -222,21 +235,31 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {"rlflow": [], "trl": []}
     order = [("rlflow", s) for s in args.seeds] + [("trl", s) for s in args.trl_seeds]
     order.sort(key=lambda x: x[1])  # alternate the sides seed by seed
-    for which, seed in order:
+    if args.jobs > 1:  # the longer runs (TRL's) first, so that the jobs end together
+        order.sort(key=lambda x: x[0] != "trl")
+
+    def one(item: tuple[str, int]) -> None:
+        which, seed = item
         run = run_worker(which, args, seed)
-        runs[which].append(run)
+        runs[which].append({**run, "seed": seed})
         print(f"{which} seed {seed}: rewards {[round(r, 3) for r in run['reward']]}; steps s "
               f"{[round(t, 1) for t in run['step_time']]}; held-out accuracy {run['accuracy']:.1%}", flush=True)
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        list(pool.map(one, order))
     lines, reached = {}, {}
     for which in runs:
+        runs[which].sort(key=lambda run: run["seed"])
         if runs[which]:
-            lines[which], reached[which] = summary(which, runs[which], args.target)
+            lines[which], reached[which] = summary(which, runs[which], args.target, args.window)
             print(lines[which])
     if reached.get("rlflow") and reached.get("trl"):
-        ratio = statistics.median(reached["trl"]) / statistics.median(reached["rlflow"])
-        print(f"time to reward {args.target:g}: trl/rlflow {ratio:.2f}x (medians over the runs that reached it)")
-    print(f"{args.steps} steps, {args.threads} thread(s), load average {load:.2f} -> {os.getloadavg()[0]:.2f} on "
-          f"{os.cpu_count()} CPUs")
+        trl, ours = median_seconds(reached["trl"]), median_seconds(reached["rlflow"])
+        ratio = f"{trl / ours:.2f}x" if math.isfinite(ours) and math.isfinite(trl) else "not defined"
+        print(f"time to reward {args.target:g} ({args.window}-step average): trl/rlflow {ratio} (medians, a run that "
+              f"never reached it counted as the slowest)")
+    print(f"{args.steps} steps, {args.threads} thread(s) x {args.jobs} job(s), load average {load:.2f} -> "
+          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     return 0
 
 

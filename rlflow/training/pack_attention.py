@@ -16,7 +16,8 @@ tensors a batch carries; :func:`varlen_sdpa_attention` (registered with transfor
   flash-style kernel, whose memory is linear in the row), behind a prefix in chunks of :data:`QUERY_CHUNK` queries,
   each with a ``[chunk, keys]`` mask. Shorter rows are batched in sets padded to their widest row with a
   ``[rows, 1, queries, keys]`` mask: one call per set instead of one per row, which is what keeps many short rows
-  fast on a CPU.
+  fast on a CPU. On a CPU a set that would compute in 16 bits (a 16-bit model, or ``bf16-mixed`` autocast) is
+  attended in float32 and rounded once (:func:`_masked_sdpa`: torch's masked 16-bit CPU kernel is the slower one).
 
 What is bounded by what: no tensor of the plans grows with the square of the pack. A short row's mask holds at most
 ``LONG_ROW x LONG_ROW`` entries (a set whose padded mask passes :data:`MASK_SPLIT` entries is split at its median
@@ -228,6 +229,32 @@ def _long_row(q, k, v, first: int, scale, dropout_p: float, gqa: bool) -> torch.
     return out.squeeze(0).transpose(0, 1)
 
 
+def _masked_sdpa(q, k, v, mask, scale, dropout_p: float, gqa: bool) -> torch.Tensor:
+    """``scaled_dot_product_attention`` of a padded set with its mask. On a CPU, a call that would run in 16 bits
+    (16-bit states, or any states under a 16-bit autocast, which casts this function's inputs) runs in float32
+    instead, its output in the dtype the 16-bit call would return: torch's CPU kernel for a masked 16-bit call runs
+    its forward and backward several times slower than the float32 one at these short widths
+    (``benchmarks/bench_attention.py``), and float32 scores and probabilities round less."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    low = _sixteen_bit_cpu(q)
+    if low is None:
+        return sdpa(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p, enable_gqa=gqa)
+    with torch.autocast("cpu", enabled=False):  # autocast would cast the float32 copies back to 16 bits
+        out = sdpa(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, dropout_p=dropout_p, enable_gqa=gqa)
+    return out.to(low)
+
+
+def _sixteen_bit_cpu(q: torch.Tensor) -> torch.dtype | None:
+    """The 16-bit dtype a CPU ``scaled_dot_product_attention`` of ``q`` would compute in (its own, or autocast's),
+    or None (another device, or float32 throughout)."""
+    if q.device.type != "cpu":
+        return None
+    if torch.is_autocast_enabled("cpu"):
+        dtype = torch.get_autocast_dtype("cpu")
+        return dtype if dtype in (torch.bfloat16, torch.float16) else None
+    return q.dtype if q.dtype in (torch.bfloat16, torch.float16) else None
+
+
 def _attend_sets(plan: dict, query, key, value, scale, dropout_p: float, gqa: bool) -> torch.Tensor:
     """:func:`_sets_plan`'s attention: ``[tokens, heads, dim]`` in pack order."""
     q_parts = _token_major(query, plan["q_index"]).split(plan["q_sizes"])
@@ -236,8 +263,7 @@ def _attend_sets(plan: dict, query, key, value, scale, dropout_p: float, gqa: bo
     outs = []
     for (q_shape, k_shape, mask), q, k, v in zip(plan["sets"], q_parts, k_parts, v_parts):
         q, k, v = q.unflatten(0, q_shape).transpose(1, 2), *(t.unflatten(0, k_shape).transpose(1, 2) for t in (k, v))
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p, enable_gqa=gqa)
+        out = _masked_sdpa(q, k, v, mask, scale, dropout_p, gqa)
         outs.append(out.transpose(1, 2).reshape(-1, out.shape[1], out.shape[3]))  # [rows * q_width, heads, dim]
     count = len(plan["sets"])
     for (_, _, first), q, k, v in zip(plan["long"], q_parts[count:], k_parts[count:], v_parts[count:]):

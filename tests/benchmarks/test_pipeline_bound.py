@@ -53,7 +53,7 @@ def test_bounds_by_hand():
 @pytest.mark.slow
 def test_tool_end_to_end(tiny_model, tiny_data, capsys):
     found = bound.main([
-        "--config", str(ROOT / "configs" / "demo_cpu.yaml"), "--steps", "5", "--measure",
+        "--config", str(ROOT / "configs" / "demo_cpu.yaml"), "--steps", "4", "--measure",
         f"--model.model_path={tiny_model}", f"--data.train_data_path={tiny_data / 'train.jsonl'}",
         "--data.global_batch_size=4", "--data.prompt_repeat_k=4", "--data.sampling.max_tokens=12",
     ])

@@ -154,6 +154,37 @@ def test_attention_and_its_gradients_match_the_definition_row_by_row(share):
         torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("mode", ["bf16-states", "bf16-autocast"])
+def test_a_sixteen_bit_cpu_set_is_attended_in_float32_and_rounded_once(mode, monkeypatch):
+    """A padded set that would run torch's 16-bit CPU kernel (16-bit states, or float32 states under bf16 autocast,
+    which casts them) runs in float32: each call's states are float32, and the output is the float64 definition
+    rounded to bf16 once (within float32's error, far inside bf16's)."""
+    exps = groups(seed=3, count=3, prompt=(2, 10), completion=(1, 9), members=3)
+    batch = collate_packed(exps, share_prompts=True)
+    tokens = batch["input_ids"].shape[1]
+    gen = torch.Generator().manual_seed(1)
+    exact = [torch.randn(1, h, tokens, 8, generator=gen, dtype=torch.float64) for h in (4, 2, 2)]
+    states = [t.to(torch.bfloat16) for t in exact]  # the values the call sees, exactly representable in bf16
+    if mode == "bf16-autocast":
+        states = [t.float() for t in states]
+    calls = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def recording(q, k, v, **kwargs):
+        calls.append((q.dtype, k.dtype, v.dtype))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+    layout = {name: t for name, t in batch.items() if name.startswith("attn")}
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if mode == "bf16-autocast" else contextlib.nullcontext()
+    with context:
+        out, _ = varlen_sdpa_attention(torch.nn.Module().eval(), *states, None, scaling=0.3, rlflow_pack=layout)
+    assert calls and all(c == (torch.float32,) * 3 for c in calls)
+    assert out.dtype == torch.bfloat16
+    want = dense_attention(*(t.double()[0] for t in states), batch, 0.3).transpose(0, 1)[None]
+    torch.testing.assert_close(out.double(), want, rtol=2 ** -8, atol=1e-6)  # bf16's rounding: 2 ** -9 relative
+
+
 class LargestTensor(TorchDispatchMode):
     """Records the largest tensor any operator returns (forward, backward and recomputation alike)."""
 
