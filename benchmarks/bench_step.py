@@ -93,7 +93,7 @@ def rlflow_worker(args) -> dict:
 def trl_worker(args) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from rlflow.judgers.gsm8k import GSM8KJudger
@@ -108,20 +108,7 @@ def trl_worker(args) -> dict:
     def gsm8k(prompts, completions, **kwargs):
         return judger(prompts, completions, **kwargs)
 
-    times, tokens, rewards = [], [], []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-
-        def on_log(self, a, state, control, logs=None, **kw):
-            if logs and "completions/mean_length" in logs:
-                tokens.append(logs["completions/mean_length"] * args.prompts * args.group)
-                rewards.append(logs.get("reward", float("nan")))
-
+    recorder = trl_recorder("completions/mean_length")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(args.model)
     with tempfile.TemporaryDirectory() as out:
@@ -137,9 +124,35 @@ def trl_worker(args) -> dict:
             dataloader_num_workers=0, log_completions=False,
         )
         trainer = GRPOTrainer(model=model, reward_funcs=[gsm8k], args=config, train_dataset=Dataset.from_list(rows),
-                              processing_class=tok, callbacks=[Timer()])
+                              processing_class=tok, callbacks=[recorder])
         trainer.train()
-    return {"step_time": times, "completion_tokens": tokens, "reward": rewards}
+    tokens = [logs["completions/mean_length"] * args.prompts * args.group for logs in recorder.logs]
+    return {"step_time": recorder.times, "completion_tokens": tokens,
+            "reward": [logs.get("reward", float("nan")) for logs in recorder.logs]}
+
+
+def trl_recorder(key: str):
+    """A ``transformers.TrainerCallback`` for TRL's trainer that records each step's seconds (``on_step_begin`` to
+    ``on_step_end``, its generation included) in ``times`` and each logged dict holding ``key`` in ``logs``."""
+    from transformers import TrainerCallback
+
+    class Recorder(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.logs: list[dict] = []
+            self.t0 = 0.0
+
+        def on_step_begin(self, a, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t0)
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and key in logs:
+                self.logs.append(dict(logs))
+
+    return Recorder()
 
 
 # ----------------------------------------------------------------------------------------- packing only

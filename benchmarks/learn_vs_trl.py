@@ -38,7 +38,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -100,9 +99,10 @@ def rlflow_worker(args) -> dict:
 def trl_worker(args) -> dict:
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    from benchmarks.bench_step import trl_recorder
     from rlflow.demo.sums import final_number_reward
     from rlflow.judgers.gsm8k import GSM8KJudger
     from rlflow.rollout.hardware import native_bf16
@@ -114,20 +114,7 @@ def trl_worker(args) -> dict:
     def gsm8k(prompts, completions, **kwargs):
         return judger(prompts, completions, **kwargs)
 
-    times: list[float] = []
-    rewards: list[float] = []
-
-    class Recorder(TrainerCallback):
-        def on_step_begin(self, a, state, control, **kw):
-            self.t0 = time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            times.append(time.perf_counter() - self.t0)
-
-        def on_log(self, a, state, control, logs=None, **kw):
-            if logs and "reward" in logs:
-                rewards.append(logs["reward"])
-
+    recorder = trl_recorder("reward")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     with tempfile.TemporaryDirectory() as out:
@@ -142,10 +129,10 @@ def trl_worker(args) -> dict:
         )
         trainer = GRPOTrainer(model=model, reward_funcs=[gsm8k, final_number_reward], args=config,
                               train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                              callbacks=[Recorder()])
+                              callbacks=[recorder])
         trainer.train()
     accuracy = held_out_accuracy(trainer.model, tokenizer, read_rows(args.data / "val.jsonl"))
-    return {"reward": rewards, "step_time": times, "accuracy": accuracy}
+    return {"reward": [logs["reward"] for logs in recorder.logs], "step_time": recorder.times, "accuracy": accuracy}
 
 
 def base_worker(args) -> dict:
