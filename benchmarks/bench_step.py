@@ -96,18 +96,8 @@ def trl_worker(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from rlflow.judgers.gsm8k import GSM8KJudger
-
-    rows = []
-    with open(args.data, encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            rows.append({"prompt": r["prompt"], "ground_truth": str(r["reward_model"]["ground_truth"])})
-    judger = GSM8KJudger()
-
-    def gsm8k(prompts, completions, **kwargs):
-        return judger(prompts, completions, **kwargs)
-
+    rows = trl_rows(args.data)
+    gsm8k = gsm8k_reward()
     recorder = trl_recorder("completions/mean_length")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(args.model)
@@ -129,6 +119,26 @@ def trl_worker(args) -> dict:
     tokens = [logs["completions/mean_length"] * args.prompts * args.group for logs in recorder.logs]
     return {"step_time": recorder.times, "completion_tokens": tokens,
             "reward": [logs.get("reward", float("nan")) for logs in recorder.logs]}
+
+
+def trl_rows(path) -> list[dict]:
+    """The rows of an rlflow jsonl (``prompt`` chat messages, ``reward_model.ground_truth``) as TRL's dataset rows:
+    ``prompt`` and ``ground_truth`` (a string), which TRL passes to reward functions as a keyword."""
+    with open(path, encoding="utf-8") as f:
+        return [{"prompt": r["prompt"], "ground_truth": str(r["reward_model"]["ground_truth"])}
+                for r in map(json.loads, filter(str.strip, f))]
+
+
+def gsm8k_reward():
+    """rlflow's ``gsm8k`` judger as a TRL reward function named ``gsm8k`` (TRL logs it as ``rewards/gsm8k``)."""
+    from rlflow.judgers.gsm8k import GSM8KJudger
+
+    judger = GSM8KJudger()
+
+    def gsm8k(prompts, completions, **kwargs):
+        return judger(prompts, completions, **kwargs)
+
+    return gsm8k
 
 
 def trl_recorder(key: str):

@@ -102,18 +102,12 @@ def trl_worker(args) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from benchmarks.bench_step import trl_recorder
+    from benchmarks.bench_step import gsm8k_reward, trl_recorder, trl_rows
     from rlflow.demo.sums import final_number_reward
-    from rlflow.judgers.gsm8k import GSM8KJudger
     from rlflow.rollout.hardware import native_bf16
 
-    rows = [{"prompt": r["prompt"], "ground_truth": str(r["reward_model"]["ground_truth"])}
-            for r in read_rows(args.data / "train.jsonl")]
-    judger = GSM8KJudger()
-
-    def gsm8k(prompts, completions, **kwargs):
-        return judger(prompts, completions, **kwargs)
-
+    rows = trl_rows(args.data / "train.jsonl")
+    gsm8k = gsm8k_reward()
     recorder = trl_recorder("reward")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
