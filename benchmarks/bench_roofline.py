@@ -24,7 +24,8 @@ Five parts (``--parts``, all by default), each set against a limit measured in t
    rows, with the model cast to the decode dtype, is the anchor (tokens/s ratio).
 4. **train**: one forward + backward of the recipe's packed training step (the decode part's completions, or
    random ones of ``--max-tokens`` tokens, packed into ``pack_max_length`` tokens with a group's prompt once, as
-   ``rlflow fit`` packs them; under ``torch.autocast`` bf16 when the recipe's precision is ``bf16-mixed``), against
+   ``rlflow fit`` packs them; under ``torch.autocast`` bf16 when the recipe's precision is ``bf16-mixed``; with the
+   recipe's ``model.update.reuse_freed_memory`` as ``rlflow fit`` applies it, or ``--reuse-freed-memory``), against
    the matmul peak of its dtype. Model FLOPs (:func:`train_flops`): 3 x (2 x the layers' linear weights x the packed
    tokens + 2 x the LM head's weights x the completion tokens, the only positions the chunked head multiplies +
    4 x layers x width x the (query, key) pairs the packed attention computes).
@@ -86,6 +87,7 @@ def recipe_settings(path: str | Path) -> dict:
         "temperature": (data.get("sampling") or {}).get("temperature", 1.0),
         "decode_dtype": init.get("dtype", "model"), "precision": str(trainer.get("precision", "32-true")),
         "pack_max_length": update.get("pack_max_length", 4096), "chunk": update.get("logprob_chunk_size", 1024),
+        "reuse_freed_memory": update.get("reuse_freed_memory"),
     }
 
 
@@ -113,8 +115,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--square", type=int, default=2048, help="side of the square matmul")
     ap.add_argument("--step-steps", type=int, default=3, help="GRPO steps per run of the step part (first left out)")
     ap.add_argument("--step-repeats", type=int, default=1, help="runs of each framework in the step part")
+    ap.add_argument("--reuse-freed-memory", choices=("on", "off"),
+                    help="model.update.reuse_freed_memory for the train part (default: the recipe's)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    if args.reuse_freed_memory is not None:
+        args.reuse_freed_memory = args.reuse_freed_memory == "on"
     for key, value in recipe.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
@@ -361,8 +367,10 @@ def training_batches(args, model, prompts: list[list[int]], completions) -> list
 
 def measure_training(args, model, packs: list[tuple[tuple, dict]], limits: dict) -> dict:
     """The train part: median seconds of one forward + backward over all packs, FLOPs, share of the peak."""
+    from rlflow.training.host_memory import reuse_freed_memory
     from rlflow.training.packing import packed_completion_logprobs
 
+    reuse_freed_memory(args.reuse_freed_memory, torch.device("cpu"))  # as rlflow fit's training process does
     bf16 = args.precision.startswith("bf16")
     model.train()
 

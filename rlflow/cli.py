@@ -200,10 +200,15 @@ class RLFlowCLI(LightningCLI):
         return kwargs
 
     def prepare_fit(self, ckpt_path: Any) -> Any:
-        """Before ``fit`` loads anything: the log and checkpoint directories take files (one line naming the one
-        that does not), the configuration goes into the checkpoints, and ``--ckpt_path`` becomes the checkpoint of
-        this run it resumes (:func:`rlflow.training.resume.choose_checkpoint`)."""
+        """Before ``fit`` loads anything or starts its ranks: the settings refused with several ranks, the log and
+        checkpoint directories take files (one line naming the one that does not), the configuration goes into the
+        checkpoints, and ``--ckpt_path`` becomes the checkpoint of this run it resumes
+        (:func:`rlflow.training.resume.choose_checkpoint`)."""
         named = version_named(self.trainer)  # before the checks below settle an unnamed version
+        pipelining, ranks = getattr(self.datamodule, "pipeline_settings", None), self.trainer.world_size
+        if pipelining is not None and pipelining.partial_rollouts and ranks > 1:  # before any rank starts
+            raise ConfigError(f"data.pipeline.partial_rollouts is not supported with {ranks} ranks (FSDP); set "
+                              "data.pipeline.partial_rollouts=false")
         for directory, key in written_dirs(self.trainer):
             check_writable(directory, key)
         config = yaml.safe_load(self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False))

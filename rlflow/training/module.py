@@ -57,6 +57,7 @@ from rlflow.training.distributed import (
 )
 from rlflow.training.evaluation import EvalMetrics
 from rlflow.training.export import PolicyExport
+from rlflow.training.host_memory import reuse_freed_memory
 from rlflow.training.logprobs import completion_logprobs
 from rlflow.training.optim import UpdateFraction, build_lr_scheduler, build_optimizer
 from rlflow.training.packing import (
@@ -460,6 +461,7 @@ class GRPOModule(L.LightningModule):
         self.experience.bind(self.policy, self.current_policy_version)
         self.check_pipelining(self.experience.max_staleness)
         update = self.settings.update
+        reuse_freed_memory(update.reuse_freed_memory, self.device)
         self.packing_checked = resolve_packing(update.packing, [self.policy, self.ref_model], self.sharded,
                                                update.pack_max_length)
 

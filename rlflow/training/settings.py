@@ -119,6 +119,11 @@ class UpdateSettings(SettingsGroup):
     """Positions per chunk when turning hidden states into log-probs (bounds the logits memory)."""
     max_consecutive_skipped_steps: int = 3
     """Stop the run after this many optimizer steps in a row with a NaN/inf loss or gradient."""
+    reuse_freed_memory: bool | None = None
+    """Keep large freed blocks in the training process's heap, so each step's large tensors (logits chunks, 16-bit
+    weight casts, gradients) reuse memory already faulted in rather than fresh zeroed pages (glibc on Linux;
+    :mod:`rlflow.training.host_memory`). The process's resident memory then stays near its peak. None: on where
+    the policy trains on a CPU, off elsewhere."""
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,16 @@ def read_metrics(log_dir):
         return [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
 
 
-def test_fit_three_steps_end_to_end(tiny_model, tiny_data, tmp_path):
-    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--model.loss.kl_coef=0.01", steps=3))
+def test_fit_three_steps_end_to_end(tiny_model, tiny_data, tmp_path, monkeypatch):
+    import rlflow.training.module as module
+
+    asked = []  # model.update.reuse_freed_memory reaches the allocator setting, with the policy's device
+    monkeypatch.setattr(module, "reuse_freed_memory", lambda choice, device: asked.append((choice, device.type)))
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--model.loss.kl_coef=0.01",
+                            "--model.update.reuse_freed_memory=false", steps=3))
     trainer = cli.trainer
     assert trainer.global_step == 3
+    assert asked == [(False, "cpu")]
     log_dir = __import__("pathlib").Path(trainer.log_dir)
     rows = read_metrics(log_dir)
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -292,8 +292,7 @@ REFUSED_PAIRS = sorted(tuple(sorted(p)) for p in REFUSED)
 @pytest.mark.slow
 @pytest.mark.parametrize("pair", REFUSED_PAIRS, ids=["+".join(p) for p in REFUSED_PAIRS])
 def test_each_refused_pair_is_one_line_at_startup(pair, paths, tmp_path, capsys):
-    """Refused before training, in one line (the same line from each rank of a 2-rank run: each process reports its
-    own failure)."""
+    """Refused before training, in one line (a 2-rank run before its second rank starts: one process, one line)."""
     gpu_skip(pair)
     args = arguments(pair, paths, tmp_path, "--checkpoint.every_n_train_steps=0")
     if "fsdp2" in pair:
@@ -304,6 +303,6 @@ def test_each_refused_pair_is_one_line_at_startup(pair, paths, tmp_path, capsys)
 
         code = main(args)
         err = capsys.readouterr().err
-    lines = {line for line in err.splitlines() if line.startswith("rlflow: error:")}
+    lines = [line for line in err.splitlines() if line.startswith("rlflow: error:")]
     assert code == 1 and len(lines) == 1 and REFUSED[frozenset(pair)] in lines.pop(), err[-2000:]
     assert not list(tmp_path.rglob("metrics.csv")), "refused after training had started"
