@@ -47,6 +47,7 @@ from rlflow.config_moves import check_argv
 from rlflow.config_parse_errors import parse_error_line, parser_keys, raise_errors
 from rlflow.data.datamodule import RolloutDataModule
 from rlflow.models.model_path import check_model_path
+from rlflow.rollout.pipeline import check_partial_ranks
 from rlflow.training.callbacks import (
     LoggerSaveConfigCallback,
     NoSignalWarning,
@@ -205,10 +206,9 @@ class RLFlowCLI(LightningCLI):
         checkpoints, and ``--ckpt_path`` becomes the checkpoint of this run it resumes
         (:func:`rlflow.training.resume.choose_checkpoint`)."""
         named = version_named(self.trainer)  # before the checks below settle an unnamed version
-        pipelining, ranks = getattr(self.datamodule, "pipeline_settings", None), self.trainer.world_size
-        if pipelining is not None and pipelining.partial_rollouts and ranks > 1:  # before any rank starts
-            raise ConfigError(f"data.pipeline.partial_rollouts is not supported with {ranks} ranks (FSDP); set "
-                              "data.pipeline.partial_rollouts=false")
+        pipelining = getattr(self.datamodule, "pipeline_settings", None)
+        if pipelining is not None and pipelining.partial_rollouts:
+            check_partial_ranks(self.trainer.world_size)  # before any rank starts
         for directory, key in written_dirs(self.trainer):
             check_writable(directory, key)
         config = yaml.safe_load(self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False))

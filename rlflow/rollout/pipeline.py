@@ -384,6 +384,12 @@ def check_partial(backend: RolloutBackend, world_size: int) -> None:
     if not isinstance(backend, EngineRollout):
         raise ConfigError(f"data.pipeline.partial_rollouts needs the engine rollout backend (data.rollout: engine or "
                           f"auto on a model it runs); got {type(backend).__name__}")
+    check_partial_ranks(world_size)
+
+
+def check_partial_ranks(world_size: int) -> None:
+    """Partial rollouts run in one process: refused with ``world_size`` ranks (``rlflow fit`` asks before it starts
+    them)."""
     if world_size > 1:
         raise ConfigError(f"data.pipeline.partial_rollouts is not supported with {world_size} ranks (FSDP); set "
                           "data.pipeline.partial_rollouts=false")

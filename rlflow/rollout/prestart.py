@@ -38,6 +38,8 @@ from rlflow.rollout.worker import worker_main
 #: The worker started early and not adopted yet: (process, jobs queue, results queue, running event, start time,
 #: torch threads).
 _EARLY: tuple[Any, ...] | None = None
+#: Every worker started and not stopped yet: (process, jobs queue).
+_SPAWNED: list[tuple[Any, Any]] = []
 
 
 @contextlib.contextmanager
@@ -70,7 +72,17 @@ def spawn_worker(threads: int, tokenizer_path: str | None = None) -> tuple[Any, 
     started = time.perf_counter()
     with _stop_signals_ignored():
         process.start()
+    _SPAWNED.append((process, jobs))
+    atexit.unregister(_stop_spawned)  # registered last, it runs before multiprocessing's own exit handler
+    atexit.register(_stop_spawned)
     return process, jobs, results, running, started
+
+
+def _stop_spawned() -> None:
+    """At exit, stop the workers nobody stopped (a run that failed or was refused before it closed its generator):
+    multiprocessing's exit handler would send them SIGTERM, which they ignore, and wait for them forever."""
+    for process, jobs in list(_SPAWNED):
+        stop_worker(process, jobs, wait=1.0)
 
 
 def start(threads: int) -> None:
@@ -117,6 +129,8 @@ def stop_worker(process: Any, jobs: Any, wait: float = 5.0) -> None:
             process.kill()
             process.join(timeout=5)
     jobs.cancel_join_thread()  # nothing left to deliver to a stopped worker: never wait for it at exit
+    with contextlib.suppress(ValueError):
+        _SPAWNED.remove((process, jobs))
 
 
 

@@ -40,12 +40,10 @@ so a pipelined lmdeploy run is not bit-reproducible (the process generator's run
 
 from __future__ import annotations
 
-import atexit
 import collections
 import copy
 import queue
 import time
-import weakref
 from typing import Any
 
 import torch
@@ -117,7 +115,6 @@ class GeneratorProcess:
         self.model: torch.nn.Module | None = None
         self.process, self.jobs, self.results, self.running, self.started_at = \
             prestart.adopt(threads) or prestart.spawn_worker(threads, tokenizer_path)
-        _RUNNING.add(self)
         self.busy = False
         self.ready = False  # the worker's start-up (imports, backend check) overlaps the trainer's own
         self.start_timeout = start_timeout
@@ -207,18 +204,6 @@ class GeneratorProcess:
         self.running.set()
         prestart.stop_worker(self.process, self.jobs, wait)
         self.busy = False
-        _RUNNING.discard(self)
-
-
-#: The generator processes not closed yet: a trainer that exits without closing one (an exception, a signal)
-#: stops it at exit, before multiprocessing's own exit handler would wait for it.
-_RUNNING: weakref.WeakSet[GeneratorProcess] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_running() -> None:
-    for generator in list(_RUNNING):
-        generator.close(wait=1.0)
 
 
 class ThreadGenerator:

@@ -12,18 +12,19 @@ NOISE = ("Failed to load", "is an Enum subclass")
 IMPORTS = "import torchao"  # what transformers imports when torchao is installed
 
 
-def stderrs(*codes: str) -> list[str]:
-    """What each ``python -c code`` printed to stderr; the processes run at once (each mostly imports torch)."""
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+def outputs(*codes: str) -> list[tuple[str, str]]:
+    """``(stdout, stderr)`` of each ``python -c code``; the processes run at once (each mostly imports torch)."""
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True) for code in codes]
-    return [proc.communicate(timeout=300)[1] for proc in procs]
+    return [proc.communicate(timeout=300) for proc in procs]
 
 
 def test_the_generator_process_imports_quietly():
     pytest.importorskip("torchao")
     # the imports alone; what worker_main runs first, then the imports that used to print; the trainer's path
-    loud, quiet, trainer = stderrs(IMPORTS, f"from rlflow.rollout.worker import quiet_third_party; "
-                                   f"quiet_third_party(); {IMPORTS}", f"import rlflow.log; {IMPORTS}")
+    loud, quiet, trainer = (err for _, err in outputs(
+        IMPORTS, f"from rlflow.rollout.worker import quiet_third_party; quiet_third_party(); {IMPORTS}",
+        f"import rlflow.log; {IMPORTS}"))
     if not any(n in loud for n in NOISE):
         pytest.skip("this torchao/torch build logs nothing at import: nothing to silence")
     assert not [n for n in NOISE if n in quiet], quiet[-2000:]
@@ -37,15 +38,11 @@ def test_lightnings_service_tips_are_dropped_and_its_other_messages_kept():
                "enable_checkpointing=False, enable_progress_bar=False); "
                "from lightning.pytorch.utilities.rank_zero import rank_zero_info; rank_zero_info('still shown')")
 
-    def outputs(*codes: str) -> list[str]:  # stdout and stderr of each, the processes at once
-        procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) for code in codes]
-        return [proc.communicate(timeout=300)[0] for proc in procs]
-
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory() as tmp2:
-        loud, quiet = outputs(trainer.format(dir=tmp), "import rlflow.log; " + trainer.format(dir=tmp2))
+        loud, quiet = ("".join(both) for both in outputs(trainer.format(dir=tmp),
+                                                         "import rlflow.log; " + trainer.format(dir=tmp2)))
         if "Tip:" not in loud:
             pytest.skip("this Lightning prints no service tip: nothing to drop")
     assert "still shown" in loud and "still shown" in quiet

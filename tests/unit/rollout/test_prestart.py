@@ -82,3 +82,28 @@ def test_rlflow_fit_starts_the_worker_before_lightnings_cli(monkeypatch, config)
     calls.clear()
     assert entry.main(["validate", "--config", pipelined]) == 0  # only fit trains
     assert calls == [("cli", ["validate", "--config", pipelined])]
+
+
+
+def test_a_process_that_never_closes_its_generator_still_exits():
+    """A run that fails or is refused before closing its generator leaves its worker waiting for jobs. Another
+    process holding the job queue's ends (a process forked later) keeps the queue from closing, and the worker
+    ignores SIGTERM, which is all multiprocessing's exit handler sends before waiting for it: the trainer's process
+    still exits (its worker stopped at exit)."""
+    import subprocess
+    import sys
+
+    from tests.helpers.paths import ROOT
+
+    code = ("import os, time\n"
+            "from rlflow.rollout.process import GeneratorProcess\n"
+            "generator = GeneratorProcess(1)\n"
+            "time.sleep(3)\n"
+            "if os.fork() == 0:\n"
+            "    time.sleep(30)\n"
+            "    os._exit(0)\n"
+            "del generator\n")
+    # no pipes: the forked process and multiprocessing's resource tracker would hold them open after the exit
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL, timeout=20)
+    assert out.returncode == 0
