@@ -87,12 +87,11 @@ def _stop_spawned() -> None:
 
 def start(threads: int) -> None:
     """Start a generator worker with ``threads`` torch threads now, for :func:`adopt` to hand out later (stopped
-    at exit if no one did)."""
+    at exit if no one did, as every worker :func:`spawn_worker` starts)."""
     global _EARLY
     if _EARLY is not None:
         return
     _EARLY = (*spawn_worker(threads), threads)
-    atexit.register(discard)
 
 
 def adopt(threads: int) -> tuple[Any, Any, Any, Any, float] | None:
