@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rlflow.data.experience import Experience, collate
+from rlflow.training import logprobs
 from rlflow.training.logprobs import completion_logprobs, naive_token_stats, token_stats_from_hidden
 
 
@@ -18,9 +19,12 @@ def plain_stats(logits, targets, temperature):
     return taken, -(logp.exp() * logp).sum(-1)
 
 
+@pytest.mark.parametrize("block_rows", [None, 3])
 @pytest.mark.parametrize("chunk_size", [1, 5, 64])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_chunked_equals_plain_with_gradients(chunk_size, temperature):
+def test_chunked_equals_plain_with_gradients(chunk_size, temperature, block_rows, monkeypatch):
+    if block_rows:  # chunks handled in blocks of 3 rows (the default takes a 97-word chunk in one block)
+        monkeypatch.setattr(logprobs, "BLOCK_BYTES", 4 * 97 * block_rows)
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 97, bias=True)
     hidden = torch.randn(3, 11, 16, requires_grad=True)
@@ -80,9 +84,12 @@ def test_gradients_with_one_output_unused_frozen_head_and_bfloat16():
     torch.testing.assert_close(bf_hidden.grad.float(), ref_h.grad, rtol=5e-2, atol=5e-2)
 
 
-def test_under_bf16_autocast_stats_are_float32_and_backward_recomputes_like_forward():
+@pytest.mark.parametrize("block_rows", [None, 2])
+def test_under_bf16_autocast_stats_are_float32_and_backward_recomputes_like_forward(block_rows, monkeypatch):
     """trainer.precision=bf16-mixed: the LM head runs in bf16 (forward and the recomputing backward, even when
     backward is called outside autocast), log-probs and entropy are float32 stats of those bf16 logits."""
+    if block_rows:
+        monkeypatch.setattr(logprobs, "BLOCK_BYTES", 4 * 97 * block_rows)
     torch.manual_seed(2)
     head = torch.nn.Linear(16, 97, bias=True)
     hidden = torch.randn(3, 11, 16, requires_grad=True)
@@ -123,13 +130,50 @@ def test_the_lm_head_never_sees_more_than_a_chunk(monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "linear", spy)
     lp, ent = token_stats_from_hidden(hidden, targets, head, 1.0, chunk)
     (lp.sum() + ent.sum()).backward()
-    assert max(rows) <= chunk
-    # 40 positions in chunks of 8: 5 forward applications and 5 recomputations in the backward pass
-    assert len(rows) == 10 and sum(rows) == 80
+    # 40 positions in chunks of 8: 5 forward applications; the backward pass takes the kept logits
+    assert max(rows) <= chunk and len(rows) == 5 and sum(rows) == 40
+    kept_grad = hidden.grad.clone(), head.weight.grad.clone()
+    for budget, applications in ((0, 10), (2 * 8 * vocab * 4, 8)):  # none kept; the first two chunks kept
+        monkeypatch.setattr(logprobs, "KEEP_LOGITS_BYTES", budget)
+        rows.clear()
+        hidden.grad, head.weight.grad = None, None
+        lp, ent = token_stats_from_hidden(hidden, targets, head, 1.0, chunk)
+        (lp.sum() + ent.sum()).backward(retain_graph=True)
+        assert max(rows) <= chunk and len(rows) == applications
+        assert torch.equal(hidden.grad, kept_grad[0]) and torch.equal(head.weight.grad, kept_grad[1])
+        (lp.sum() + ent.sum()).backward()  # a second backward pass recomputes what the first one used
+        assert len(rows) == applications + 5
+        torch.testing.assert_close(hidden.grad, 2 * kept_grad[0])
     with torch.no_grad():
         rows.clear()
         token_stats_from_hidden(hidden, targets, head, 1.0, chunk)
     assert len(rows) == 5 and max(rows) <= chunk
+
+
+def test_vocabulary_work_runs_a_block_of_rows_at_a_time(monkeypatch):
+    """After each chunk's product, the float32 log-softmax (forward, and the backward's recomputation) sees at
+    most a block of rows (BLOCK_BYTES of float32 logits), and every position exactly once per pass."""
+    vocab, chunk = 101, 8
+    monkeypatch.setattr(logprobs, "BLOCK_BYTES", 4 * vocab * 3)  # 3 rows a block
+    head = torch.nn.Linear(12, vocab, bias=False)
+    hidden = torch.randn(40, 12, requires_grad=True)
+    targets = torch.randint(0, vocab, (40,))
+    rows = []
+    real = torch.log_softmax
+
+    def spy(x, dim=None, **kwargs):
+        rows.append(x.shape[0])
+        return real(x, dim=dim, **kwargs)
+
+    monkeypatch.setattr(torch, "log_softmax", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, ent = token_stats_from_hidden(hidden, targets, head, 1.0, chunk)
+    assert max(rows) == 3 and sum(rows) == 40
+    rows.clear()
+    (lp.sum() + ent.sum()).backward()
+    assert max(rows) == 3 and sum(rows) == 40
+    # on an accelerator a chunk is one block: a launch per few rows would cost more than the cache saves
+    assert logprobs._block_rows(torch.empty(8, vocab, device="meta")) == 8
 
 
 def test_completion_logprobs_of_the_tiny_model(tiny_model):
