@@ -4,7 +4,8 @@ The decoder runs once to its last hidden state; the LM head is then applied to `
 time, each chunk's logits turned into the log-prob of the taken token and the entropy and dropped. The float32
 work on a chunk's logits (cast, log-softmax, probabilities, entropy; in the backward pass the logits' gradient)
 runs on a CPU a block of rows at a time (:data:`BLOCK_BYTES`), so it stays in the cores' caches. Under autograd
-each chunk is recomputed in the backward pass, whose gradient is written out by hand (so the peak holds a chunk's
+the backward pass takes the logits of the first chunks kept from the forward (:data:`KEEP_LOGITS_BYTES` in all)
+and recomputes the others; its gradient is written out by hand (so the peak holds the kept logits, a chunk's
 logits and their gradient instead of every position's, and fewer than generic activation checkpointing would
 keep). Under autocast (``trainer.precision: bf16-mixed``) the LM head's products run in the autocast dtype, in
 forward and in the recomputing backward alike, while the log-softmax, the taken log-prob and the entropy are
@@ -96,8 +97,9 @@ def _chunked_stats(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Te
         outs.append(_stats_from_logits(logits, targets[s : s + chunk_size], temperature))
         if kept is not None:
             size = logits.numel() * logits.element_size()
-            kept.append(logits if size <= budget else None)
-            budget -= size if size <= budget else budget  # once a chunk is past the budget, so are the rest
+            keep = size <= budget
+            kept.append(logits if keep else None)
+            budget = budget - size if keep else 0  # once a chunk is past the budget, so are the rest
         del logits
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
