@@ -107,9 +107,9 @@ def _chunked_stats(hidden: torch.Tensor, targets: torch.Tensor, weight: torch.Te
 def _product_dtype(weight: torch.Tensor) -> torch.dtype:
     """The dtype the LM head's products run in: autocast's where it is on for the weight's device, else the
     weight's own."""
-    device = weight.device.type
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device) and weight.is_floating_point():
-        return torch.get_autocast_dtype(device)
+    state = _autocast_state(weight.device.type)
+    if state is not None and state[0] and weight.is_floating_point():
+        return state[1]
     return weight.dtype
 
 

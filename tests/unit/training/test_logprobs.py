@@ -84,12 +84,17 @@ def test_gradients_with_one_output_unused_frozen_head_and_bfloat16():
     torch.testing.assert_close(bf_hidden.grad.float(), ref_h.grad, rtol=5e-2, atol=5e-2)
 
 
+@pytest.mark.parametrize("keep_logits", [True, False])
 @pytest.mark.parametrize("block_rows", [None, 2])
-def test_under_bf16_autocast_stats_are_float32_and_backward_recomputes_like_forward(block_rows, monkeypatch):
+def test_under_bf16_autocast_stats_are_float32_and_backward_recomputes_like_forward(block_rows, keep_logits,
+                                                                                    monkeypatch):
     """trainer.precision=bf16-mixed: the LM head runs in bf16 (forward and the recomputing backward, even when
-    backward is called outside autocast), log-probs and entropy are float32 stats of those bf16 logits."""
+    backward is called outside autocast), log-probs and entropy are float32 stats of those bf16 logits; the
+    backward pass gives the same gradients from the logits the forward kept and from its own recomputation."""
     if block_rows:
         monkeypatch.setattr(logprobs, "BLOCK_BYTES", 4 * 97 * block_rows)
+    if not keep_logits:  # nothing kept: every chunk's product is recomputed in the backward pass
+        monkeypatch.setattr(logprobs, "KEEP_LOGITS_BYTES", 0)
     torch.manual_seed(2)
     head = torch.nn.Linear(16, 97, bias=True)
     hidden = torch.randn(3, 11, 16, requires_grad=True)
