@@ -202,6 +202,7 @@ def main(argv=None) -> StepProfile:
         with tempfile.TemporaryDirectory() as root:
             cli_main([
                 "fit", "--config", args.config, "--model.export_hf=false", "--data.eval_data_path=null",
+                "--evaluate_every_n_steps=null",
                 "--trajectories.enabled=false", "--trainer.accelerator=cpu", "--trainer.devices=1",
                 f"--trainer.max_steps={args.steps}", f"--trainer.default_root_dir={root}",
                 "--trainer.logger=lightning.pytorch.loggers.CSVLogger", f"--trainer.logger.save_dir={root}",

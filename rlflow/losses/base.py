@@ -75,6 +75,13 @@ class PolicyLoss:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` from a checkpoint."""
 
+    def zero_advantage_gradient(self) -> str | None:
+        """None where a sequence whose advantage is 0 has exactly zero gradient under this loss (every token's term
+        is its advantage times something finite); else why it may not. ``model.update.skip_zero_advantage`` leaves
+        such sequences out of the backward pass and needs None. A plugin loss that scales every term by the
+        advantage says so by overriding this."""
+        return f"{type(self).__name__} does not declare that a zero advantage gives a zero gradient"
+
     def micro_batch_weight(self, mask: torch.Tensor, ctx: LossContext) -> float:
         """Factor for this micro-batch's loss so that micro-batches accumulate to the mini-batch loss.
 

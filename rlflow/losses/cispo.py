@@ -18,6 +18,7 @@ class CISPOLoss(RatioPolicyLoss):
     """``cispo``: REINFORCE weighted by the stop-gradient ratio truncated at ``1 + epsilon_high``."""
 
     default_aggregation = "dapo"
+    objective_scales_with_advantage = True
 
     def objective(self, coef, logprobs, adv, mask):
         cap = 1.0 + self.epsilon_high

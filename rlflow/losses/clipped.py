@@ -24,6 +24,8 @@ from rlflow.losses.surrogate import RatioPolicyLoss
 class ClippedSurrogateLoss(RatioPolicyLoss):
     """PPO's clipped surrogate with GRPO's options; subclasses only choose the default normaliser."""
 
+    objective_scales_with_advantage = True
+
     def __init__(self, delta: float | None = None, clip_ratio_c: float | None = None, **kwargs: Any) -> None:
         """
         Args:

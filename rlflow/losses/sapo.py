@@ -17,6 +17,7 @@ class SAPOLoss(RatioPolicyLoss):
     """``sapo``: soft sigmoid gate on the importance ratio, sharper for negative advantages."""
 
     default_aggregation = "grpo"
+    objective_scales_with_advantage = True
 
     def __init__(self, tau_pos: float = 1.0, tau_neg: float = 1.05, **kwargs) -> None:
         """

@@ -56,6 +56,9 @@ class RatioPolicyLoss(PolicyLoss):
     #: Whether :meth:`objective` takes the per-token log-ratio and the rollout IS weights itself (VESPO), rather
     #: than the pipeline multiplying the per-token loss by those weights.
     own_importance_weights: bool = False
+    #: Whether :meth:`objective` is the advantage times terms with finite values (its gradient 0 where the
+    #: advantage is 0): true of every built-in objective; a subclass with another term leaves it False.
+    objective_scales_with_advantage: bool = False
 
     def __init__(
         self,
@@ -134,6 +137,18 @@ class RatioPolicyLoss(PolicyLoss):
     @property
     def unit(self) -> str:  # type: ignore[override]
         return UNITS[self.aggregation]
+
+    def zero_advantage_gradient(self) -> str | None:
+        if not self.objective_scales_with_advantage:
+            return super().zero_advantage_gradient()
+        if self.kl_coef > 0.0:
+            return f"kl_coef={self.kl_coef} (the KL term has a gradient at any advantage)"
+        if self.entropy_coef > 0.0 or self.adaptive_entropy is not None:
+            return "an entropy bonus (entropy_coef > 0 or use_adaptive_entropy) has a gradient at any advantage"
+        if self.top_entropy_quantile < 1.0:
+            return (f"top_entropy_quantile={self.top_entropy_quantile} picks its tokens over each micro-batch, "
+                    "so leaving sequences out would change which tokens train")
+        return None
 
     def objective(
         self, coef: torch.Tensor, logprobs: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor

@@ -30,6 +30,7 @@ class VESPOLoss(RatioPolicyLoss):
     """``vespo``: REINFORCE weighted by a stop-gradient Gamma function of the sequence importance ratio."""
 
     default_aggregation = "dapo"
+    objective_scales_with_advantage = True
     own_importance_weights = True
 
     def __init__(self, k_pos: float = 2.0, lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0,

@@ -39,7 +39,7 @@ from rlflow.losses.base import LossContext, PolicyLoss, masked_mean
 from rlflow.models.loading import build_models
 from rlflow.models.lora import LoraSettings
 from rlflow.models.model_path import check_model_path
-from rlflow.models.moe import collect_router_logits
+from rlflow.models.moe import collect_router_logits, router_settings
 from rlflow.training.correction import RolloutCorrection
 from rlflow.training.distributed import (
     FSDP2Strategy,
@@ -79,6 +79,7 @@ from rlflow.training.settings import (
     UpdateSettings,
 )
 from rlflow.training.step_unit import count_rollout_step, optimizer_step
+from rlflow.training.zero_advantage import check_skip, split_minibatch
 
 
 class NonFiniteLossError(RuntimeError):
@@ -253,11 +254,18 @@ class PolicyUpdate:
         opt.zero_grad(set_to_none=True)
         step: dict[str, float] = {}
         finite = True
-        for micro in module.micro_batches(minibatch):
+        trained, forward_only = minibatch, []
+        if module.settings.update.skip_zero_advantage:  # sequences whose gradient is zero: a forward pass only
+            trained, forward_only = split_minibatch(minibatch, module.loss_fn)
+        for micro in module.micro_batches(trained):
             if not self.micro_step(module, micro, len(minibatch), ctx, step):
                 finite = False
                 if world_size() == 1:
                     break
+        if finite:
+            for micro in module.micro_batches(forward_only):
+                with torch.no_grad():
+                    self.micro_step(module, micro, len(minibatch), ctx, step, backward=False)
         grad_norm = torch.tensor(0.0)
         if world_size() > 1:
             finite = all_true(finite)
@@ -285,10 +293,13 @@ class PolicyUpdate:
         return sums
 
     def micro_step(
-        self, module: GRPOModule, micro: list[Experience], minibatch_size: int, ctx: LossContext, step: dict
+        self, module: GRPOModule, micro: list[Experience], minibatch_size: int, ctx: LossContext, step: dict,
+        backward: bool = True,
     ) -> bool:
         """The forward and backward of one micro-batch, its metrics added to ``step``; False (and no backward, or
-        a zero one that keeps FSDP's collectives in step with the other ranks) where its loss is not finite."""
+        a zero one that keeps FSDP's collectives in step with the other ranks) where its loss is not finite.
+        ``backward`` False: the forward and the metrics only (sequences whose gradient is zero,
+        :mod:`rlflow.training.zero_advantage`)."""
         routers = collect_router_logits(module.policy) if module.router_aux else contextlib.nullcontext()
         with routers as caught:  # an MoE policy's router logits, for its load-balancing loss
             logprobs, entropy, batch = module.logprobs_of(module.policy, micro)
@@ -306,8 +317,9 @@ class PolicyUpdate:
             if world_size() > 1:
                 module.manual_backward(logprobs.sum() * 0.0)  # keep FSDP's gradient collectives in step with the ranks
             return False
-        with all_cores(module._trainer):
-            module.manual_backward(loss * weight)
+        if backward:
+            with all_cores(module._trainer):
+                module.manual_backward(loss * weight)
         share = len(micro) / minibatch_size  # metrics: a sequence-weighted mean over the micro-batches
         loss_metrics["entropy"] = masked_mean(entropy.detach(), batch["completion_mask"]).item()
         for key, value in loss_metrics.items():
@@ -391,6 +403,8 @@ class GRPOModule(L.LightningModule):
         self.loss_fn = build_loss(loss)
         self.settings.reference.check_use(self.uses_reference, self.lora is not None)
         self.correction = build_correction(self.settings.rollout_correction, self.loss_fn)
+        if self.settings.update.skip_zero_advantage:  # the loss now; the policy and the processes at fit start
+            check_skip(self.loss_fn, moe=False, world_size=1)
         self.policy: torch.nn.Module | None = None
         self.outside = OutsideModels()
         self.resume = ResumeState()
@@ -461,6 +475,8 @@ class GRPOModule(L.LightningModule):
         self.experience.bind(self.policy, self.current_policy_version)
         self.check_pipelining(self.experience.max_staleness)
         update = self.settings.update
+        if update.skip_zero_advantage:
+            check_skip(self.loss_fn, router_settings(self.policy) is not None, self.trainer.world_size)
         reuse_freed_memory(update.reuse_freed_memory, self.device)
         self.packing_checked = resolve_packing(update.packing, [self.policy, self.ref_model], self.sharded,
                                                update.pack_max_length)

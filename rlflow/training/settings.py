@@ -117,6 +117,13 @@ class UpdateSettings(SettingsGroup):
     """Token budget of one packed micro-batch (a longer single sequence gets its own)."""
     logprob_chunk_size: int = 1024
     """Positions per chunk when turning hidden states into log-probs (bounds the logits memory)."""
+    skip_zero_advantage: bool = False
+    """Leave sequences that train nothing out of the backward pass: those whose advantage is 0 (every completion
+    of their group got the same reward) and, where the loss masks truncated completions, truncated ones. Their
+    gradient is exactly zero under the built-in losses without a KL term or entropy bonus, so the update is the
+    same up to float rounding; they still run a forward pass without gradients, for the metrics. Refused at
+    startup with a loss where it would change the update, and with more than one process
+    (:mod:`rlflow.training.zero_advantage`)."""
     max_consecutive_skipped_steps: int = 3
     """Stop the run after this many optimizer steps in a row with a NaN/inf loss or gradient."""
     reuse_freed_memory: bool | None = None
