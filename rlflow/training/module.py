@@ -79,7 +79,7 @@ from rlflow.training.settings import (
     UpdateSettings,
 )
 from rlflow.training.step_unit import count_rollout_step, optimizer_step
-from rlflow.training.zero_advantage import check_skip, split_minibatch
+from rlflow.training.zero_advantage import check_skip, skip_passes
 
 
 class NonFiniteLossError(RuntimeError):
@@ -254,21 +254,26 @@ class PolicyUpdate:
         opt.zero_grad(set_to_none=True)
         step: dict[str, float] = {}
         finite = True
-        trained, forward_only = minibatch, []
+        passes, forward_only = module.micro_batches(minibatch), []
         if module.settings.update.skip_zero_advantage:  # sequences whose gradient is zero: a forward pass only
-            trained, forward_only = split_minibatch(minibatch, module.loss_fn)
-        for micro in module.micro_batches(trained):
-            if not self.micro_step(module, micro, len(minibatch), ctx, step):
+            passes, forward_only = skip_passes(module, minibatch)
+        for micro in passes:
+            if micro is None:  # another rank's pass: join its collectives, change nothing
+                module.manual_backward(module.logprobs_of(module.policy, minibatch[:1])[0].sum() * 0.0)
+            elif not self.micro_step(module, micro, len(minibatch), ctx, step):
                 finite = False
                 if world_size() == 1:
                     break
-        if finite:
-            for micro in module.micro_batches(forward_only):
-                with torch.no_grad():
-                    self.micro_step(module, micro, len(minibatch), ctx, step, backward=False)
         grad_norm = torch.tensor(0.0)
         if world_size() > 1:
             finite = all_true(finite)
+        if finite:
+            with torch.no_grad():
+                for micro in forward_only:
+                    if micro is None:
+                        module.logprobs_of(module.policy, minibatch[:1])
+                    else:
+                        self.micro_step(module, micro, len(minibatch), ctx, step, backward=False)
         if finite:
             grad_norm = module.clip_gradients_and_norm(module.settings.optim.max_grad_norm)
             finite = bool(torch.isfinite(grad_norm))
@@ -403,8 +408,8 @@ class GRPOModule(L.LightningModule):
         self.loss_fn = build_loss(loss)
         self.settings.reference.check_use(self.uses_reference, self.lora is not None)
         self.correction = build_correction(self.settings.rollout_correction, self.loss_fn)
-        if self.settings.update.skip_zero_advantage:  # the loss now; the policy and the processes at fit start
-            check_skip(self.loss_fn, moe=False, world_size=1)
+        if self.settings.update.skip_zero_advantage:  # the loss now; the policy at fit start
+            check_skip(self.loss_fn, moe=False)
         self.policy: torch.nn.Module | None = None
         self.outside = OutsideModels()
         self.resume = ResumeState()
@@ -476,7 +481,7 @@ class GRPOModule(L.LightningModule):
         self.check_pipelining(self.experience.max_staleness)
         update = self.settings.update
         if update.skip_zero_advantage:
-            check_skip(self.loss_fn, router_settings(self.policy) is not None, self.trainer.world_size)
+            check_skip(self.loss_fn, moe=router_settings(self.policy) is not None)
         reuse_freed_memory(update.reuse_freed_memory, self.device)
         self.packing_checked = resolve_packing(update.packing, [self.policy, self.ref_model], self.sharded,
                                                update.pack_max_length)
@@ -518,18 +523,18 @@ class GRPOModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ------------------------------------------------------------------------------------------ log-probs
-    def micro_batches(self, experiences: list[Experience]) -> list[list[Experience]]:
+    def micro_batches(self, experiences: list[Experience], balance: bool = True) -> list[list[Experience]]:
         """Split into micro-batches: token-budget packs with ``packing``, else ``micro_batch_size`` sequences.
 
         Sharded, every rank splits its packs until all have as many as the rank with the most: each micro-batch
         is an FSDP2 forward (and backward), collectives every rank must join. (Padded micro-batches need no such
-        step: every rank holds the same number of sequences.)
+        step: every rank holds the same number of sequences.) ``balance`` False leaves that to the caller.
         """
         update = self.settings.update
         if self.packing:
             share = varlen_supported(self.policy)
             packs = pack_experiences(experiences, update.pack_max_length, share_prompts=share)
-            return balance_pack_count(packs, all_max(len(packs))) if self.sharded else packs
+            return balance_pack_count(packs, all_max(len(packs))) if self.sharded and balance else packs
         mb = update.micro_batch_size
         return [experiences[start: start + mb] for start in range(0, len(experiences), mb)]
 

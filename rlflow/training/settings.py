@@ -122,7 +122,7 @@ class UpdateSettings(SettingsGroup):
     of their group got the same reward) and, where the loss masks truncated completions, truncated ones. Their
     gradient is exactly zero under the built-in losses without a KL term or entropy bonus, so the update is the
     same up to float rounding; they still run a forward pass without gradients, for the metrics. Refused at
-    startup with a loss where it would change the update, and with more than one process
+    startup where it would change the update: a KL term, an entropy bonus, a mixture-of-experts policy
     (:mod:`rlflow.training.zero_advantage`)."""
     max_consecutive_skipped_steps: int = 3
     """Stop the run after this many optimizer steps in a row with a NaN/inf loss or gradient."""

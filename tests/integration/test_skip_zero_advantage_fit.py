@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
+from rlflow.advantages.base import AdvantageEstimator
 from tests.helpers.fit import fit_args
 
 
@@ -89,3 +91,47 @@ def test_skipping_with_a_kl_term_is_refused_in_one_line_at_startup(tiny_model, t
     assert done.returncode != 0 and len(errors) == 1, done.stderr[-2000:]
     assert "model.update.skip_zero_advantage=true" in errors[0] and "kl_coef=0.05" in errors[0]
     assert not list(tmp_path.rglob("*.ckpt"))
+
+
+class RankZeroSolvedEverything(AdvantageEstimator):
+    """Advantage 0 for every completion on rank 0 (every group's rewards agreed) and +1/-1 by turns elsewhere: rank 0
+    trains nothing, rank 1 everything, so the ranks' passes differ in number and kind."""
+
+    def compute(self, grouped, lengths=None):
+        if dist.is_initialized() and dist.get_rank() == 0:
+            return torch.zeros_like(grouped)
+        return torch.tensor([1.0, -1.0]).repeat(grouped.shape[1] // 2 + 1)[: grouped.shape[1]].expand_as(grouped)
+
+
+@pytest.mark.slow
+def test_two_fsdp_ranks_that_leave_out_different_sequences_take_the_full_passs_step(tiny_model, tiny_data, tmp_path):
+    """Rank 0 runs one pass forward and backward and its other sequences forward only, rank 1 all of its sequences
+    forward and backward in more packs: each rank evens out its passes with passes that change nothing, nothing
+    hangs, and the two steps give the weights the full backward pass gives."""
+    from safetensors.torch import load_file
+
+    from tests.integration.test_distributed_fit import run_two_ranks
+
+    runs = {}
+    estimator = '{"class_path": "tests.integration.test_skip_zero_advantage_fit.RankZeroSolvedEverything"}'
+    for skip in ("false", "true"):
+        root = tmp_path / skip
+        root.mkdir()
+        args = fit_args(
+            tiny_model, tiny_data, root,
+            '--data.rollout={"class_path": "tests.integration.test_distributed_fit.SeededGroupRollout"}',
+            '--data.judging.judgers={"*": "tests.integration.test_distributed_fit:digit_reward"}',
+            "--data.judging.isolation=thread", "--trainer.strategy=fsdp", "--model.update.pack_max_length=120",
+            f"--data.advantage={estimator}",
+            "--model.optim.weight_decay=0.1", f"--model.update.skip_zero_advantage={skip}", steps=2)
+        run_two_ranks([a.replace("--trainer.devices=1", "--trainer.devices=2") for a in args], root)
+        log_dir = root / "lightning_logs" / "version_0"
+        runs[skip] = (load_file(log_dir / "hf" / "model.safetensors"),
+                      [r for r in csv.DictReader(open(log_dir / "metrics.csv")) if r.get("loss")])
+    (full, full_rows), (skipped, skip_rows) = runs["false"], runs["true"]
+    assert full.keys() == skipped.keys()
+    for name, weight in full.items():
+        torch.testing.assert_close(skipped[name], weight, rtol=1e-5, atol=1e-7, msg=name)
+    for got, want in zip(skip_rows, full_rows):
+        assert float(got["grad_norm"]) == pytest.approx(float(want["grad_norm"]), rel=1e-5, abs=1e-7)
+        assert float(got["grad_norm"]) > 0

@@ -11,7 +11,7 @@ from rlflow.config_error import ConfigError
 from rlflow.data.experience import Experience
 from rlflow.losses import LossContext
 from rlflow.losses.base import PolicyLoss
-from rlflow.training.zero_advantage import check_skip, split_minibatch, trains_nothing
+from rlflow.training.zero_advantage import check_skip, even_out, split_minibatch, trains_nothing
 
 LOSSES = ["grpo", "bnpo", "dr_grpo", "dapo", "gspo", "luspo", "cispo", "sapo", "vespo"]
 MAX_TOKENS = 12
@@ -42,6 +42,15 @@ def test_a_minibatch_that_trains_nothing_keeps_its_shortest_sequence_for_the_bac
     batch = [experience(0.0, length=6), experience(0.0, length=2, prompt=5), experience(0.0, length=3, prompt=1)]
     trained, idle = split_minibatch(batch, build("grpo"))
     assert trained == [batch[2]] and idle == [batch[0], batch[1]]  # 4 tokens: shorter than 6 + 3 and 2 + 5
+
+
+def test_a_rank_evens_out_its_passes_by_splitting_then_by_passes_that_change_nothing():
+    """Under several processes every rank runs as many passes as the rank with the most."""
+    a, b, c = experience(1.0), experience(-1.0), experience(0.5)
+    assert even_out([[a, b, c]], 2) == [[a], [b, c]]  # split while it has the sequences
+    assert even_out([[a], [b, c]], 4) == [[a], [b], [c], None]  # then a pass that changes nothing
+    assert even_out([], 2) == [None, None]  # a rank with none of that kind
+    assert even_out([[a, b]], 1) == [[a, b]]
 
 
 # -------------------------------------------------------------------------------- the same gradient
@@ -106,7 +115,7 @@ def test_the_trained_sequences_alone_give_the_full_minibatchs_gradient(name, kw)
 def test_a_loss_term_with_a_gradient_at_zero_advantage_is_refused_in_one_line(kw, words):
     loss_fn = build("grpo", **kw)
     with pytest.raises(ConfigError) as err:
-        check_skip(loss_fn, moe=False, world_size=1)
+        check_skip(loss_fn, moe=False)
     line = str(err.value)
     assert "\n" not in line and words in line and "model.update.skip_zero_advantage" in line
 
@@ -124,17 +133,16 @@ def test_the_refused_terms_do_move_zero_advantage_sequences():
         assert d["adv"][0] == 0.0 and moved > 0
 
 
-def test_a_plugin_loss_an_moe_policy_and_several_processes_are_refused():
+def test_a_plugin_loss_and_an_moe_policy_are_refused():
     class PluginLoss(PolicyLoss):
         def __call__(self, logprobs, old_logprobs, advantages, mask, **extra):
             return (logprobs * mask).sum(), {}
 
-    for loss_fn, moe, world, words in [(PluginLoss(), False, 1, "PluginLoss does not declare"),
-                                       (build("grpo"), True, 1, "mixture of experts"),
-                                       (build("dapo"), False, 2, "2 processes")]:
+    for loss_fn, moe, words in [(PluginLoss(), False, "PluginLoss does not declare"),
+                                (build("grpo"), True, "mixture of experts")]:
         with pytest.raises(ConfigError, match=words):
-            check_skip(loss_fn, moe=moe, world_size=world)
-    check_skip(build("cispo"), moe=False, world_size=1)  # allowed: nothing raised
+            check_skip(loss_fn, moe=moe)
+    check_skip(build("cispo"), moe=False)  # allowed: nothing raised
 
 
 def test_a_subclass_with_its_own_objective_must_declare_it():
