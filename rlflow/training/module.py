@@ -254,12 +254,13 @@ class PolicyUpdate:
         opt.zero_grad(set_to_none=True)
         step: dict[str, float] = {}
         finite = True
-        passes, forward_only = module.micro_batches(minibatch), []
         if module.settings.update.skip_zero_advantage:  # sequences whose gradient is zero: a forward pass only
             passes, forward_only = skip_passes(module, minibatch)
+        else:
+            passes, forward_only = module.micro_batches(minibatch), []
         for micro in passes:
-            if micro is None:  # another rank's pass: join its collectives, change nothing
-                module.manual_backward(module.logprobs_of(module.policy, minibatch[:1])[0].sum() * 0.0)
+            if micro is None:  # another rank's pass
+                self.null_pass(module, minibatch[:1], backward=True)
             elif not self.micro_step(module, micro, len(minibatch), ctx, step):
                 finite = False
                 if world_size() == 1:
@@ -271,10 +272,9 @@ class PolicyUpdate:
             with torch.no_grad():
                 for micro in forward_only:
                     if micro is None:
-                        module.logprobs_of(module.policy, minibatch[:1])
+                        self.null_pass(module, minibatch[:1], backward=False)
                     else:
                         self.micro_step(module, micro, len(minibatch), ctx, step, backward=False)
-        if finite:
             grad_norm = module.clip_gradients_and_norm(module.settings.optim.max_grad_norm)
             finite = bool(torch.isfinite(grad_norm))
         if not finite:
@@ -331,6 +331,14 @@ class PolicyUpdate:
             step[key] = step.get(key, 0.0) + share * float(value)
         step["loss"] = step.get("loss", 0.0) + weight * loss.item() / max(module.trainer.world_size, 1)
         return True
+
+    @staticmethod
+    def null_pass(module: GRPOModule, micro: list[Experience], backward: bool) -> None:
+        """A pass that changes nothing (no metrics; with ``backward``, a zero loss's): it joins the collectives of
+        a pass another rank runs (:func:`rlflow.training.zero_advantage.skip_passes`)."""
+        logprobs = module.logprobs_of(module.policy, micro)[0]
+        if backward:
+            module.manual_backward(logprobs.sum() * 0.0)
 
     def skip(self, module: GRPOModule, opt: Any) -> None:
         """Drop this optimizer step's gradients; stop the run after too many non-finite steps in a row."""
