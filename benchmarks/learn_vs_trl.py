@@ -86,6 +86,7 @@ def rlflow_worker(args) -> dict:
             "--trajectories.enabled=false", f"--trainer.max_steps={args.steps}",
             f"--trainer.logger.init_args.save_dir={root}", "--trainer.enable_progress_bar=false",
             "--trainer.enable_checkpointing=false", f"--seed_everything={args.seed}", f"--data.seed={args.seed}",
+            *args.rlflow_args.split(),
         ])
         (metrics,) = Path(root).rglob("metrics.csv")
         with open(metrics) as f:
@@ -146,7 +147,8 @@ def run_worker(which: str, args, seed: int) -> dict:
     env["OMP_NUM_THREADS"] = str(args.threads)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     command = [sys.executable, __file__, "--worker", which, "--seed", str(seed), "--steps", str(args.steps),
-               "--model", str(args.model), "--data", str(args.data), "--threads", str(args.threads)]
+               "--model", str(args.model), "--data", str(args.data), "--threads", str(args.threads),
+               f"--rlflow-args={args.rlflow_args}"]
     proc = subprocess.run(command, env=env, capture_output=True, text=True, check=False, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"the {which} run failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -198,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--window", type=int, default=3, help="steps of the reward's moving average")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of each run")
     ap.add_argument("--jobs", type=int, default=1, help="runs at once (each its own process of --threads threads)")
+    ap.add_argument("--rlflow-args", default="",
+                    help="more rlflow fit flags for rlflow's runs, space-separated (--rlflow-args=--model.x=y)")
     ap.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
