@@ -10,10 +10,11 @@ do the same work apart from the option. Timed: the update (``PolicyUpdate.run``:
 passes, gradient clipping and optimizer step) and the whole step (``step_time``), medians over the steps after the
 first::
 
-    python benchmarks/bench_zero_advantage.py --config configs/smollm2_sums_cpu.yaml --steps 5
+    python benchmarks/bench_zero_advantage.py --config configs/smollm2_gsm8k_cpu.yaml --steps 4 --shares 0.25 0.5 1.0
     ...
-    zero-advantage groups   update off   update on   ratio   step off   step on   ratio   backward seqs
-    0 / 4                   1.85 s       1.86 s      1.00x   ...
+    zero-advantage share    update off  update on   ratio  step off  step on   ratio  backward seqs off/on  forward-only
+    0.25                        2.73 s     2.31 s   1.18x    4.56 s   4.21 s   1.08x            16 / 12         0.28 s
+    ...
 
 Other arguments are passed to every ``rlflow fit`` (``--model.model_path=...``).
 
