@@ -14,24 +14,28 @@ from tests.helpers.paths import ROOT
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 
-#: page faults while a 64 MiB float32 tensor is allocated, filled and freed 3 times, after 10 such rounds
+#: page faults of each of 6 rounds in which a 64 MiB float32 tensor is allocated, filled and freed, after 10 such
+#: rounds
 FAULTS = """
 import resource, sys, torch
 from rlflow.training.host_memory import reuse_freed_memory
 print(reuse_freed_memory({choice}, torch.device("cpu")))
 for _ in range(10):
     torch.ones(16 * 2**20).sum()
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(3):
+for _ in range(6):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     torch.ones(16 * 2**20).sum()
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
 
 def faults(choice: bool) -> tuple[bool, int]:
+    """Whether the allocator was set, and the fewest page faults of a round. The fewest, because the kernel may
+    unmap resident pages for its own reasons now and then (automatic NUMA balancing's sampling, swap under memory
+    pressure) and every page touched after that faults once more; a fresh mapping faults in every round."""
     out = subprocess.run([sys.executable, "-c", FAULTS.format(choice=choice)], cwd=ROOT, capture_output=True,
                          text=True, timeout=300, check=True).stdout.split()
-    return out[0] == "True", int(out[1])
+    return out[0] == "True", min(int(n) for n in out[1:])
 
 
 def test_it_is_on_by_default_where_the_policy_trains_on_a_cpu_only():
@@ -45,5 +49,5 @@ def test_freed_large_blocks_are_reused_without_faulting_their_pages_in_again():
     on, reused = faults(True)
     off, fresh = faults(False)
     assert on and not off
-    assert fresh > 3 * pages // 2, fresh  # glibc's default: a fresh mapping each time, faulted in page by page
+    assert fresh > pages // 2, fresh  # glibc's default: a fresh mapping each time, faulted in page by page
     assert reused < pages // 20, reused  # the freed block, its pages in place
