@@ -1,5 +1,5 @@
 import sys
 
-from rlflow.entry import main
+from rlflow.entry import script
 
-sys.exit(main())
+sys.exit(script())

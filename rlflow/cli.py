@@ -100,6 +100,16 @@ def expand_logger_aliases(args: list[str]) -> list[str]:
     return out
 
 
+def asks_for_help(argv: Any) -> bool:
+    """Whether the command line prints help text (``-h``, ``--help``, ``--model.loss.help grpo``,
+    ``--print_config``). Only then are the classes' field docstrings read: reading them parses the source of every
+    settings class, once per subcommand, which is most of the time the CLI takes to start."""
+    if not isinstance(argv, list):
+        return False
+    keys = [str(a).split("=", 1)[0] for a in argv]
+    return any(k in ("-h", "--help") or k.endswith(".help") or k.startswith("--print_config") for k in keys)
+
+
 def is_class_spec(value: Any) -> bool:
     """Whether a parsed config value is a ``class_path``/``init_args`` spec (not a plain string)."""
     return isinstance(value, Namespace) and isinstance(value.get("class_path"), str)
@@ -159,7 +169,8 @@ class RLFlowCLI(LightningCLI):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         registry.install_jsonargparse_resolver()  # class_path: <registry short name>, see rlflow.registry
         # the settings groups' field docstrings (litgpt's style) are what --help shows for each option
-        set_parsing_settings(docstring_parse_attribute_docstrings=True)
+        argv = sys.argv[1:] if kwargs.get("args") is None else kwargs["args"]
+        set_parsing_settings(docstring_parse_attribute_docstrings=asks_for_help(argv))
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser) -> None:

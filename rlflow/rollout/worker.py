@@ -13,6 +13,7 @@ entry point before it has imported torch (:mod:`rlflow.rollout.prestart`).
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -186,7 +187,17 @@ def _load_tokenizer(path: str) -> Any:
 
 def worker_main(threads: int, jobs: Any, results: Any, tokenizer_path: str | None = None, running: Any = None) -> None:
     """The worker process: import what generation needs (and load the tokenizer, if given), wait for the shared
-    model, build the backend on it, then run jobs until told to stop (held while ``running`` is cleared)."""
+    model, build the backend on it, then run jobs until told to stop (held while ``running`` is cleared). The
+    process exits when this returns; everything still alive is frozen out of the garbage collector first
+    (``gc.freeze``), since the interpreter's last collection would walk every object torch and transformers
+    created, about a second during which the trainer waits for the worker to end."""
+    try:
+        _work(threads, jobs, results, tokenizer_path, running)
+    finally:
+        gc.freeze()
+
+
+def _work(threads: int, jobs: Any, results: Any, tokenizer_path: str | None, running: Any) -> None:
     parent = mp.parent_process()
     quiet_third_party()  # before transformers imports torchao, as in the trainer
     try:

@@ -107,3 +107,27 @@ def test_a_process_that_never_closes_its_generator_still_exits():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, timeout=20)
     assert out.returncode == 0
+
+
+@pytest.mark.parametrize("attached", [False, True])
+def test_the_worker_freezes_the_heap_when_it_ends_told_to_or_failing(monkeypatch, tiny_model, attached):
+    """Whether told to stop before anything was attached or ending on an error report, the worker freezes what
+    is alive before its process exits (its last collection would walk every object torch created)."""
+    import gc
+    import queue
+
+    import torch
+
+    from rlflow.rollout.worker import worker_main
+
+    jobs, results, frozen = queue.Queue(), queue.Queue(), []
+    jobs.put(("attach", None, str(tiny_model), "no-such-backend") if attached else None)
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
+    threads = torch.get_num_threads()
+    try:
+        worker_main(1, jobs, results)
+    finally:
+        torch.set_num_threads(threads)
+    assert frozen == [True]
+    reported = [results.get_nowait() for _ in range(results.qsize())]
+    assert [r[0] for r in reported] == (["error"] if attached else [])

@@ -102,3 +102,25 @@ def test_fit_help_documents_each_field(capsys):
                 "--model.policy.gradient_checkpointing", "--model.lora.help"):
         assert key in out, key
     assert "--model.temperature" not in out and "--model.kl_coef" not in out and "--model.lr " not in out
+
+
+def test_only_help_reads_the_field_docstrings(monkeypatch, tiny_model, tiny_data, tmp_path):
+    """Reading the settings classes' attribute docstrings parses their source; a run that prints no help skips it."""
+    import docstring_parser.parser as docstring_parser
+
+    from rlflow.cli import asks_for_help, cli_main
+    from tests.helpers.fit import fit_args
+
+    read = []
+    original = docstring_parser.add_attribute_docstrings
+    monkeypatch.setattr(docstring_parser, "add_attribute_docstrings",
+                        lambda *a, **k: read.append(1) or original(*a, **k))
+    cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--model.optim.lr=0.25", steps=1)[1:], run=False)
+    assert cli.model.hparams["optim"]["lr"] == 0.25 and not read
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--help"], run=False)
+    assert read
+    for argv in (["fit", "-h"], ["fit", "--model.loss.help", "grpo"], ["fit", "--data.judging.judgers.help=gsm8k"],
+                 ["fit", "--print_config", "--config", "c.yaml"], ["fit", "--print_config=comments"]):
+        assert asks_for_help(argv), argv
+    assert not asks_for_help(["fit", "--config", "help.yaml", "--trainer.max_steps=2"]) and not asks_for_help(None)
