@@ -103,7 +103,7 @@ def expand_logger_aliases(args: list[str]) -> list[str]:
 def asks_for_help(argv: Any) -> bool:
     """Whether the command line prints help text (``-h``, ``--help``, ``--model.loss.help grpo``,
     ``--print_config``). Only then are the classes' field docstrings read: reading them parses the source of every
-    settings class, once per subcommand, which is most of the time the CLI takes to start."""
+    settings class once per subcommand."""
     if not isinstance(argv, list):
         return False
     keys = [str(a).split("=", 1)[0] for a in argv]

@@ -17,8 +17,8 @@ import sys
 def script() -> int:
     """The console script (and ``python -m rlflow``): :func:`main`, then a quick exit. Everything still alive is
     frozen out of the garbage collector first (``gc.freeze``): the interpreter's last collection would otherwise
-    walk every object torch, transformers and Lightning created, which takes about a second after the command has
-    done its work. Exit handlers still run (loggers, W&B, the generator process's stop)."""
+    walk every object torch, transformers and Lightning created, after the command has done its work. Exit handlers
+    still run (loggers, W&B, the generator process's stop)."""
     try:
         return main()
     finally:

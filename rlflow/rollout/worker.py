@@ -190,7 +190,7 @@ def worker_main(threads: int, jobs: Any, results: Any, tokenizer_path: str | Non
     model, build the backend on it, then run jobs until told to stop (held while ``running`` is cleared). The
     process exits when this returns; everything still alive is frozen out of the garbage collector first
     (``gc.freeze``), since the interpreter's last collection would walk every object torch and transformers
-    created, about a second during which the trainer waits for the worker to end."""
+    created while the trainer waits for the worker to end."""
     try:
         _work(threads, jobs, results, tokenizer_path, running)
     finally:
