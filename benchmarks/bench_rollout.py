@@ -17,6 +17,10 @@ float32 weights (``EngineRollout(dtype="bfloat16")``, as in training) against ``
 bf16; ``--dtype both`` runs the float32 pair and the bf16 pair in one run (four backends, alternating) and prints
 a ratio line for each, plus bf16 engine over float32 ``generate``.
 
+``--continuous-batching`` adds transformers' ``generate_batch`` (paged KV cache, continuous batching: the path TRL
+offers beside ``generate``; :mod:`benchmarks.continuous_batching`) as a second anchor at each precision, with a
+ratio line of the engine over it.
+
 ``--device cuda`` runs both on the GPU (their outputs are Python lists, so each timed rollout has finished its
 kernels); add ``--full-warmup`` there. Simplifications: CPU or a single device; prompts are the first ``--prompts``
 rows of an XTuner/TRL jsonl file rendered with the tokenizer's chat template (or given as plain strings); the warm-up
@@ -95,6 +99,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="float32",
                     help="precision of both sides: float32 weights, bf16 (engine: bf16 copies of float32 weights; "
                     "generate: the model cast to bf16), or both pairs in one run")
+    ap.add_argument("--continuous-batching", action="store_true",
+                    help="also time transformers' generate_batch (continuous batching) as a second anchor")
+    ap.add_argument("--cb-settings", type=json.loads, default={},
+                    help="ContinuousBatchingConfig fields for that anchor, as JSON (default: TRL's, "
+                    "max_memory_percent 0.5)")
     ap.add_argument("--full-warmup", action="store_true",
                     help="warm up with one full-size rollout of each backend, not a 2-prompt one: on a GPU the first "
                     "batch-sized rollout pays for kernel selection and the caching allocator's growth")
@@ -102,6 +111,7 @@ def main(argv=None) -> dict:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from benchmarks.continuous_batching import ContinuousBatchingRollout
     from benchmarks.plain_generate import PlainGenerateRollout
     from rlflow.rollout.base import SamplingParams
     from rlflow.rollout.engine import EngineRollout
@@ -121,10 +131,14 @@ def main(argv=None) -> dict:
     backends = {}
     if args.dtype in ("float32", "both"):
         backends.update({"hf": (PlainGenerateRollout(), model), "engine": (EngineRollout(), model)})
+        if args.continuous_batching:
+            backends["cb"] = (ContinuousBatchingRollout(**args.cb_settings), model)
     if args.dtype in ("bfloat16", "both"):
         half = copy.deepcopy(model).to(torch.bfloat16)
         backends.update({"hf-bf16": (PlainGenerateRollout(), half),
                          "engine-bf16": (EngineRollout(dtype="bfloat16"), model)})
+        if args.continuous_batching:
+            backends["cb-bf16"] = (ContinuousBatchingRollout(**args.cb_settings), half)
     warmup = (prompts, args.n) if args.full_warmup else (prompts[:2], 2)  # prompts and group size
     for b, m in backends.values():
         b.bind(m, tok)
@@ -147,6 +161,8 @@ def main(argv=None) -> dict:
         pairs.append(("engine-bf16", "hf-bf16", "-bf16"))
         if "hf" in med:
             pairs.append(("engine-bf16", "hf", "-bf16-over-float32-generate"))
+    pairs += [(fast, cb, f"{label}-over-continuous-batching") for fast, cb, label in
+              (("engine", "cb", ""), ("engine-bf16", "cb-bf16", "-bf16")) if cb in med]
     for fast, anchor, label in pairs:
         ratio = med[fast] / med[anchor]
         # robust to load drifting between runs

@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# The GPU checks, in one run on a lent GPU machine (issue "A real pretrained model end to end, and speed at real
-# scale", point 6): the gpu-marked tests, the engine against model.generate on CUDA in float32 and bf16 (the tiny
-# model and a random-init model of Qwen3-0.6B's shape), the engine's RMS-norm option, achieved FLOP/s against the
-# GPU's matmul peak, and rlflow fit steps on the GPU (under FSDP2, bf16-mixed, pipelined, and with gradient
-# checkpointing). Everything it prints also goes to $OUT/gpu_check.log, and each run's metrics.csv to $OUT.
+# The GPU checks, in one run on a lent GPU machine: the gpu-marked tests, the engine against model.generate and
+# transformers' continuous batching (generate_batch) on CUDA in float32 and bf16 (the tiny model and a random-init
+# model of Qwen3-0.6B's shape, at 16 prompts x 8 x 128 tokens and, last, 64 x 8 x 512 in bf16), the engine's
+# RMS-norm option, achieved FLOP/s against the GPU's matmul peak, and rlflow fit steps on the GPU (under FSDP2,
+# bf16-mixed, pipelined, and with gradient checkpointing). Everything it prints also goes to $OUT/gpu_check.log,
+# and each run's metrics.csv to $OUT.
 #
 # The machine has no package index. Prepare it here, then start it through the device tool:
 #   bash tools/gpu_wheels.sh          # jsonargparse, transformers, ... as wheels in .whl/
 #   bash tools/demo.sh                # (or make_tiny_model.py) so checkpoints/tiny-qwen3 and checkpoints/arith exist
-#   device run: command "bash tools/gpu_check.sh", carry [".whl", "checkpoints/tiny-qwen3", "checkpoints/arith",
-#               "rlflow.egg-info"], timeout_s 560
-# It took 8.5 minutes on an H100 (2026-11-26, docs/gpu/2026-11-26-h100.log) and, with SKIP_FLOPS=1 and before the
-# norm bench was added, 5.6 minutes (2026-11-27, docs/gpu/2026-11-27-h100.log); starting the machine adds ~30 s of
-# device time. RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2 runs the same steps on a CPU, smaller (a dry run of the
-# script itself); SKIP_FLOPS=1 leaves out the FLOP/s bench. A step that fails is reported and the rest still run;
-# the exit status is 1 if any failed.
+#   device run: command "SKIP_FLOPS=1 bash tools/gpu_check.sh", carry [".whl", "checkpoints/tiny-qwen3",
+#               "checkpoints/arith", "rlflow.egg-info"], timeout_s 560
+# A device command runs for 10 minutes at most: the whole script took 8.5 minutes on an H100 before the
+# continuous-batching anchor and the 64 x 8 x 512 rollout were added (docs/gpu/2026-11-26-h100.log), so leave out the
+# FLOP/s bench (SKIP_FLOPS=1) or the large rollout (SKIP_LARGE=1) to fit. RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2
+# runs the same steps on a CPU, smaller (a dry run of the script itself). A step that fails is reported and the
+# rest still run; the exit status is 1 if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
@@ -28,9 +29,9 @@ step() { echo; echo "=== $* ($(date +%T))"; }
 run() { "$@" || { echo "FAILED (exit $?): $*"; failed+=("$*"); }; }
 
 if [ "$DEVICE" = cuda ]; then
-  ACCELERATOR=gpu; TOKENS=128; FIT_TOKENS=64; STEPS=10; SHAPE_STEPS=3; PROMPTS=16
+  ACCELERATOR=gpu; TOKENS=128; FIT_TOKENS=64; STEPS=10; SHAPE_STEPS=3; PROMPTS=16; LARGE_PROMPTS=64; LARGE_TOKENS=512
 else
-  ACCELERATOR=cpu; TOKENS=16; FIT_TOKENS=16; STEPS=2; SHAPE_STEPS=1; PROMPTS=4
+  ACCELERATOR=cpu; TOKENS=16; FIT_TOKENS=16; STEPS=2; SHAPE_STEPS=1; PROMPTS=4; LARGE_PROMPTS=4; LARGE_TOKENS=24
 fi
 
 step "environment"
@@ -68,13 +69,13 @@ fi
 SHAPE=/tmp/qwen3-0.6b-shape
 run "$PY" tools/make_shape_model.py --shape qwen3-0.6b --out "$SHAPE" ${SHAPE_LAYERS:+--layers "$SHAPE_LAYERS"}
 
-step "rollout: engine vs model.generate, tiny model, float32 and bf16"
+step "rollout: engine vs model.generate and generate_batch, tiny model, float32 and bf16"
 run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype both --model checkpoints/tiny-qwen3 \
-  --prompts "$PROMPTS" --n 8 --max-tokens 32 --repeats 3 --rollouts 3 --full-warmup
+  --prompts "$PROMPTS" --n 8 --max-tokens 32 --repeats 3 --rollouts 3 --full-warmup --continuous-batching
 
-step "rollout: engine vs model.generate, Qwen3-0.6B shape, float32 and bf16"
+step "rollout: engine vs model.generate and generate_batch, Qwen3-0.6B shape, float32 and bf16"
 run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype both --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
-  --max-tokens "$TOKENS" --repeats 3 --rollouts 1 --full-warmup
+  --max-tokens "$TOKENS" --repeats 3 --rollouts 1 --full-warmup --continuous-batching
 
 step "the engine's RMS norms in bf16: F.rms_norm (norm: torch, the default on a GPU) against the model's formula"
 run "$PY" benchmarks/bench_norm.py --device "$DEVICE" --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
@@ -110,6 +111,12 @@ step "rlflow fit: Qwen3-0.6B shape under FSDP2 with gradient checkpointing, $FIT
 fit shape_fsdp2 "$SHAPE_STEPS" --model.model_path="$SHAPE" --trainer.strategy=fsdp2_bf16 \
   --trainer.precision=32-true --model.policy.gradient_checkpointing=true --data.sampling.max_tokens="$FIT_TOKENS" --data.eval_data_path=null --model.optim.lr=1e-6 \
   '--data.judging.judgers={"*": "tests.integration.test_gpu:even_id_share"}'
+
+if [ -z "${SKIP_LARGE:-}" ]; then
+step "rollout: engine vs model.generate and generate_batch, Qwen3-0.6B shape, bf16, $LARGE_PROMPTS x 8 x $LARGE_TOKENS"
+run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts "$LARGE_PROMPTS" \
+  --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --continuous-batching
+fi
 
 step "done"
 if [ ${#failed[@]} -gt 0 ]; then

@@ -1,0 +1,53 @@
+"""The benchmarks' continuous-batching anchor (:class:`benchmarks.continuous_batching.ContinuousBatchingRollout`,
+transformers' ``generate_batch``) and ``bench_rollout.py --continuous-batching``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks.continuous_batching import ContinuousBatchingRollout
+from rlflow.rollout.base import SamplingParams
+
+pytestmark = pytest.mark.slow
+#: a KV cache and input buffers sized for these tests' few short rows (the default sizes them from the host's memory)
+SMALL = {"num_blocks": 16, "page_size": 16, "max_batch_tokens": 64}
+
+
+def test_greedy_groups_are_model_generates_tokens_in_prompt_order(tiny_model, tokenizer, one_thread):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model).eval()
+    prompts = [tokenizer(text)["input_ids"] for text in ("1+2=", "30+4=", "7*8=")]
+    eos = tokenizer.eos_token_id
+    params = SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[eos])
+    anchor = ContinuousBatchingRollout(**SMALL)
+    anchor.bind(model, tokenizer)
+    groups = anchor.generate(prompts, params, n=2)
+    assert len(groups) == 3 and all(len(g) == 2 for g in groups)
+    for prompt, group in zip(prompts, groups):
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=eos,
+                              pad_token_id=eos)[0, len(prompt):].tolist()
+        want = want[: want.index(eos) + 1] if eos in want else want
+        assert [c.token_ids for c in group] == [want, want]
+        assert {c.finish_reason for c in group} == {"stop" if want[-1] == eos else "length"}
+
+
+def test_bench_rollout_prints_the_engine_over_continuous_batching(tiny_model, capsys):
+    from benchmarks.bench_rollout import main
+
+    out = main(["--model", str(tiny_model), "--data", str(tiny_model.parent / "data" / "train.jsonl"),
+                "--prompts", "2", "--n", "2", "--max-tokens", "6", "--repeats", "1", "--rollouts", "1",
+                "--threads", "1", "--continuous-batching", "--cb-settings", json.dumps(SMALL)])
+    printed = capsys.readouterr().out
+    assert out["cb_tok_s"] > 0 and out["ratio-over-continuous-batching"] == pytest.approx(
+        out["engine_tok_s"] / out["cb_tok_s"])
+    assert "rollout engine/cb speedup:" in printed and "run 1 cb" in printed
+
+
+def test_the_anchor_takes_trls_memory_share_unless_told_otherwise():
+    assert ContinuousBatchingRollout().settings.max_memory_percent == 0.5
+    own = ContinuousBatchingRollout(max_memory_percent=0.2, num_blocks=8).settings
+    assert own.max_memory_percent == 0.2 and own.num_blocks == 8
