@@ -94,22 +94,23 @@ fit() {  # fit NAME STEPS ARGS...: an rlflow fit run on the demo config, its met
     --model.export_hf=false --checkpoint.every_n_train_steps=0 --trainer.enable_progress_bar=false "$@"
   local csv
   csv=$(ls -t runs/gpu_check_"$name"/*/version_*/metrics.csv 2>/dev/null | head -1)
-  [ -n "$csv" ] && cp "$csv" "$OUT/$name.csv" && "$PY" tools/summarize_run.py "$(dirname "$csv")" | tail -3
+  [ -n "$csv" ] && cp "$csv" "$OUT/$name.csv" && "$PY" tools/summarize_run.py "$(dirname "$csv")" | tail -4
 }
 
 step "rlflow fit: the demo config under FSDP2 (fsdp2_bf16, one rank)"
 fit demo_fsdp2 "$STEPS" --trainer.strategy=fsdp2_bf16 --trainer.precision=32-true
 
-step "rlflow fit: the demo config, bf16-mixed without FSDP (the engine decodes in bf16: dtype auto)"
+step "rlflow fit: the demo config, bf16-mixed without FSDP (the engine decodes in bf16: dtype auto), the rollout/training log-prob gap logged"
 fit demo_bf16 "$STEPS" --trainer.precision=bf16-mixed --data.rollout=engine \
-  --data.rollout.init_args.dtype=auto
+  --data.rollout.init_args.dtype=auto --model.rollout_correction.mode=token_truncate
 
 step "rlflow fit: the demo config pipelined (max_staleness 1): a CUDA trainer, the generator process on CPU cores"
 fit demo_pipelined "$STEPS" --data.pipeline.max_staleness=1 --data.pipeline.generator_threads=4
 
 step "rlflow fit: Qwen3-0.6B shape under FSDP2 with gradient checkpointing, $FIT_TOKENS new tokens, a dense reward"
 fit shape_fsdp2 "$SHAPE_STEPS" --model.model_path="$SHAPE" --trainer.strategy=fsdp2_bf16 \
-  --trainer.precision=32-true --model.policy.gradient_checkpointing=true --data.sampling.max_tokens="$FIT_TOKENS" --data.eval_data_path=null --model.optim.lr=1e-6 \
+  --trainer.precision=32-true --model.policy.gradient_checkpointing=true \
+  --model.rollout_correction.mode=token_truncate --data.sampling.max_tokens="$FIT_TOKENS" --data.eval_data_path=null --model.optim.lr=1e-6 \
   '--data.judging.judgers={"*": "tests.integration.test_gpu:even_id_share"}'
 
 if [ -z "${SKIP_LARGE:-}" ]; then

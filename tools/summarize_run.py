@@ -1,4 +1,5 @@
-"""Print the reward curve of an rlflow run from its CSV metrics, and the first-5 vs last-5 steps' mean reward.
+"""Print the reward curve of an rlflow run from its CSV metrics, and the first-5 vs last-5 steps' mean reward (and,
+where the run logged it, the gap between the rollout's and the trainer's log-probs of the sampled tokens).
 
     python tools/summarize_run.py runs/demo            # the newest version_* under runs/demo
     python tools/summarize_run.py runs/demo/version_3  # one run
@@ -10,6 +11,8 @@ import argparse
 import csv
 import sys
 from pathlib import Path
+
+GAP = "sampling/sampling_logp_difference/"
 
 
 def newest_run(path: Path) -> Path:
@@ -52,6 +55,10 @@ def main() -> None:
             calls = [float(r["tools/call_frequency"]) for r in train]
             print(f"tool calls per trajectory: first 5 steps {sum(calls[:5]) / 5:.3f}, last 5 steps "
                   f"{sum(calls[-5:]) / 5:.3f}")
+    gap = [(float(r[GAP + "mean"]), float(r[GAP + "max"])) for r in train if r.get(GAP + "mean")]
+    if gap:  # logged with model.rollout_correction: the engine's against the trainer's log-probs of sampled tokens
+        print(f"rollout/training log-prob gap of the sampled tokens: mean {sum(m for m, _ in gap) / len(gap):.3g}, "
+              f"largest {max(x for _, x in gap):.3g} (over {len(gap)} steps)")
 
 
 if __name__ == "__main__":

@@ -26,3 +26,17 @@ def test_each_evaluation_is_printed_with_its_reward_and_accuracy(tmp_path):
                          capture_output=True, text=True, timeout=60, check=True).stdout
     assert "eval at step 9: reward 0.438, accuracy 0.000" in out
     assert "first 5 steps 0.200, last 5 steps 0.700, gain +0.500" in out
+
+
+def test_the_rollout_training_log_prob_gap_is_summarised_where_it_was_logged(tmp_path):
+    gap = "sampling/sampling_logp_difference/"
+    rows = [{"step": s, "reward": 0.5, "reward_std": 0.1, "completions/mean_length": 20,
+             "completions/clipped_ratio": 0.0, "step_time": 2.0, gap + "mean": m, gap + "max": x}
+            for s, (m, x) in enumerate([(0.01, 0.5), (0.03, 0.25)])]
+    with open(tmp_path / "metrics.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, [*COLUMNS, gap + "mean", gap + "max"])
+        writer.writeheader()
+        writer.writerows(rows)
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "summarize_run.py"), str(tmp_path)],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert "log-prob gap of the sampled tokens: mean 0.02, largest 0.5 (over 2 steps)" in out
