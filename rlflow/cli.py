@@ -171,7 +171,14 @@ class RLFlowCLI(LightningCLI):
         # the settings groups' field docstrings (litgpt's style) are what --help shows for each option
         argv = sys.argv[1:] if kwargs.get("args") is None else kwargs["args"]
         set_parsing_settings(docstring_parse_attribute_docstrings=asks_for_help(argv))
+        self.requested = argv[0] if isinstance(argv, list) and argv and argv[0] in super().subcommands() else None
         super().__init__(*args, **kwargs)
+
+    def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]
+        """Lightning's subcommands, or only the one the command line starts with (``rlflow fit ...``): each
+        subcommand's parser takes every settings class, and the others would be built for nothing."""
+        every = LightningCLI.subcommands()
+        return every if self.requested is None else {self.requested: every[self.requested]}
 
     def add_arguments_to_parser(self, parser) -> None:
         parser.link_arguments("model.model_path", "data.tokenizer_path")

@@ -124,3 +124,20 @@ def test_only_help_reads_the_field_docstrings(monkeypatch, tiny_model, tiny_data
                  ["fit", "--print_config", "--config", "c.yaml"], ["fit", "--print_config=comments"]):
         assert asks_for_help(argv), argv
     assert not asks_for_help(["fit", "--config", "help.yaml", "--trainer.max_steps=2"]) and not asks_for_help(None)
+
+
+def test_only_the_requested_subcommands_parser_is_built(capsys):
+    """``rlflow fit ...`` builds the fit parser alone; without a leading subcommand every one is built and listed."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from rlflow.cli import RLFlowCLI, main
+
+    cli = RLFlowCLI.__new__(RLFlowCLI)
+    for requested, built in (("fit", ["fit"]), ("validate", ["validate"]),
+                             (None, ["fit", "validate", "test", "predict"])):
+        cli.requested = requested
+        assert list(cli.subcommands()) == built
+        assert all(cli.subcommands()[name] == LightningCLI.subcommands()[name] for name in built)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "{fit,validate,test,predict}" in capsys.readouterr().out
