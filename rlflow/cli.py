@@ -171,7 +171,7 @@ class RLFlowCLI(LightningCLI):
         # the settings groups' field docstrings (litgpt's style) are what --help shows for each option
         argv = sys.argv[1:] if kwargs.get("args") is None else kwargs["args"]
         set_parsing_settings(docstring_parse_attribute_docstrings=asks_for_help(argv))
-        self.requested = argv[0] if isinstance(argv, list) and argv and argv[0] in super().subcommands() else None
+        self.requested = argv[0] if isinstance(argv, list) and argv and argv[0] in LightningCLI.subcommands() else None
         super().__init__(*args, **kwargs)
 
     def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]
