@@ -11,9 +11,9 @@
 #   bash tools/demo.sh                # (or make_tiny_model.py) so checkpoints/tiny-qwen3 and checkpoints/arith exist
 #   device run: command "SKIP_FLOPS=1 bash tools/gpu_check.sh", carry [".whl", "checkpoints/tiny-qwen3",
 #               "checkpoints/arith", "rlflow.egg-info"], timeout_s 560
-# A device command runs for 10 minutes at most: the whole script took 8.5 minutes on an H100 before the
-# continuous-batching anchor and the 64 x 8 x 512 rollout were added (docs/gpu/2026-11-26-h100.log), so leave out the
-# FLOP/s bench (SKIP_FLOPS=1) or the large rollout (SKIP_LARGE=1) to fit. RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2
+# A device command runs for 10 minutes at most: the steps other than the continuous-batching anchor and the
+# 64 x 8 x 512 rollout took 8.5 minutes on an H100 (docs/gpu/2026-11-26-h100.log), so leave out the FLOP/s bench
+# (SKIP_FLOPS=1) or the large rollout (SKIP_LARGE=1) to fit. RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2
 # runs the same steps on a CPU, smaller (a dry run of the script itself). A step that fails is reported and the
 # rest still run; the exit status is 1 if any failed.
 set -uo pipefail
