@@ -19,6 +19,7 @@ from typing import Any
 
 from transformers import GenerationConfig
 
+from benchmarks.plain_generate import generate_settings
 from rlflow.rollout.base import Completion, SamplingParams
 
 
@@ -34,29 +35,21 @@ class ContinuousBatchingRollout:
     def bind(self, model: Any, tokenizer: Any) -> None:
         self.model, self.tokenizer = model, tokenizer
 
-    def config(self, params: SamplingParams) -> GenerationConfig:
-        """``generate``'s settings for ``params``: sampled (or greedy), stopping at ``params.stop_token_ids`` (the
-        tokenizer's end-of-sequence token when empty)."""
-        stop = self.stop(params)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else stop[0]
-        sampled = {} if params.greedy else {"temperature": params.temperature, "top_p": params.top_p,
-                                            "top_k": params.top_k or None, "min_p": params.min_p or None}
-        return GenerationConfig(max_new_tokens=params.max_tokens, do_sample=not params.greedy, eos_token_id=stop,
-                                pad_token_id=pad, repetition_penalty=params.repetition_penalty, **sampled)
-
-    def stop(self, params: SamplingParams) -> list[int]:
-        return list(params.stop_token_ids) or [self.tokenizer.eos_token_id]
-
     def generate(self, prompts: list[list[int]], params: SamplingParams, n: int = 1) -> list[list[Completion]]:
         """``n`` completions of each prompt, grouped by prompt in prompt order (``generate_batch`` returns its
-        results in input order)."""
+        results in input order), sampled with ``generate``'s own settings for ``params``
+        (:func:`~benchmarks.plain_generate.generate_settings`), stopping at ``params.stop_token_ids`` (the
+        tokenizer's end-of-sequence token when empty)."""
+        stop = list(params.stop_token_ids) or [self.tokenizer.eos_token_id]
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else stop[0]
+        config = GenerationConfig(max_new_tokens=params.max_tokens, eos_token_id=stop, pad_token_id=pad,
+                                  **generate_settings(params))
         inputs = [list(p) for p in prompts for _ in range(n)]
-        out = list(self.model.generate_batch(inputs, generation_config=self.config(params),
+        out = list(self.model.generate_batch(inputs, generation_config=config,
                                              continuous_batching_config=self.settings, progress_bar=False).values())
         if len(out) != len(prompts) * n or any(o.error for o in out):
             failed = next((o.error for o in out if o.error), "missing results")
             raise RuntimeError(f"generate_batch returned {len(out)} of {len(prompts) * n} sequences: {failed}")
-        stop = set(self.stop(params))
         completions = [Completion(list(o.generated_tokens), [], "stop" if o.generated_tokens and
                                   o.generated_tokens[-1] in stop else "length") for o in out]
         return [completions[i * n:(i + 1) * n] for i in range(len(prompts))]

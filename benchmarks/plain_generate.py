@@ -9,11 +9,25 @@ time rlflow's engine against that, so the anchor is the ``hf`` backend with its 
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import GenerationConfig, LogitsProcessorList
 
 from rlflow.rollout.base import SamplingParams
 from rlflow.rollout.hf import HFRollout
 from rlflow.rollout.requests import DecodeRequest
+
+
+def generate_settings(params: SamplingParams) -> dict[str, Any]:
+    """The ``GenerationConfig`` fields with which transformers' own sampler draws as ``params`` asks: ``do_sample``
+    with its temperature/top-k/top-p/min-p warpers (none when greedy), and its repetition penalty where one is set
+    (transformers' processor also counts the left padding)."""
+    settings: dict[str, Any] = {} if params.greedy else {
+        "do_sample": True, "temperature": params.temperature, "top_p": params.top_p, "top_k": params.top_k,
+        "min_p": params.min_p or None}
+    if params.repetition_penalty != 1.0:
+        settings["repetition_penalty"] = params.repetition_penalty
+    return settings
 
 
 class PlainGenerateRollout(HFRollout):
@@ -23,10 +37,6 @@ class PlainGenerateRollout(HFRollout):
 
     def sampling_processors(self, params: SamplingParams, rows: list[tuple[DecodeRequest, int]],
                             config: GenerationConfig) -> LogitsProcessorList:
-        if not params.greedy:
-            config.do_sample = True
-            config.temperature, config.top_p, config.top_k = params.temperature, params.top_p, params.top_k
-            config.min_p = params.min_p or None
-        if params.repetition_penalty != 1.0:  # transformers' own processor (it also counts the left padding)
-            config.repetition_penalty = params.repetition_penalty
+        for name, value in generate_settings(params).items():
+            setattr(config, name, value)
         return LogitsProcessorList()
