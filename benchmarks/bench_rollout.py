@@ -21,6 +21,10 @@ a ratio line for each, plus bf16 engine over float32 ``generate``.
 offers beside ``generate``; :mod:`benchmarks.continuous_batching`) as a second anchor at each precision, with a
 ratio line of the engine over it.
 
+``--without-graphs`` adds the engine with ``cuda_graphs=False`` at each precision (on a GPU: its decode steps
+eager instead of replayed as CUDA graphs, :mod:`rlflow.rollout.graphs`; on a CPU both run eagerly), with a ratio
+line of the engine over it.
+
 ``--device cuda`` runs both on the GPU (their outputs are Python lists, so each timed rollout has finished its
 kernels); add ``--full-warmup`` there. Simplifications: CPU or a single device; prompts are the first ``--prompts``
 rows of an XTuner/TRL jsonl file rendered with the tokenizer's chat template (or given as plain strings); the warm-up
@@ -104,6 +108,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--cb-settings", type=json.loads, default={},
                     help="ContinuousBatchingConfig fields for that anchor, as JSON (default: TRL's, "
                     "max_memory_percent 0.5)")
+    ap.add_argument("--without-graphs", action="store_true",
+                    help="add the engine with cuda_graphs=False (eager decode steps on a GPU) and its ratio line")
     ap.add_argument("--full-warmup", action="store_true",
                     help="warm up with one full-size rollout of each backend, not a 2-prompt one: on a GPU the first "
                     "batch-sized rollout pays for kernel selection and the caching allocator's growth")
@@ -139,6 +145,9 @@ def main(argv=None) -> dict:
                          "engine-bf16": (EngineRollout(dtype="bfloat16"), model)})
         if args.continuous_batching:
             backends["cb-bf16"] = (ContinuousBatchingRollout(**args.cb_settings), half)
+    if args.without_graphs:
+        backends.update({f"{name}-eager": (EngineRollout(dtype=b.dtype, cuda_graphs=False), m)
+                         for name, (b, m) in list(backends.items()) if name.startswith("engine")})
     warmup = (prompts, args.n) if args.full_warmup else (prompts[:2], 2)  # prompts and group size
     for b, m in backends.values():
         b.bind(m, tok)
@@ -163,6 +172,8 @@ def main(argv=None) -> dict:
             pairs.append(("engine-bf16", "hf", "-bf16-over-float32-generate"))
     pairs += [(fast, cb, f"{label}-over-continuous-batching") for fast, cb, label in
               (("engine", "cb", ""), ("engine-bf16", "cb-bf16", "-bf16")) if cb in med]
+    pairs += [(fast, f"{fast}-eager", f"{fast[6:]}-over-eager") for fast in ("engine", "engine-bf16")
+              if f"{fast}-eager" in med]
     for fast, anchor, label in pairs:
         ratio = med[fast] / med[anchor]
         # robust to load drifting between runs

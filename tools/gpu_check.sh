@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks, in one run on a lent GPU machine: the gpu-marked tests, the engine against model.generate and
 # transformers' continuous batching (generate_batch) on CUDA in float32 and bf16 (the tiny model and a random-init
-# model of Qwen3-0.6B's shape, at 16 prompts x 8 x 128 tokens and, last, 64 x 8 x 512 in bf16), the engine's
+# model of Qwen3-0.6B's shape, at 16 prompts x 8 x 128 tokens and, last, 64 x 8 x 512 in bf16; the engine with its
+# decode steps as CUDA graphs, the default, and eager, --without-graphs), the engine's
 # RMS-norm option, achieved FLOP/s against the GPU's matmul peak, and rlflow fit steps on the GPU (under FSDP2,
 # bf16-mixed, pipelined, and with gradient checkpointing). Everything it prints also goes to $OUT/gpu_check.log,
 # and each run's metrics.csv to $OUT.
@@ -69,13 +70,14 @@ fi
 SHAPE=/tmp/qwen3-0.6b-shape
 run "$PY" tools/make_shape_model.py --shape qwen3-0.6b --out "$SHAPE" ${SHAPE_LAYERS:+--layers "$SHAPE_LAYERS"}
 
-step "rollout: engine vs model.generate and generate_batch, tiny model, float32 and bf16"
+step "rollout: engine (CUDA graphs, and eager) vs model.generate and generate_batch, tiny model, float32 and bf16"
 run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype both --model checkpoints/tiny-qwen3 \
-  --prompts "$PROMPTS" --n 8 --max-tokens 32 --repeats 3 --rollouts 3 --full-warmup --continuous-batching
+  --prompts "$PROMPTS" --n 8 --max-tokens 32 --repeats 3 --rollouts 3 --full-warmup --continuous-batching \
+  --without-graphs
 
-step "rollout: engine vs model.generate and generate_batch, Qwen3-0.6B shape, float32 and bf16"
+step "rollout: engine (CUDA graphs, and eager) vs model.generate and generate_batch, Qwen3-0.6B shape, float32 and bf16"
 run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype both --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
-  --max-tokens "$TOKENS" --repeats 3 --rollouts 1 --full-warmup --continuous-batching
+  --max-tokens "$TOKENS" --repeats 3 --rollouts 1 --full-warmup --continuous-batching --without-graphs
 
 step "the engine's RMS norms in bf16: F.rms_norm (norm: torch, the default on a GPU) against the model's formula"
 run "$PY" benchmarks/bench_norm.py --device "$DEVICE" --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
@@ -116,7 +118,7 @@ fit shape_fsdp2 "$SHAPE_STEPS" --model.model_path="$SHAPE" --trainer.strategy=fs
 if [ -z "${SKIP_LARGE:-}" ]; then
 step "rollout: engine vs model.generate and generate_batch, Qwen3-0.6B shape, bf16, $LARGE_PROMPTS x 8 x $LARGE_TOKENS"
 run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts "$LARGE_PROMPTS" \
-  --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --continuous-batching
+  --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --continuous-batching --without-graphs
 fi
 
 step "done"

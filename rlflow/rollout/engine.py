@@ -61,6 +61,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+from rlflow.log import warn
 from rlflow.rollout.base import (
     Completion,
     Progress,
@@ -74,6 +75,7 @@ from rlflow.rollout.decode_state import ATTENTION_NAME, DecodeState
 from rlflow.rollout.draws import CallKeys, keyed_requests
 from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder, torch_norm_for
+from rlflow.rollout.graphs import GraphCaptureError, GraphedDecoder, capture_kind
 from rlflow.rollout.hardware import inference_context, native_bf16
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource, check_call
 from rlflow.rollout.serving import ServeCall
@@ -104,7 +106,7 @@ class EngineRollout(CallKeys, RolloutBackend):
     def __init__(self, max_batch_size: int = 256, prefill_batch_size: int = 16, seed: int | None = None,
                  fused: bool = True, min_shared_prefix: int = 16,
                  dtype: Literal["model", "float32", "bfloat16", "float16", "auto"] = "model",
-                 norm: Literal["auto", "model", "torch"] = "auto") -> None:
+                 norm: Literal["auto", "model", "torch"] = "auto", cuda_graphs: bool = True) -> None:
         """
         Args:
             max_batch_size: Most sequences decoded together (bounds the KV cache's memory); a prompt's ``n``
@@ -130,6 +132,9 @@ class EngineRollout(CallKeys, RolloutBackend):
                 ``torch`` (``F.rms_norm``: one kernel on a CUDA GPU, rounding once where the model rounds twice),
                 or ``auto`` (``torch`` where the decoder computes in 16 bits on a CUDA GPU; ``model`` elsewhere, so
                 float32 and CPU decoding stay exact).
+            cuda_graphs: On a CUDA GPU, replay the fused decoder's decode steps as CUDA graphs, one per stretch
+                between two attention calls (:mod:`rlflow.rollout.graphs`); a capture that fails is logged once and
+                the run decodes eagerly. Ignored on a CPU and without the fused decoder.
         """
         if max_batch_size < 1 or prefill_batch_size < 1:
             raise ValueError("engine max_batch_size and prefill_batch_size must be >= 1")
@@ -144,8 +149,12 @@ class EngineRollout(CallKeys, RolloutBackend):
         self.dtype = dtype
         torch_norm_for(norm, torch.float32, torch.device("cpu"))  # a bad value fails here, not at the first rollout
         self.norm = norm
+        self.cuda_graphs = cuda_graphs
+        self._graphed: GraphedDecoder | None = None  # the kept decoder's graphs (cuda_graphs, on a CUDA GPU)
+        self.graphs_error: str | None = None  # why graph capture failed, once it has (the engine then runs eagerly)
         self._decoder: FusedDecoder | None = None  # the fused decoder of the rollout call in progress, if any
         self._kept_decoder: tuple[Any, FusedDecoder] | None = None  # (weights' key, decoder) reused across calls
+        self._stale = False  # sync_weights since the kept decoder copied the weights
         self._checked_model: Any = None  # the model bind() last found supported (checked once per model)
         self.decode_path = ""  # how bind()'s probe decoded: "fused decode" or why through the model's forward
         self.session: SessionCache | None = None  # rows' caches kept across calls (keep_caches), else None
@@ -182,26 +191,41 @@ class EngineRollout(CallKeys, RolloutBackend):
             if reason:
                 raise UnsupportedModelError("engine", reason)
             self._checked_model = model
+            if self._graphed is not None:  # the probe decoded through graphs (cuda_graphs, on a CUDA GPU)
+                self.decode_path += ", decode steps as CUDA graphs"
+            elif self.graphs_error:
+                self.decode_path += f", eager decode steps (CUDA graph capture failed: {self.graphs_error})"
 
     def sync_weights(self) -> None:
-        """The weights changed: drop the fused decoder's weight copies (the next rollout copies them again)."""
-        self._kept_decoder = None
+        """The weights changed: the next rollout copies them again. The fused decoder's copies are dropped now,
+        unless CUDA graphs were captured over them: then the next rollout copies the new weights into them."""
+        self._stale = True
+        if self._graphed is None:
+            self._kept_decoder = None
 
     def _fused_decoder(self, model: Any, device: torch.device) -> FusedDecoder | None:
         """The fused decoder of ``model`` (None where it cannot run): the one of the last call while the weights
         are unchanged (same storage, same in-place version counters, same LoRA switches, no :meth:`sync_weights`
-        since), else a new one (its weight copies, in the ``dtype`` option's precision, are what a rollout call
-        decodes with)."""
+        since); where its steps run as CUDA graphs and only the weights' values changed, the same one with the new
+        weights copied in (:meth:`FusedDecoder.refresh`: the graphs stay); else a new one (its weight copies, in
+        the ``dtype`` option's precision, are what a rollout call decodes with)."""
         if not self.fused or FusedDecoder.unsupported_reason(model) is not None:
             return None
         dtype = decode_dtype(self.dtype, device)
         adapters = tuple((m.disable_adapters, m.merged, tuple(m.active_adapters))  # PEFT LoRA layers' switches
                          for m in model.modules() if hasattr(m, "lora_A") and hasattr(m, "merged"))
         key = (id(model), dtype, adapters, tuple((p.data_ptr(), p._version) for p in model.parameters()))
-        if self._kept_decoder is None or self._kept_decoder[0] != key:
-            self._kept_decoder = None  # free the old copies before making new ones
-            self._kept_decoder = (key, FusedDecoder(model, dtype, self.norm))
-        return self._kept_decoder[1]
+        kept = self._kept_decoder
+        if kept is not None and kept[0] == key and not self._stale:
+            return kept[1]
+        if kept is not None and self._graphed is not None and self._graphed.decoder is kept[1] and \
+                kept[0][:3] == key[:3] and [p for p, _ in kept[0][3]] == [p for p, _ in key[3]]:
+            kept[1].refresh(model)  # the same weights' new values, into the copies the graphs read
+        else:
+            self._kept_decoder = self._graphed = None  # free the old copies (and their graphs) before new ones
+            kept = (key, FusedDecoder(model, dtype, self.norm))
+        self._kept_decoder, self._stale = (key, kept[1]), False
+        return kept[1]
 
     @property
     def pad_id(self) -> int:
@@ -318,7 +342,7 @@ class EngineRollout(CallKeys, RolloutBackend):
                 state.write(layer, k[:, :, 0], v[:, :, 0])
                 return state.attend(layer, q, scaling).reshape(q.shape[0], -1)
 
-            logits = decoder.step(pending, pos, attend)
+            logits = self._fused_step(decoder, pending, pos, attend)
         else:
             config = self.model.config
             previous = config._attn_implementation
@@ -332,6 +356,22 @@ class EngineRollout(CallKeys, RolloutBackend):
                 config._attn_implementation = previous
         state.end_step()
         return logits
+
+    def _fused_step(self, decoder: FusedDecoder, tokens: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """``decoder.step`` through CUDA graphs where they apply (``cuda_graphs``, :mod:`rlflow.rollout.graphs`),
+        else as it is; the first failed capture turns graphs off for the engine's life, with its reason logged."""
+        kind = capture_kind(tokens.device) if self.cuda_graphs and self.graphs_error is None else None
+        if kind is None:
+            return decoder.step(tokens, positions, attend)
+        if self._graphed is None or self._graphed.decoder is not decoder:
+            self._graphed = None  # the old decoder's graphs go before new ones are captured
+            self._graphed = GraphedDecoder(decoder, self.max_batch_size, kind)
+        try:
+            return self._graphed.step(tokens, positions, attend)
+        except GraphCaptureError as error:
+            self.graphs_error, self._graphed = str(error), None
+            warn(f"engine: CUDA graph capture failed, decode steps run eagerly from now on ({error})")
+            return decoder.step(tokens, positions, attend)
 
     def stream(self, prompts: list[list[int]], params: SamplingParams, n: int = 1,
                progress: Progress | None = None) -> Iterator[tuple[int, list[Completion]]]:

@@ -227,20 +227,51 @@ class FusedDecoder:
         self.dtype = dtype or own
         cast = None if self.dtype == own else self.dtype
         self.rotary = inner.rotary_emb
-        fold = own == torch.float32 and self.dtype == torch.float32
-        self.layers = [_Layer(layer, fold, cast) for layer in inner.layers]
-        self.norm_w, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
+        self.fold = own == torch.float32 and self.dtype == torch.float32
+        self.cast = cast
+        self.layers = [_Layer(layer, self.fold, cast) for layer in inner.layers]
+        self.norm_eps = inner.norm.variance_epsilon
         self.head_fp32 = is_fp32_head(model.lm_head)  # model.policy.cast_lm_head_to_fp32: the product in float32
-        head_cast = torch.float32 if self.head_fp32 else cast
-        self.lm_head_w, self.lm_head_b = model.lm_head.weight, _cast(model.lm_head.bias, head_cast)
+        self.norm_w, self.lm_head_w, self.lm_head_b = self._head(model)
         self.rms_norm = _torch_rms_norm if torch_norm_for(norm, self.dtype, self.embed.device) else _rms_norm
-        if fold:
-            self.lm_head_w, self.norm_w = self.lm_head_w * self.norm_w, None
-        self.norm_w = _cast(self.norm_w, cast)
-        self.lm_head_w = _transposed(self.lm_head_w, head_cast, physical=True)
         self.rope_table = getattr(self.rotary, "rope_type", "default") in STATIC_ROPE_TYPES
         self._table = None  # [positions, 2, dim]: cos, and sin with rotate_half's sign folded in
         self.packed_rows = 0  # the row count the matrices are packed for (prepack); 0: not packed
+
+    def _head(self, model: Any) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """``(final norm weight, LM head [in, out], its bias)`` of ``model`` (unwrapped) as this decoder holds
+        them: the norm folded into the head in float32, copies in the decoder's dtype (the head in float32 under
+        ``cast_lm_head_to_fp32``), the head physically transposed."""
+        head_cast = torch.float32 if self.head_fp32 else self.cast
+        norm_w, head_w = model.model.norm.weight, model.lm_head.weight
+        if self.fold:
+            head_w, norm_w = head_w * norm_w, None
+        return _cast(norm_w, self.cast), _transposed(head_w, head_cast, physical=True), _cast(model.lm_head.bias,
+                                                                                               head_cast)
+
+    @torch.no_grad()
+    def refresh(self, model: Any) -> None:
+        """Copy ``model``'s current weights into this decoder's copies in place, one layer at a time (beside the
+        decoder, one layer's copies at most), so that CUDA graphs captured over them (:mod:`rlflow.rollout.graphs`)
+        stay valid. ``model`` is the one the decoder was built from, with its parameters where they were (the
+        decoder reads its embedding table, and in its own dtype its norms' weights and biases, in place);
+        afterwards the decoder computes what a new one would, bit for bit. Not for prepacked (CPU) decoders."""
+        packed = [w for w in (self.lm_head_w, *(getattr(layer, n) for layer in self.layers for n in vars(layer)))
+                  if isinstance(w, PackedWeight)]
+        if packed:
+            raise ValueError("FusedDecoder.refresh: the matrices are prepacked; build a new decoder instead")
+        model = unwrap_peft(model)
+        for old, layer in zip(self.layers, model.model.layers):
+            new = _Layer(layer, self.fold, self.cast)
+            for name, value in vars(new).items():
+                mine = getattr(old, name)
+                if name == "qk_norm" and value is not None:
+                    mine, value = mine[0], value[0]
+                if isinstance(value, torch.Tensor) and mine is not value:
+                    mine.copy_(value)
+        for mine, value in zip((self.norm_w, self.lm_head_w, self.lm_head_b), self._head(model)):
+            if value is not None and mine is not value:
+                mine.copy_(value)
 
     def prepack(self, rows: int) -> None:
         """Pack the large weight matrices once in the CPU GEMM library's layout (:mod:`rlflow.rollout.prepack`),
@@ -258,7 +289,7 @@ class FusedDecoder:
             self.lm_head_w = _packed(self.lm_head_w, self.lm_head_b, rows, checked=True)  # product: per row count
         self.packed_rows = rows
 
-    def _rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sign * sin`` ``[rows, 1, dim]`` at ``positions``, from the table (grown by doubling as needed)."""
         half = self.head_dim // 2
         if not self.rope_table:
@@ -317,6 +348,38 @@ class FusedDecoder:
                 return "a decoder layer's norms are not RMSNorms with weight and variance_epsilon"
         return None
 
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The residual stream ``[rows, hidden]`` of ``tokens`` (``[rows]``), in the decoder's dtype."""
+        return F.embedding(tokens, self.embed).to(self.dtype)
+
+    def attention_inputs(
+        self, layer: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``layer``'s query ``[rows, heads, 1, dim]``, key and value ``[rows, kv_heads, 1, dim]`` (RoPE applied)
+        from the residual stream ``h``: input norm, the q/k/v product, Qwen3's q/k norms, RoPE on q and k at once."""
+        rows, heads, kv_heads, dim = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        x = self.rms_norm(h, layer.ln1_w, layer.ln1_eps)
+        qkv = _linear(x, layer.qkv_w, layer.qkv_b)
+        qk = qkv[:, : layer.q_size + layer.kv_size].view(rows, heads + kv_heads, dim)
+        v = qkv[:, layer.q_size + layer.kv_size :].view(rows, kv_heads, 1, dim)
+        if layer.qk_norm is not None:
+            qk = self.rms_norm(qk, *layer.qk_norm)
+        qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)[:, :, None]
+        return qk[:, :heads], qk[:, heads:], v
+
+    def after_attention(self, layer: _Layer, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The residual stream after ``layer``, from the one before it and its attention's output ``out``
+        (``[rows, heads * dim]``): the o projection's residual, post-attention norm, the MLP's residual."""
+        h = _residual(h, out, layer.o_w, layer.o_b)
+        x = self.rms_norm(h, layer.ln2_w, layer.ln2_eps)
+        gate, up = _linear(x, layer.gate_up_w, layer.gate_up_b).split(layer.inter, dim=-1)
+        return _residual(h, layer.act(gate) * up, layer.down_w, layer.down_b)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits ``[rows, vocab]`` of the last layer's residual stream: the final norm and the LM head."""
+        h = self.rms_norm(h, self.norm_w, self.norm_eps)
+        return _linear(h.float() if self.head_fp32 else h, self.lm_head_w, self.lm_head_b)
+
     def step(
         self, tokens: torch.Tensor, positions: torch.Tensor, attend, select: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -331,23 +394,9 @@ class FusedDecoder:
                 in the cache and attends.
             select: rows whose logits to return (all when None), e.g. the last token of each prompt of a prefill.
         """
-        rows, heads, kv_heads, dim = tokens.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        h = F.embedding(tokens, self.embed).to(self.dtype)
-        cos, sin = self._rope(h, positions)  # [rows, 1, dim]
+        h = self.embed_tokens(tokens)
+        cos, sin = self.rope(h, positions)  # [rows, 1, dim]
         for idx, layer in enumerate(self.layers):
-            x = self.rms_norm(h, layer.ln1_w, layer.ln1_eps)
-            qkv = _linear(x, layer.qkv_w, layer.qkv_b)
-            qk = qkv[:, : layer.q_size + layer.kv_size].view(rows, heads + kv_heads, dim)
-            v = qkv[:, layer.q_size + layer.kv_size :].view(rows, kv_heads, 1, dim)
-            if layer.qk_norm is not None:
-                qk = self.rms_norm(qk, *layer.qk_norm)
-            qk = torch.addcmul(qk * cos, qk.roll(dim // 2, -1), sin)[:, :, None]  # RoPE on q and k at once
-            out = attend(idx, qk[:, :heads], qk[:, heads:], v, layer.scaling)
-            h = _residual(h, out, layer.o_w, layer.o_b)
-            x = self.rms_norm(h, layer.ln2_w, layer.ln2_eps)
-            gate, up = _linear(x, layer.gate_up_w, layer.gate_up_b).split(layer.inter, dim=-1)
-            h = _residual(h, layer.act(gate) * up, layer.down_w, layer.down_b)
-        if select is not None:
-            h = h[select]
-        h = self.rms_norm(h, self.norm_w, self.norm_eps)
-        return _linear(h.float() if self.head_fp32 else h, self.lm_head_w, self.lm_head_b)
+            q, k, v = self.attention_inputs(layer, h, cos, sin)
+            h = self.after_attention(layer, h, attend(idx, q, k, v, layer.scaling))
+        return self.logits(h if select is None else h[select])

@@ -1,5 +1,5 @@
 """The benchmarks' continuous-batching anchor (:class:`benchmarks.continuous_batching.ContinuousBatchingRollout`,
-transformers' ``generate_batch``) and ``bench_rollout.py --continuous-batching``."""
+transformers' ``generate_batch``), ``bench_rollout.py --continuous-batching`` and ``--without-graphs``."""
 
 from __future__ import annotations
 
@@ -45,6 +45,18 @@ def test_bench_rollout_prints_the_engine_over_continuous_batching(tiny_model, ca
     assert out["cb_tok_s"] > 0 and out["ratio-over-continuous-batching"] == pytest.approx(
         out["engine_tok_s"] / out["cb_tok_s"])
     assert "rollout engine/cb speedup:" in printed and "run 1 cb" in printed
+
+
+def test_bench_rollout_prints_the_engine_over_its_eager_steps(tiny_model, capsys):
+    from benchmarks.bench_rollout import main
+
+    out = main(["--model", str(tiny_model), "--data", str(tiny_model.parent / "data" / "train.jsonl"),
+                "--prompts", "2", "--n", "2", "--max-tokens", "6", "--repeats", "1", "--rollouts", "1",
+                "--threads", "1", "--dtype", "both", "--without-graphs"])
+    printed = capsys.readouterr().out
+    for label, fast in (("", "engine"), ("-bf16", "engine-bf16")):
+        assert out[f"ratio{label}-over-eager"] == pytest.approx(out[f"{fast}_tok_s"] / out[f"{fast}-eager_tok_s"])
+        assert f"rollout {fast}/{fast}-eager speedup:" in printed
 
 
 def test_the_anchor_takes_trls_memory_share_unless_told_otherwise():

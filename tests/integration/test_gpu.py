@@ -5,6 +5,8 @@ Every test here is marked ``gpu`` and skipped where CUDA is absent (CI's machine
 a CPU test:
 
 * the fused engine's log-probs on CUDA equal one full forward of the model on CUDA (``test_engine.py``);
+* decode steps replayed as piecewise CUDA graphs give the eager steps' logits, and the engine's tokens with graphs
+  equal its tokens without (``test_graphs.py``, which runs the segments eagerly);
 * ``dtype: auto`` decodes in bf16 on a GPU, within bf16 rounding of the model's own bf16 forward, with the RMS
   norms through ``F.rms_norm`` (``norm: auto``) and through the model's formula. The bound is measured in the
   test, as in ``test_engine_dtype.py``;
@@ -38,6 +40,8 @@ from tests.helpers.fit import fit_args
 from tests.helpers.paths import ROOT
 from tests.helpers.tiny_archs import IdTokenizer, tiny_causal_lm
 from tests.unit.rollout.test_engine import prompts_of
+from tests.unit.rollout.test_fused_decoder import build
+from tests.unit.rollout.test_graphs import check_graphed_steps
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -64,6 +68,31 @@ def test_fused_engine_on_cuda_matches_a_full_forward(name):
         for c in group:
             got = torch.tensor(c.logprobs, dtype=torch.float64)
             torch.testing.assert_close(got, forward_logprobs(model, prompt, c.token_ids, 0.8), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind,dtype", [("qwen3", None), ("qwen3", torch.bfloat16), ("llama", torch.bfloat16)])
+def test_cuda_graphed_decode_steps_give_the_eager_steps_logits(kind, dtype):
+    """Real CUDA graph captures of the piecewise segments (``test_graphs.py`` runs the same check eagerly)."""
+    model = build(kind).cuda()
+    check_graphed_steps(fused.FusedDecoder(model, dtype), "cuda", atol=1e-4 if dtype is None else 0.05,
+                        device="cuda")
+
+
+def test_the_engine_decodes_through_cuda_graphs_to_the_eager_engines_tokens():
+    """In float32 (bf16 steps are compared above: a bf16 tie may fall either way between two GEMM kernels)."""
+    model = tiny_causal_lm("qwen3", seed=1).cuda()
+    prompts = prompts_of([11, 17, 8, 5], seed=2)
+    params = SamplingParams(0.0, max_tokens=16, stop_token_ids=[7])  # greedy: the same tokens up to rounding ties
+    runs = {}
+    for graphs in (False, True):
+        engine = EngineRollout(seed=0, cuda_graphs=graphs, max_batch_size=16)
+        engine.bind(model, IdTokenizer())
+        runs[graphs] = engine.generate(prompts, params, n=3)
+        assert (engine._graphed is not None) == graphs and engine.graphs_error is None
+    assert [[c.token_ids for c in g] for g in runs[True]] == [[c.token_ids for c in g] for g in runs[False]]
+    for got, want in zip(runs[True], runs[False]):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("norm", ["auto", "model"])
