@@ -21,7 +21,9 @@ Five parts (``--parts``, all by default), each set against a limit measured in t
    :func:`state_reads`) over the measured copy bandwidth; and the **compute floor**, the step's FLOPs
    (:func:`benchmarks.bench_flops.model_flops` at the rows' real context lengths) over the decode dtype's matmul
    peak. ``share`` is limit time / measured time. ``model.generate`` (:mod:`benchmarks.plain_generate`) on the same
-   rows, with the model cast to the decode dtype, is the anchor (tokens/s ratio).
+   rows, with the model cast to the decode dtype, is the anchor (tokens/s ratio). Last, the step's matrix products
+   alone (:func:`products_alone`: the fused decoder's own prepacked products of all rows, back to back, nothing
+   between them) against the roofline of the weights' bytes: the ceiling the GEMM kernels set on the forward.
 4. **train**: one forward + backward of the recipe's packed training step (the decode part's completions, or
    random ones of ``--max-tokens`` tokens, packed into ``pack_max_length`` tokens with a group's prompt once, as
    ``rlflow fit`` packs them; under ``torch.autocast`` bf16 when the recipe's precision is ``bf16-mixed``; with the
@@ -278,6 +280,35 @@ def decode_dtype_of(model: torch.nn.Module, choice: str) -> torch.dtype:
     return decode_dtype(choice, next(model.parameters()).device) or next(model.parameters()).dtype
 
 
+def products_alone(decoder, rows: int, repeats: int) -> float:
+    """Seconds of one decode step's matrix products and nothing else: every layer's q/k/v, o (with its residual),
+    gate/up and down (with its residual) and the LM head, through the fused decoder's own (prepacked) weights and
+    product functions, on ``rows`` rows of random inputs, back to back (the weights streamed from memory as in a
+    step; best of ``repeats`` runs of 5 steps). What the decode forward would take if everything between its
+    products took no time: the ceiling the GEMM kernels set."""
+    from rlflow.rollout.fused import _linear, _residual
+
+    decoder.prepack(rows)
+    g = torch.Generator().manual_seed(0)
+    first = decoder.layers[0]
+    x = torch.randn(rows, decoder.embed.shape[1], generator=g).to(decoder.dtype)
+    attn = torch.randn(rows, decoder.num_heads * decoder.head_dim, generator=g).to(decoder.dtype)
+    act = torch.randn(rows, first.inter, generator=g).to(decoder.dtype)
+    head_in = x.float() if decoder.head_fp32 else x
+
+    def steps() -> None:
+        for _ in range(5):
+            for layer in decoder.layers:
+                _linear(x, layer.qkv_w, layer.qkv_b)
+                _residual(x, attn, layer.o_w, layer.o_b)
+                _linear(x, layer.gate_up_w, layer.gate_up_b)
+                _residual(x, act, layer.down_w, layer.down_b)
+            _linear(head_in, decoder.lm_head_w, decoder.lm_head_b)
+
+    with torch.inference_mode():
+        return best_time(steps, repeats) / 5
+
+
 def measure_decode(args, model, tok, prompts, limits: dict) -> dict:
     """The decode part: the engine's rollouts (per-step trace) alternating with ``generate``'s, medians."""
     from benchmarks.plain_generate import PlainGenerateRollout
@@ -309,7 +340,12 @@ def measure_decode(args, model, tok, prompts, limits: dict) -> dict:
         if r:
             runs["generate"].append((time.perf_counter() - start, sum(len(c.token_ids) for g in anchor_groups
                                                                       for c in g)))
-    return summarise_decode(args, model, dtype, runs, limits) | {"completions": completions}
+    out = summarise_decode(args, model, dtype, runs, limits) | {"completions": completions}
+    if engine._kept_decoder is not None:  # the fused decoder of the runs above
+        out["products_s"] = products_alone(engine._kept_decoder[1], args.prompts * args.n, args.repeats)
+        if "bandwidth" in limits:
+            out["weights_roofline_s"] = weight_bytes(model, dtype) / limits["bandwidth"]
+    return out
 
 
 def summarise_decode(args, model, dtype: torch.dtype, runs: dict, limits: dict) -> dict:
@@ -501,6 +537,11 @@ def decode_rows(d: dict, limits: dict) -> list[tuple[str, ...]]:
                          f"{d['compute_floor_s'] / d[key]:.2f}"))
         if "roofline_s" not in d and "compute_floor_s" not in d:
             rows.append((f"{label} ({what})", measured, "", ""))
+    if "products_s" in d:
+        roof = d.get("weights_roofline_s")
+        rows.append((f"decode products alone per step ({what})", f"{d['products_s'] * 1e3:.1f} ms",
+                     f"memory roofline of the weights {roof * 1e3:.1f} ms" if roof else "",
+                     f"{roof / d['products_s']:.2f}" if roof else ""))
     rows.append((f"rollout tokens/s ({d['steps'] + 1} tokens at most)", f"{d['engine_tok_s']:.1f} tok/s",
                  f"model.generate {d['generate_tok_s']:.1f} tok/s", f"{d['engine_tok_s'] / d['generate_tok_s']:.2f}x"))
     return rows

@@ -162,7 +162,23 @@ def test_it_runs_every_part_but_the_step_at_tiny_sizes(tiny_model, tiny_data, on
     assert results["bandwidth"] > 0 and results["peak_float32"] > 0
     assert decode["rows"] == 4 and 0 < decode["roofline_s"] and 0 < decode["compute_floor_s"]
     assert decode["loop_s"] > 0 and decode["engine_tok_s"] > 0 and decode["generate_tok_s"] > 0
+    assert 0 < decode["products_s"] < decode["forward_s"] and decode["weights_roofline_s"] > 0  # a part of it
     assert train["flops"] > 0 and train["packs"] >= 1 and "share" in train
     out = capsys.readouterr().out
+    assert "decode products alone per step (4 rows" in out and "memory roofline of the weights" in out
     assert "figure" in out and "memory roofline" in out and "compute floor" in out and "model.generate" in out
     assert "matmul peak" in out and "GRPO step" not in out
+
+
+def test_products_alone_runs_each_layers_four_products_and_the_head_per_step(monkeypatch):
+    from rlflow.rollout import fused
+    from tests.unit.rollout.test_fused_decoder import build
+
+    decoder = fused.FusedDecoder(build("qwen3"))  # 2 layers
+    calls = {"linear": [], "residual": []}
+    linear, residual = fused._linear, fused._residual
+    monkeypatch.setattr(fused, "_linear", lambda x, *a: calls["linear"].append(x.shape[0]) or linear(x, *a))
+    monkeypatch.setattr(fused, "_residual", lambda h, x, *a: calls["residual"].append(x.shape[0]) or residual(h, x, *a))
+    assert roof.products_alone(decoder, rows=3, repeats=1) > 0
+    steps = 2 * 5  # best_time: one untimed call and one timed; 5 steps a call
+    assert calls["linear"] == [3] * steps * (2 * 2 + 1) and calls["residual"] == [3] * steps * 2 * 2
