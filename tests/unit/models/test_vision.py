@@ -351,6 +351,7 @@ def _vlm_sharded_worker(rank: int, init_file: str, model_dir: str, out_dir: str)
         results = {"logprob_err": float((lp - want).detach()[mask].abs().max()), "grad_err": grad_err,
                    "trained": trained, "units": sorted(units)}
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # no rank tears its connections down while the other may still be finishing a collective
     finally:
         dist.destroy_process_group()
 
