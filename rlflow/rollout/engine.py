@@ -41,9 +41,10 @@ every token, keeps finished rows in the batch until the longest one ends, and pa
 
 Simplifications: the prompt regions of a batch are padded to the longest prompt and the generated-token
 regions grow by doubling up to ``max_tokens`` (masked, exact, but not a paged block table); each query also
-meets its group's other rows' tokens (masked: ``n`` times the arithmetic of that part, cheap next to the
-per-operator cost at rollout sizes on a CPU); only the prefix common to *all* prompts of a call is shared
-across groups (no radix tree). The prefill without the fused forward uses the model's own attention.
+meets its group's other rows' tokens (masked: ``n`` times the arithmetic of that part: cheap next to the
+per-operator cost over tens of generated tokens, the larger part of a step over hundreds); only the prefix common
+to *all* prompts of a call is shared across groups (no radix tree). The prefill without the fused forward uses
+the model's own attention.
 Decoding through the model's forward (architectures the fused path does not cover) needs attention modules
 that go through transformers' attention interface, pass extra keyword arguments down to it (the engine hands
 its :class:`DecodeState` over as ``rlflow_decode_state``) and call ``cache.update(k, v, layer_idx)``;
