@@ -160,6 +160,11 @@ def main(argv=None) -> dict:
             rates[name].append(tokens / seconds)
             print(f"run {r + 1} {name:6s}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s "
                   f"(mean length {statistics.mean(lengths):.1f}, max {max(lengths)})", flush=True)
+    for name, backend in backends.items():  # the engine's CUDA graphs (rlflow.rollout.graphs), where it made any
+        graphed = getattr(backend, "_graphed", None)
+        if graphed is not None:
+            print(f"{name}: decode steps as CUDA graphs, {len(graphed.buckets)} buckets of rows "
+                  f"({', '.join(map(str, sorted(graphed.buckets)))}) captured in {graphed.capture_seconds:.2f} s")
     med = {name: statistics.median(v) for name, v in rates.items()}
     out: dict[str, float] = {f"{k}_tok_s": v for k, v in med.items()}
     where = f"{torch.get_num_threads()} threads" if args.device == "cpu" else args.device

@@ -30,6 +30,7 @@ runs eagerly before the first graph (it grows its table on the host).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -122,6 +123,7 @@ class GraphedDecoder:
         self.kind = capture
         self.stream = torch.cuda.Stream(decoder.embed.device) if capture == "cuda" else None
         self.buckets: dict[int, _Bucket] = {}
+        self.capture_seconds = 0.0  # wall time spent capturing buckets (warm-ups included)
 
     def _segments(self, bucket: _Bucket) -> list[Segment]:
         """Capture the bucket's graphs: embedding + layer 0's attention inputs; each layer's output half + the
@@ -155,10 +157,13 @@ class GraphedDecoder:
         if bucket is None:
             d = self.decoder
             bucket = _Bucket(size, tokens, cos.to(d.dtype), sin.to(d.dtype), d.num_heads * d.head_dim)
+            start = time.perf_counter()
             try:
                 bucket.segments = self._segments(bucket)
             except Exception as error:  # noqa: BLE001 - any failure to capture means: run eagerly
                 raise GraphCaptureError(f"{type(error).__name__}: {error}") from error
+            finally:
+                self.capture_seconds += time.perf_counter() - start
             self.buckets[size] = bucket
         return bucket
 

@@ -47,8 +47,11 @@ def test_bench_rollout_prints_the_engine_over_continuous_batching(tiny_model, ca
     assert "rollout engine/cb speedup:" in printed and "run 1 cb" in printed
 
 
-def test_bench_rollout_prints_the_engine_over_its_eager_steps(tiny_model, capsys):
+def test_bench_rollout_prints_the_engine_over_its_eager_steps(tiny_model, capsys, monkeypatch):
     from benchmarks.bench_rollout import main
+    from rlflow.rollout import engine
+
+    monkeypatch.setattr(engine, "capture_kind", lambda device: "eager")  # graphs as on a GPU, run eagerly here
 
     out = main(["--model", str(tiny_model), "--data", str(tiny_model.parent / "data" / "train.jsonl"),
                 "--prompts", "2", "--n", "2", "--max-tokens", "6", "--repeats", "1", "--rollouts", "1",
@@ -57,6 +60,7 @@ def test_bench_rollout_prints_the_engine_over_its_eager_steps(tiny_model, capsys
     for label, fast in (("", "engine"), ("-bf16", "engine-bf16")):
         assert out[f"ratio{label}-over-eager"] == pytest.approx(out[f"{fast}_tok_s"] / out[f"{fast}-eager_tok_s"])
         assert f"rollout {fast}/{fast}-eager speedup:" in printed
+        assert f"\n{fast}: decode steps as CUDA graphs, " in printed and f"\n{fast}-eager: decode" not in printed
 
 
 def test_the_anchor_takes_trls_memory_share_unless_told_otherwise():

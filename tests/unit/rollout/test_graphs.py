@@ -131,6 +131,7 @@ def test_the_engine_decodes_through_graphs_to_the_same_tokens(model, tokenizer, 
     assert plain.decode_path == "fused decode"
     assert graphed.decode_path == "fused decode, decode steps as CUDA graphs"  # what data.rollout=auto logs
     assert len(graphed._graphed.buckets) >= 2  # rows left and joined: more than one bucket ran
+    assert graphed._graphed.capture_seconds > 0
     for w_group, g_group in zip(want, got):
         for w, g in zip(w_group, g_group):
             assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
