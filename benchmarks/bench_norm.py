@@ -9,7 +9,7 @@ completions of each prompt of the last run, teacher-forced through the model (fl
     python benchmarks/bench_norm.py --model /tmp/qwen3-0.6b-shape --device cuda --max-tokens 128 --repeats 3
     ... bf16 norm=torch: median 2394.8 ms, time/model paired 0.687; |engine - bf16 forward| mean 0.0074 ...
 
-On a CPU ``F.rms_norm`` is a composite of the same operators (no gain; ``auto`` keeps the model's formula there).
+On a CPU the two take about as long (``auto`` keeps the model's formula there).
 Simplifications: prompts are the first ``--prompts`` rows of a jsonl file; one device.
 """
 

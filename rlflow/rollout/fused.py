@@ -80,8 +80,8 @@ NORMS = ("auto", "model", "torch")
 def torch_norm_for(choice: str, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the decoder's RMS norms go through ``F.rms_norm`` for the engine's ``norm`` option: ``auto`` where
     the decoder computes in 16 bits on a CUDA GPU (there ``F.rms_norm`` is one fused kernel where the formula is
-    eight; in float32 the model's formula keeps the logits exact, and on a CPU it keeps the model's roundings for
-    a saving of about a microsecond and a half a norm, well under 1% of a decode step)."""
+    eight; in float32 the model's formula keeps the logits exact, and on a CPU the two take about as long, so the
+    model's roundings are kept)."""
     if choice not in NORMS:
         raise ValueError(f"engine norm must be one of {', '.join(NORMS)}; got {choice!r}")
     if choice == "auto":
