@@ -23,7 +23,10 @@ ratio line of the engine over it.
 
 ``--without-graphs`` adds the engine with ``cuda_graphs=False`` at each precision (on a GPU: its decode steps
 eager instead of replayed as CUDA graphs, :mod:`rlflow.rollout.graphs`; on a CPU both run eagerly), with a ratio
-line of the engine over it.
+line of the engine over it; ``--without-split`` likewise the engine with ``split_stragglers=False`` (a group's
+last rows never continue alone: :meth:`rlflow.rollout.serving.ServeCall.split_stragglers`). Every engine is seeded
+with ``--seed``, so an engine and its variants draw the same random streams call after call: in float32 they
+sample the same tokens (up to rounding), and their ratio is one of times.
 
 ``--device cuda`` runs both on the GPU (their outputs are Python lists, so each timed rollout has finished its
 kernels); add ``--full-warmup`` there. Simplifications: CPU or a single device; prompts are the first ``--prompts``
@@ -47,6 +50,11 @@ import torch
 
 if not __package__:  # run as ``python benchmarks/<name>.py``: the repository root, for ``benchmarks.`` imports
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+#: ``(flag, name suffix, engine options)``: the engine variants a flag adds beside each engine, with a ratio line
+VARIANTS = [("without_graphs", "eager", {"cuda_graphs": False}),
+            ("without_split", "whole", {"split_stragglers": False})]
 
 
 def load_prompts(path: str, tokenizer, count: int) -> list[list[int]]:
@@ -110,6 +118,8 @@ def main(argv=None) -> dict:
                     "max_memory_percent 0.5)")
     ap.add_argument("--without-graphs", action="store_true",
                     help="add the engine with cuda_graphs=False (eager decode steps on a GPU) and its ratio line")
+    ap.add_argument("--without-split", action="store_true",
+                    help="add the engine with split_stragglers=False and its ratio line")
     ap.add_argument("--full-warmup", action="store_true",
                     help="warm up with one full-size rollout of each backend, not a 2-prompt one: on a GPU the first "
                     "batch-sized rollout pays for kernel selection and the caching allocator's growth")
@@ -136,18 +146,19 @@ def main(argv=None) -> dict:
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_tokens, stop)
     backends = {}
     if args.dtype in ("float32", "both"):
-        backends.update({"hf": (PlainGenerateRollout(), model), "engine": (EngineRollout(), model)})
+        backends.update({"hf": (PlainGenerateRollout(), model), "engine": (EngineRollout(seed=args.seed), model)})
         if args.continuous_batching:
             backends["cb"] = (ContinuousBatchingRollout(**args.cb_settings), model)
     if args.dtype in ("bfloat16", "both"):
         half = copy.deepcopy(model).to(torch.bfloat16)
         backends.update({"hf-bf16": (PlainGenerateRollout(), half),
-                         "engine-bf16": (EngineRollout(dtype="bfloat16"), model)})
+                         "engine-bf16": (EngineRollout(dtype="bfloat16", seed=args.seed), model)})
         if args.continuous_batching:
             backends["cb-bf16"] = (ContinuousBatchingRollout(**args.cb_settings), half)
-    if args.without_graphs:
-        backends.update({f"{name}-eager": (EngineRollout(dtype=b.dtype, cuda_graphs=False), m)
-                         for name, (b, m) in list(backends.items()) if name.startswith("engine")})
+    variants = [(suffix, option) for flag, suffix, option in VARIANTS if getattr(args, flag)]
+    engines = [(name, b, m) for name, (b, m) in backends.items() if name.startswith("engine")]
+    backends.update({f"{name}-{suffix}": (EngineRollout(dtype=b.dtype, seed=args.seed, **option), m)
+                     for suffix, option in variants for name, b, m in engines})
     warmup = (prompts, args.n) if args.full_warmup else (prompts[:2], 2)  # prompts and group size
     for b, m in backends.values():
         b.bind(m, tok)
@@ -177,8 +188,8 @@ def main(argv=None) -> dict:
             pairs.append(("engine-bf16", "hf", "-bf16-over-float32-generate"))
     pairs += [(fast, cb, f"{label}-over-continuous-batching") for fast, cb, label in
               (("engine", "cb", ""), ("engine-bf16", "cb-bf16", "-bf16")) if cb in med]
-    pairs += [(fast, f"{fast}-eager", f"{fast[6:]}-over-eager") for fast in ("engine", "engine-bf16")
-              if f"{fast}-eager" in med]
+    pairs += [(fast, f"{fast}-{suffix}", f"{fast[6:]}-over-{suffix}") for suffix, _ in variants
+              for fast in ("engine", "engine-bf16") if f"{fast}-{suffix}" in med]
     for fast, anchor, label in pairs:
         ratio = med[fast] / med[anchor]
         # robust to load drifting between runs

@@ -144,6 +144,14 @@ class RowDraws:
     def keep(self, rows: list[int]) -> None:
         self.state = self.state[rows]
 
+    def take(self, rows: list[int]) -> np.ndarray:
+        """The streams of ``rows`` where they are now, for another batch's :meth:`extend` (the rows keep theirs)."""
+        return self.state[rows].copy()
+
+    def extend(self, streams: np.ndarray) -> None:
+        """Rows whose streams another batch's :meth:`take` handed over, where those streams were."""
+        self.state = np.concatenate([self.state, streams])
+
     def draw(self, device: torch.device, start: int = 0) -> torch.Tensor:
         """The uniforms of rows ``start:`` for their current tokens (``[rows]`` float64 on ``device``); advances
         their streams."""

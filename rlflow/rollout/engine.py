@@ -11,8 +11,9 @@ every token, keeps finished rows in the batch until the longest one ends, and pa
   ("cascade" sharing of the prompt: it is read once per group, not once per completion;
   :mod:`rlflow.rollout.decode_state`);
 * runs continuous batching by groups: a finished sequence stops at once, a group's cache is freed when its last
-  sequence ends (compaction is lazy and by whole groups, so the batch stays whole groups in order), and waiting
-  prompts are prefilled and join the running batch as soon as there is room (``max_batch_size`` sequences);
+  sequence ends (compaction is lazy and by whole groups, so the batch stays whole groups in order; the last rows
+  of a mostly finished group go on as groups of one, ``split_stragglers``), and waiting prompts are prefilled and
+  join the running batch as soon as there is room (``max_batch_size`` sequences);
 * prefills the token prefix common to every prompt of the rollout (system prompt, instruction, chat-template
   head) once, and copies its keys/values in front of each group's own;
 * decodes and prefills with its own forward of the live weights (:mod:`rlflow.rollout.fused`: q/k/v and gate/up
@@ -107,7 +108,8 @@ class EngineRollout(CallKeys, RolloutBackend):
     def __init__(self, max_batch_size: int = 256, prefill_batch_size: int = 16, seed: int | None = None,
                  fused: bool = True, min_shared_prefix: int = 16,
                  dtype: Literal["model", "float32", "bfloat16", "float16", "auto"] = "model",
-                 norm: Literal["auto", "model", "torch"] = "auto", cuda_graphs: bool = True) -> None:
+                 norm: Literal["auto", "model", "torch"] = "auto", cuda_graphs: bool = True,
+                 split_stragglers: bool = True) -> None:
         """
         Args:
             max_batch_size: Most sequences decoded together (bounds the KV cache's memory); a prompt's ``n``
@@ -136,6 +138,11 @@ class EngineRollout(CallKeys, RolloutBackend):
             cuda_graphs: On a CUDA GPU, replay the fused decoder's decode steps as CUDA graphs, one per stretch
                 between two attention calls (:mod:`rlflow.rollout.graphs`); a capture that fails is logged once and
                 the run decodes eagerly. Ignored on a CPU and without the fused decoder.
+            split_stragglers: Move the rows still decoding in a group of ``n >= 4`` with at most ``n // 4`` of them
+                left into groups of one, so that the group's finished rows stop costing decode steps
+                (:meth:`ServeCall.split_stragglers <rlflow.rollout.serving.ServeCall.split_stragglers>`; not
+                inside :meth:`keep_caches`). What a row samples does not change (its draws are its own); its
+                arithmetic does, by rounding.
         """
         if max_batch_size < 1 or prefill_batch_size < 1:
             raise ValueError("engine max_batch_size and prefill_batch_size must be >= 1")
@@ -151,6 +158,8 @@ class EngineRollout(CallKeys, RolloutBackend):
         torch_norm_for(norm, torch.float32, torch.device("cpu"))  # a bad value fails here, not at the first rollout
         self.norm = norm
         self.cuda_graphs = cuda_graphs
+        self.split_stragglers = split_stragglers
+        self.split_rows = 0  # rows moved into groups of one (split_stragglers), over the engine's life
         self._graphed: GraphedDecoder | None = None  # the kept decoder's graphs (cuda_graphs, on a CUDA GPU)
         self.graphs_error: str | None = None  # why graph capture failed, once it has (the engine then runs eagerly)
         self._decoder: FusedDecoder | None = None  # the fused decoder of the rollout call in progress, if any

@@ -13,7 +13,9 @@ Every iteration of the loop (:meth:`ServeCall.run`)
    requests that still wait for room next to the running rows;
 5. hands back each request whose rows have all finished, keeping their caches inside
    :meth:`EngineRollout.keep_caches <rlflow.rollout.engine.EngineRollout.keep_caches>` (:meth:`ServeCall.finish`);
-6. drops the finished groups from their lanes, lazily and by whole groups (:meth:`ServeCall.compact`).
+6. drops the finished groups from their lanes, lazily and by whole groups, after moving the last rows of a
+   mostly finished group of ``n >= 4`` into groups of one (:meth:`ServeCall.compact`,
+   :meth:`ServeCall.split_stragglers`).
 
 It ends when the source says no request will come and nothing is left to decode.
 """
@@ -268,7 +270,7 @@ class ServeCall:
             versions = row.versions if self.engine.version is not None else None
             self.done[row.prompt].append((row.sample, Completion(row.tokens, row.logprobs, reason,
                                                                  token_versions=versions)))
-            if len(self.done[row.prompt]) == lane.state.n:
+            if len(self.done[row.prompt]) == self.requests[row.prompt].n:
                 complete.append(row.prompt)
         return sorted(complete)
 
@@ -288,16 +290,21 @@ class ServeCall:
         return request, group
 
     def compact(self) -> None:
-        """Drop finished groups from each lane, by whole groups (the rows of a group whose completions are all
-        done): a lane stays whole groups in order, so attention needs no scatter; and lazily, since dropping rows
-        copies the caches: when a quarter of the lane's rows are done groups' or room is needed. A lane with no
-        running group left goes."""
+        """Drop finished groups from each lane, by whole groups (the rows of a group that are all done or moved
+        on): a lane stays whole groups in order, so attention needs no scatter; and lazily, since dropping rows
+        copies the caches: when a quarter of the lane's rows are such groups' or room is needed. A lane with no
+        running group left goes. First, with the engine's ``split_stragglers``, the last rows of mostly finished
+        groups move into groups of one (:meth:`split_stragglers`)."""
+        if self.engine.split_stragglers and self.session is None:
+            self.split_stragglers()
         for key, lane in list(self.lanes.items()):
-            gone = sum(r.prompt not in self.done for r in lane.rows)
+            n = lane.state.n
+            running = [any(r.alive for r in lane.rows[g: g + n]) for g in range(0, len(lane.rows), n)]
+            gone = n * running.count(False)
             if gone == len(lane.rows):
                 del self.lanes[key]
             elif gone and (4 * gone >= len(lane.rows) or self.waiting):
-                keep_list = [j for j, r in enumerate(lane.rows) if r.prompt in self.done]
+                keep_list = [j for j in range(len(lane.rows)) if running[j // n]]
                 lane.rows = [lane.rows[j] for j in keep_list]
                 keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
                 lane.state.keep_rows(keep)
@@ -305,3 +312,45 @@ class ServeCall:
                 lane.draws.keep(keep_list)
                 if lane.seen is not None:
                     lane.seen = lane.seen[keep]
+
+    def split_stragglers(self) -> None:
+        """Move the rows still decoding in a group of ``n >= 4`` that has at most ``n // 4`` of them into groups of
+        one (the lane of size 1, without the call's shared head). A group's finished rows keep costing every decode
+        step while any of its rows runs (the group's rows share its cache layout): with long completions of spread
+        lengths, a few long rows would keep whole groups alive. A moved row takes its cache (its prompt's real
+        tokens and the tokens it has fed; :func:`~rlflow.rollout.continuation.row_caches`), its position, its
+        pending token, its random stream and its seen tokens; it samples what it would have sampled in its group
+        (its draws are its own), its attention now without the masked columns of its group's other rows. Its
+        place in the old group becomes a finished row, so the group is dropped at compaction. Not inside
+        :meth:`~rlflow.rollout.engine.EngineRollout.keep_caches`, whose hand-back reads a group's rows together."""
+        for lane in list(self.lanes.values()):
+            n = lane.state.n
+            if n < 4:
+                continue
+            for first in range(0, len(lane.rows), n):
+                live = [first + s for s, r in enumerate(lane.rows[first: first + n]) if r.alive]
+                if live and len(live) <= n // 4:
+                    self._move_to_singles(lane, first, live)
+
+    def _move_to_singles(self, lane: Lane, first: int, live: list[int]) -> None:
+        """Move rows ``live`` of ``lane``'s group starting at row ``first`` into the lane of groups of one."""
+        n = lane.state.n
+        members = lane.rows[first: first + n]
+        caches = row_caches(lane.state, first // n, [max(len(r.tokens) - 1, 0) for r in members])
+        target = self.lanes.get((1, False))
+        if target is None:
+            target = self.lanes[(1, False)] = Lane(DecodeState(1, self.params.max_tokens))
+        at = torch.tensor(live, dtype=torch.long, device=self.device)
+        for j in live:
+            keys, values = caches[j - first]
+            mask = torch.ones((1, keys[0].shape[1]), dtype=torch.long, device=self.device)
+            target.state.add_groups([lane.rows[j].prompt], [k[None] for k in keys], [v[None] for v in values], mask)
+            row = lane.rows[j]
+            target.rows.append(row)
+            lane.rows[j] = Row(row.prompt, row.sample, row.limit, alive=False)  # its place: a finished row
+        target.draws.extend(lane.draws.take(live))
+        target.pos = lane.pos[at] if target.pos is None else torch.cat([target.pos, lane.pos[at]])
+        target.pending = lane.pending[at] if target.pending is None else torch.cat([target.pending, lane.pending[at]])
+        if lane.seen is not None:
+            target.seen = lane.seen[at] if target.seen is None else torch.cat([target.seen, lane.seen[at]])
+        self.engine.split_rows += len(live)

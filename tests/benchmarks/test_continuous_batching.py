@@ -63,6 +63,18 @@ def test_bench_rollout_prints_the_engine_over_its_eager_steps(tiny_model, capsys
         assert f"\n{fast}: decode steps as CUDA graphs, " in printed and f"\n{fast}-eager: decode" not in printed
 
 
+def test_bench_rollout_prints_the_engine_over_its_unsplit_groups(tiny_model, capsys):
+    from benchmarks.bench_rollout import main
+
+    out = main(["--model", str(tiny_model), "--data", str(tiny_model.parent / "data" / "train.jsonl"),
+                "--prompts", "2", "--n", "4", "--max-tokens", "6", "--repeats", "1", "--rollouts", "1",
+                "--threads", "1", "--without-split", "--without-graphs"])
+    printed = capsys.readouterr().out
+    assert out["ratio-over-whole"] == pytest.approx(out["engine_tok_s"] / out["engine-whole_tok_s"])
+    assert "rollout engine/engine-whole speedup:" in printed and "rollout engine/engine-eager speedup:" in printed
+    assert "engine-bf16-whole_tok_s" not in out  # float32 only: one variant per engine run
+
+
 def test_the_anchor_takes_trls_memory_share_unless_told_otherwise():
     assert ContinuousBatchingRollout().settings.max_memory_percent == 0.5
     own = ContinuousBatchingRollout(max_memory_percent=0.2, num_blocks=8).settings
