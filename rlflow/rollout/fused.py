@@ -256,9 +256,8 @@ class FusedDecoder:
         stay valid. ``model`` is the one the decoder was built from, with its parameters where they were (the
         decoder reads its embedding table, and in its own dtype its norms' weights and biases, in place);
         afterwards the decoder computes what a new one would, bit for bit. Not for prepacked (CPU) decoders."""
-        packed = [w for w in (self.lm_head_w, *(getattr(layer, n) for layer in self.layers for n in vars(layer)))
-                  if isinstance(w, PackedWeight)]
-        if packed:
+        weights = [self.lm_head_w, *(w for layer in self.layers for w in vars(layer).values())]
+        if any(isinstance(w, PackedWeight) for w in weights):
             raise ValueError("FusedDecoder.refresh: the matrices are prepacked; build a new decoder instead")
         model = unwrap_peft(model)
         for old, layer in zip(self.layers, model.model.layers):

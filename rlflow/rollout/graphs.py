@@ -24,8 +24,8 @@ On a CPU the same segments run eagerly (``capture="eager"``), each step's result
 buffers: the tests check the bucketing and buffer plumbing there, and on CUDA that graphed steps equal eager ones.
 
 Simplifications: decode steps only (prefills run eagerly: their shapes change with every batch of prompts); steps
-of more rows than the largest bucket under the engine's ``max_batch_size`` run eagerly; the rotary cos/sin lookup
-runs eagerly before the first graph (it grows its table on the host).
+of more rows than the engine's ``max_batch_size`` run eagerly; the rotary cos/sin lookup runs eagerly before the
+first graph (it grows its table on the host).
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ class GraphedDecoder:
         bucket = self.buckets.get(size)
         if bucket is None:
             d = self.decoder
-            bucket = _Bucket(size, tokens, cos.to(d.dtype), sin.to(d.dtype), d.num_heads * d.head_dim)
+            bucket = _Bucket(size, tokens, cos, sin, d.num_heads * d.head_dim)
             start = time.perf_counter()
             try:
                 bucket.segments = self._segments(bucket)

@@ -72,7 +72,6 @@ def test_bench_rollout_prints_the_engine_over_its_unsplit_groups(tiny_model, cap
     printed = capsys.readouterr().out
     assert out["ratio-over-whole"] == pytest.approx(out["engine_tok_s"] / out["engine-whole_tok_s"])
     assert "rollout engine/engine-whole speedup:" in printed and "rollout engine/engine-eager speedup:" in printed
-    assert "engine-bf16-whole_tok_s" not in out  # float32 only: one variant per engine run
 
 
 def test_the_anchor_takes_trls_memory_share_unless_told_otherwise():

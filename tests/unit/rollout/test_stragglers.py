@@ -48,16 +48,21 @@ def test_stragglers_continue_alone_and_sample_what_they_would_have_in_their_grou
         assert_logprobs_match_a_full_forward(model, prompts_of([5, 30, 12, 9], seed=1), got, temperature=1.0)
 
 
-def test_a_group_with_more_rows_left_or_of_fewer_than_four_stays_whole(model, tokenizer):
+def test_a_group_with_more_rows_left_or_of_fewer_than_four_stays_whole(model, tokenizer, monkeypatch):
     params = SamplingParams(1.0, 1.0, 0, max_tokens=40, stop_token_ids=STOPS)
     engine, groups = run(model, tokenizer, params, 3, True)
     assert engine.split_rows == 0 and len(groups) == 4  # n = 3: never split
+    moves = []  # (rows of the group still running, rows moved) at each move
+    move = ServeCall._move_to_singles
+
+    def recorded(self, lane, first, live):
+        moves.append((sum(r.alive for r in lane.rows[first: first + lane.state.n]), len(live)))
+        move(self, lane, first, live)
+
+    monkeypatch.setattr(ServeCall, "_move_to_singles", recorded)
     engine, groups = run(model, tokenizer, params, 8, True)
-    for group in groups:  # a row moved only once its group had at most 2 rows running (8 // 4)
-        lengths = sorted(len(c.token_ids) for c in group)
-        assert len(group) == 8 and lengths[-1] <= 40
-    moved = engine.split_rows
-    assert 0 < moved <= 2 * len(groups)
+    assert moves and all(running == moved and 1 <= moved <= 8 // 4 for running, moved in moves)
+    assert engine.split_rows == sum(moved for _, moved in moves) and [len(g) for g in groups] == [8] * 4
 
 
 def test_no_row_moves_inside_keep_caches(model, tokenizer, monkeypatch):
