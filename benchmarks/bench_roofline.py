@@ -9,7 +9,8 @@ Five parts (``--parts``, all by default), each set against a limit measured in t
    than the caches), counted as bytes read + written over the time, best of ``--repeats``; on the benchmark's
    threads (and on one thread when that is more than one).
 2. **matmul**: ``F.linear`` GFLOP/s (``2 m k n`` FLOPs, best of ``--repeats``) in float32 and, where the CPU
-   multiplies bfloat16 natively (AMX or AVX512-BF16; :func:`rlflow.rollout.hardware.native_bf16`), bfloat16, at a
+   multiplies bfloat16 natively (AMX or AVX512-BF16; :func:`rlflow.rollout.hardware.native_bf16`) or the recipe
+   trains in ``bf16-mixed``, bfloat16, at a
    ``--square`` cube and at the training step's shapes (a ``pack_max_length``-token pack through the q/o, gate/up and
    down projections, a ``logprob_chunk_size`` chunk through the LM head). A dtype's peak is its best figure.
 3. **decode**: the ``engine`` backend sampling ``--prompts`` x ``--n`` completions of up to ``--max-tokens``
@@ -108,7 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, default=48, help="most new tokens per completion")
     ap.add_argument("--temperature", type=float, help="sampling temperature (default: the recipe's; 0: greedy)")
     ap.add_argument("--decode-dtype", help="the engine's dtype option (default: the recipe's)")
-    ap.add_argument("--precision", help="training precision, bf16-mixed or 32-true (default: the recipe's)")
+    ap.add_argument("--precision", help="training precision, bf16-mixed, 32-true or auto (default: the recipe's)")
     ap.add_argument("--pack-max-length", type=int, help="training pack size in tokens (default: the recipe's)")
     ap.add_argument("--chunk", type=int, help="log-prob chunk of the LM head (default: the recipe's)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, as rlflow fit runs)")
@@ -130,6 +131,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     for key, value in defaults.items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
+    if args.precision == "auto":  # what rlflow fit trains in on this CPU (rlflow.training.trainer)
+        from rlflow.training.trainer import auto_precision
+
+        args.precision = auto_precision("cpu")[0]
     return args
 
 
@@ -503,7 +508,10 @@ def run_limits(args, config, rows: list, results: dict) -> dict:
         print(f"bandwidth: {limits['bandwidth'] / 1e9:.1f} GB/s on {threads} thread(s), {single / 1e9:.1f} GB/s on 1 "
               f"({args.bandwidth_mib} MiB copies)", flush=True)
     if "matmul" in args.parts:
-        dtypes = [torch.float32] + ([torch.bfloat16] if native_bf16(torch.device("cpu")) else [])
+        # bfloat16 where the CPU multiplies it natively, and wherever the training part trains in it (emulated or
+        # not, the rate measured here is this CPU's limit for that training)
+        bf16 = native_bf16(torch.device("cpu")) or args.precision.startswith("bf16")
+        dtypes = [torch.float32] + ([torch.bfloat16] if bf16 else [])
         shapes = matmul_shapes(config, args.pack_max_length, args.chunk, args.square)
         for dtype in dtypes:
             name = dtype_name(dtype)

@@ -70,6 +70,7 @@ from rlflow.training.distributed import resolve_strategy_alias
 from rlflow.training.module import GRPOModule
 from rlflow.training.resume import checkpoint_dir, choose_checkpoint, version_named
 from rlflow.training.safe_load import SafeCheckpointIO
+from rlflow.training.trainer import RLFlowTrainer
 
 TRAINER_DEFAULTS = {
     "log_every_n_steps": 1,
@@ -379,6 +380,7 @@ def cli_main(args: list[str] | None = None, run: bool = True, cli_class: type[RL
         args=args,
         run=run,
         seed_everything_default=0,
+        trainer_class=RLFlowTrainer,
         trainer_defaults=dict(TRAINER_DEFAULTS),
         save_config_callback=LoggerSaveConfigCallback,
         save_config_kwargs={"overwrite": True},

@@ -88,14 +88,15 @@ class NonFiniteLossError(RuntimeError):
 
 def emulated_bf16(precision: str, device: torch.device) -> str | None:
     """Why ``trainer.precision`` costs time on ``device``, or None: bf16 compute on a CPU that multiplies bf16 in
-    software (neither AMX nor AVX512-BF16), where a recipe written for one that has them
-    (``configs/smollm2_gsm8k_cpu.yaml``) is better run in 32-true."""
+    software (neither AMX nor AVX512-BF16), where a run is faster in 32-true (``trainer.precision: auto`` picks
+    that there, :mod:`rlflow.training.trainer`)."""
     from rlflow.rollout.hardware import native_bf16
 
     if not precision.startswith("bf16") or device.type != "cpu" or native_bf16(device):
         return None
     return (f"trainer.precision={precision} on a CPU without bf16 hardware (no AMX or AVX512-BF16): its bf16 matrix "
-            "products are emulated, several times slower than float32; set --trainer.precision 32-true")
+            "products are emulated, several times slower than float32; set --trainer.precision 32-true (or auto: "
+            "bf16 only where the device multiplies it natively)")
 
 
 def build_loss(loss: Any) -> Any:

@@ -13,6 +13,7 @@ from benchmarks import bench_roofline as roof
 from rlflow.data.experience import Experience
 from rlflow.rollout.decode_state import DecodeState, LaneStates
 from rlflow.training.packing import collate_packed
+from rlflow.training.trainer import auto_precision
 from tests.helpers.tiny_archs import tiny_causal_lm
 
 # tiny_causal_lm("llama"): hidden 32, 4 heads x 8, 2 kv heads, mlp 64, 2 layers, vocab 128, untied LM head
@@ -149,6 +150,8 @@ def test_recipe_settings_and_the_step_command(tmp_path):
     assert [flags[f] for f in ("--prompts", "--group", "--max-tokens", "--micro-batch")] == ["3", "5", "20", "15"]
     assert "--bf16" in command and "--rlflow-args=--data.sampling.max_tokens=20" in command
     assert flags["--threads"] == "1" and flags["--config"] == str(config)
+    config.write_text("trainer: {precision: auto}\n")  # the shipped CPU recipes: what rlflow fit trains in here
+    assert roof.parse_args(["--config", str(config)]).precision == auto_precision("cpu")[0]
 
 
 @pytest.mark.filterwarnings("ignore")
@@ -162,8 +165,11 @@ def test_it_runs_every_part_but_the_step_at_tiny_sizes(tiny_model, tiny_data, on
     assert results["bandwidth"] > 0 and results["peak_float32"] > 0
     assert decode["rows"] == 4 and 0 < decode["roofline_s"] and 0 < decode["compute_floor_s"]
     assert decode["loop_s"] > 0 and decode["engine_tok_s"] > 0 and decode["generate_tok_s"] > 0
-    assert 0 < decode["products_s"] < decode["forward_s"] and decode["weights_roofline_s"] > 0  # a part of it
-    assert train["flops"] > 0 and train["packs"] >= 1 and "share" in train
+    # at these sizes a step is timer noise, so no order between products_s and forward_s is asserted
+    assert decode["products_s"] > 0 and decode["weights_roofline_s"] > 0
+    assert train["flops"] > 0 and train["packs"] >= 1
+    # a share of the peak where this CPU's peak for the training dtype was measured (bfloat16 only where native)
+    assert ("share" in train) == (f"peak_{train['dtype']}" in results)
     out = capsys.readouterr().out
     assert "decode products alone per step (4 rows" in out and "memory roofline of the weights" in out
     assert "figure" in out and "memory roofline" in out and "compute floor" in out and "model.generate" in out

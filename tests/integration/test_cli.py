@@ -211,3 +211,27 @@ def test_library_warnings_a_user_cannot_act_on_are_not_shown(tiny_model, tiny_da
         cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--data.eval_data_path=null", steps=1))
     shown = [str(w.message) for w in seen if any(messages[key] in str(w.message) for key in raised)]
     assert not shown
+
+
+@pytest.mark.parametrize("where", ["flag", "yaml"])
+def test_precision_auto_is_accepted_from_a_flag_or_a_config_and_resolved(tiny_model, tiny_data, tmp_path, where):
+    from rlflow.training.trainer import auto_precision
+
+    args = fit_args(tiny_model, tiny_data, tmp_path, steps=1)[1:]
+    if where == "flag":
+        args.append("--trainer.precision=auto")
+    else:
+        config = tmp_path / "precision.yaml"
+        config.write_text("trainer:\n  precision: auto\n")
+        args.append(f"--config={config}")
+    cli = cli_main(args, run=False)
+    assert cli.trainer.precision == auto_precision("cpu")[0]
+
+
+def test_the_help_lists_precision_auto(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--help"])
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0
+    section = out[out.index("  --trainer.precision PRECISION\n"):][:600]  # the option's entry, not the usage line
+    assert "auto" in section and "bf16-mixed" in section, section

@@ -1,0 +1,62 @@
+"""``trainer.precision: auto`` (rlflow.training.trainer): bf16-mixed only where the device multiplies bf16 in
+hardware, 32-true elsewhere, the choice logged; every other value is Lightning's."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from rlflow.training import trainer as rlflow_trainer
+from rlflow.training.trainer import RLFlowTrainer, auto_precision, compute_device
+
+
+def test_the_accelerator_names_the_device_checked(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert compute_device("auto") == torch.device("cpu") and compute_device("cpu") == torch.device("cpu")
+    assert compute_device("gpu") == torch.device("cuda") and compute_device("CUDA") == torch.device("cuda")
+    assert compute_device("mps") is None and compute_device(object()) is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert compute_device("auto") == torch.device("cuda")  # Lightning's auto takes the GPU where there is one
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("accelerator", ["cpu", "gpu"])
+def test_auto_is_bf16_mixed_exactly_where_bf16_is_native(monkeypatch, native, accelerator):
+    asked = []
+    monkeypatch.setattr(rlflow_trainer, "native_bf16", lambda device: asked.append(device.type) or native)
+    precision, reason = auto_precision(accelerator)
+    assert asked == ["cpu" if accelerator == "cpu" else "cuda"]
+    assert precision == ("bf16-mixed" if native else "32-true")
+    if accelerator == "cpu":
+        assert ("AMX or AVX512-BF16" in reason) and (("emulated" in reason) != native), reason
+    else:
+        assert ("GPU" in reason) != native and ("CUDA" in reason) == native, reason
+
+
+def test_an_accelerator_it_does_not_check_gets_float32(monkeypatch):
+    monkeypatch.setattr(rlflow_trainer, "native_bf16", lambda device: pytest.fail("no device to check"))
+    precision, reason = auto_precision("mps")
+    assert precision == "32-true" and "'mps'" in reason
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_trainer_resolves_auto_and_logs_why(monkeypatch, caplog, native):
+    monkeypatch.setattr(rlflow_trainer, "native_bf16", lambda device: native)
+    with caplog.at_level(logging.INFO, logger="rlflow"):
+        trainer = RLFlowTrainer(accelerator="cpu", devices=1, precision="auto", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False)
+    expected = "bf16-mixed" if native else "32-true"
+    assert trainer.precision == expected
+    lines = [r.message for r in caplog.records if r.message.startswith("trainer.precision=auto")]
+    assert lines == [f"trainer.precision=auto: {expected} ({auto_precision('cpu')[1]})"]
+
+
+def test_other_values_are_lightnings_unchanged(monkeypatch, caplog):
+    monkeypatch.setattr(rlflow_trainer, "native_bf16", lambda device: pytest.fail("not asked for an explicit value"))
+    for precision, expected in (("bf16-mixed", "bf16-mixed"), ("32-true", "32-true"), (None, "32-true")):
+        trainer = RLFlowTrainer(accelerator="cpu", devices=1, precision=precision, logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False)
+        assert trainer.precision == expected
+    assert not [r for r in caplog.records if "trainer.precision=auto" in r.message]
