@@ -22,11 +22,12 @@ AUTO = "auto"
 
 
 def compute_device(accelerator: object) -> torch.device | None:
-    """The device type ``trainer.accelerator`` trains on (``auto`` picks CUDA where it is available, as Lightning
-    does), or None for an accelerator other than the CPU and CUDA (``mps``, ``tpu``, an object)."""
+    """The device type ``trainer.accelerator`` trains on (``auto`` picks CUDA, else Apple's MPS, where available,
+    as Lightning does), or None for an accelerator other than the CPU and CUDA (``mps``, ``tpu``, an object)."""
     name = str(accelerator).lower() if isinstance(accelerator, str) else None
     if name == AUTO:
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        mps = getattr(torch.backends, "mps", None)
+        name = "cuda" if torch.cuda.is_available() else "mps" if mps is not None and mps.is_available() else "cpu"
     if name in ("gpu", "cuda"):
         return torch.device("cuda")
     return torch.device("cpu") if name == "cpu" else None

@@ -14,6 +14,9 @@ from rlflow.training.trainer import RLFlowTrainer, auto_precision, compute_devic
 
 def test_the_accelerator_names_the_device_checked(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert compute_device("auto") is None  # Lightning's auto takes Apple's GPU there: not checked
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
     assert compute_device("auto") == torch.device("cpu") and compute_device("cpu") == torch.device("cpu")
     assert compute_device("gpu") == torch.device("cuda") and compute_device("CUDA") == torch.device("cuda")
     assert compute_device("mps") is None and compute_device(object()) is None
