@@ -11,7 +11,9 @@ bubblewrap``, which ``tools/setup_env.sh`` does where it can). What the sandbox 
   ``sys.base_prefix``, site-packages included), all read-only, and nothing else of the machine: no home or project
   directory, no ``/etc/shadow``, not the host's ``/tmp``. Its working directory, ``/tmp``, is an empty tmpfs of
   ``scratch`` bytes (64 MiB), gone when the call ends (with bubblewrap older than 0.8, which cannot size a tmpfs:
-  a fresh directory on the host's temporary disk, deleted afterwards).
+  a fresh directory on the host's temporary disk, deleted afterwards). Where Python's installation lies under the
+  host's ``/tmp`` (a virtual environment made there), it is bound read-only at its own path inside that scratch,
+  which then holds its directories too.
 * **No privileges.** Under a trainer running as root, the code runs as a random unprivileged user id of its own
   (between 2**30 and 2**31), without capabilities, so files only root may read stay unreadable. Under another
   user, as that user inside a user namespace, without capabilities.
@@ -146,14 +148,16 @@ def _view() -> list[str]:
 
 def _bwrap_argv(exe: str, scratch_dir: str | None, scratch: int) -> list[str]:
     """bubblewrap's command line; the scratch ``/tmp`` is a tmpfs of ``scratch`` bytes, or ``scratch_dir`` bound
-    there (bubblewrap before 0.8 cannot size a tmpfs)."""
+    there (bubblewrap before 0.8 cannot size a tmpfs). The scratch is mounted before the read-only view, so that a
+    Python installation under the host's ``/tmp`` (a virtual environment made there) is bound on top of it, still
+    read-only, instead of being hidden by it."""
     argv = [exe, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-            "--die-with-parent", "--new-session", "--proc", "/proc", "--dev", "/dev", *_view()]
+            "--die-with-parent", "--new-session", "--proc", "/proc", "--dev", "/dev"]
     if scratch_dir is None:
         argv += ["--perms", "1777", "--size", str(scratch), "--tmpfs", "/tmp"]
     else:
         argv += ["--bind", scratch_dir, "/tmp"]
-    return argv + ["--remount-ro", "/", "--chdir", "/tmp"]
+    return argv + _view() + ["--remount-ro", "/", "--chdir", "/tmp"]
 
 
 def _launch(code: str, wall: float, memory: int, max_processes: int, max_output: int, scratch: int,

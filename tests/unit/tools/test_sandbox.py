@@ -31,6 +31,14 @@ needs_sandbox = pytest.mark.skipif(PROBLEM is not None, reason=f"bubblewrap cann
 MODES = [pytest.param(True, marks=needs_sandbox, id="sandboxed"), pytest.param(False, id="unsandboxed")]
 
 
+def installation_in_tmp() -> list[str]:
+    """The names in ``/tmp`` under which Python's installation lies (a virtual environment made there), which the
+    sandbox binds read-only inside its scratch ``/tmp``; usually none."""
+    paths = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                                           os.path.dirname(os.path.realpath(sys.executable)))}
+    return sorted({Path(p).relative_to("/tmp").parts[0] for p in paths if p.startswith("/tmp/")})
+
+
 def processes_with(marker: str) -> list[int]:
     """Pids of the processes whose command line holds ``marker`` (the sandboxed code carries it in its argv)."""
     found = []
@@ -66,7 +74,8 @@ def test_output_exit_status_timeout_memory_truncation(sandboxed):
     assert "MemoryError" in run_python("x = bytearray(1024 ** 3)", memory=256 * 1024 * 1024, sandbox=sandboxed)
     out = run_python("print('a' * 5000)", max_output=100, sandbox=sandboxed)
     assert out.startswith("a" * 100) and "[truncated 4901 characters]" in out
-    assert run_python("import os; print(os.listdir('.'))", sandbox=sandboxed) == "[]\n"  # an empty directory
+    listed = run_python("import os; print(sorted(os.listdir('.')))", sandbox=sandboxed)
+    assert listed == f"{installation_in_tmp() if sandboxed else []}\n"  # empty, but for Python's own installation
     exits = run_python("print('x', flush=True)\nraise SystemExit('bye')", sandbox=sandboxed)
     assert exits == "x\nbye\n\n[exit status 1]"  # stdout, then stderr
 
@@ -264,3 +273,20 @@ def test_the_python_tool_by_its_short_name_is_sandboxed():
     assert tools["python"].fn.sandbox is True
     out = ToolRunner(tools).run([ToolCall("python", {"code": "import os; print(os.getpid())"})])[0].content
     assert int(out) < 10  # its own PID namespace
+
+
+@pytest.mark.parametrize("scratch_dir", [None, "/var/tmp/rlflow-scratch"])
+def test_an_installation_under_tmp_is_bound_over_the_scratch_not_hidden_by_it(monkeypatch, tmp_path, scratch_dir):
+    """A virtual environment made under the host's /tmp: the sandbox's own /tmp is mounted first and the
+    installation bound read-only on top of it (the other order would hide the interpreter)."""
+    venv = Path("/tmp") / f"rlflow-venv-{uuid.uuid4().hex[:8]}"
+    venv.mkdir()
+    try:
+        monkeypatch.setattr(sys, "prefix", str(venv))
+        argv = sandbox._bwrap_argv("bwrap", scratch_dir, 1 << 20)
+        scratch = argv.index("/tmp", argv.index("--tmpfs" if scratch_dir is None else "--bind"))
+        bound = [i for i, arg in enumerate(argv) if arg == "--ro-bind" and argv[i + 1] == str(venv)]
+        assert len(bound) == 1 and scratch < bound[0] and argv[bound[0] + 2] == str(venv)
+        assert argv.index("--remount-ro") > bound[0] and argv[-2:] == ["--chdir", "/tmp"]
+    finally:
+        venv.rmdir()
