@@ -70,6 +70,11 @@ class Lane:
             mark_seen(self.seen[offset:], tokens)
 
 
+def appended(rows: torch.Tensor | None, more: torch.Tensor) -> torch.Tensor:
+    """A lane's per-row tensor (``None`` while the lane has no rows) with ``more`` rows after its own."""
+    return more if rows is None else torch.cat([rows, more])
+
+
 def check_requests(requests: list[DecodeRequest]) -> None:
     """Refuse a request with an empty prompt, no row keys or a ``max_tokens`` below 1."""
     for r in requests:
@@ -216,14 +221,13 @@ class ServeCall:
             prompt_ids = [torch.tensor(r.ids, device=device) for _, r, _ in chunk]
             padded = torch.nn.utils.rnn.pad_sequence(prompt_ids, batch_first=True, padding_value=-1)
             seen = seen_tokens(padded, logits.shape[-1]).repeat_interleave(n, dim=0)
-            lane.seen = seen if lane.seen is None else torch.cat([lane.seen, seen])
+            lane.seen = appended(lane.seen, seen)
         tokens, lps = sample_tokens(logits.repeat_interleave(n, dim=0) if n > 1 else logits, params,
                                     uniform=uniform, buffers=self.buffers, seen=seen)
         lane.mark(offset, tokens)
         lane.state.add_groups([i for i, _, _ in chunk], keys, values, mask)
         new_pos = torch.tensor([len(r.ids) for _, r, _ in chunk], device=device).repeat_interleave(n)
-        lane.pos = new_pos if lane.pos is None else torch.cat([lane.pos, new_pos])
-        lane.pending = tokens if lane.pending is None else torch.cat([lane.pending, tokens])
+        lane.pos, lane.pending = appended(lane.pos, new_pos), appended(lane.pending, tokens)
         for i, r, _ in chunk:
             lane.rows.extend(Row(i, s, r.limit(params.max_tokens)) for s in range(n))
             self.requests[i], self.done[i] = r, []
@@ -349,8 +353,7 @@ class ServeCall:
             target.rows.append(row)
             lane.rows[j] = Row(row.prompt, row.sample, row.limit, alive=False)  # its place: a finished row
         target.draws.extend(lane.draws.take(live))
-        target.pos = lane.pos[at] if target.pos is None else torch.cat([target.pos, lane.pos[at]])
-        target.pending = lane.pending[at] if target.pending is None else torch.cat([target.pending, lane.pending[at]])
+        target.pos, target.pending = appended(target.pos, lane.pos[at]), appended(target.pending, lane.pending[at])
         if lane.seen is not None:
-            target.seen = lane.seen[at] if target.seen is None else torch.cat([target.seen, lane.seen[at]])
+            target.seen = appended(target.seen, lane.seen[at])
         self.engine.split_rows += len(live)
