@@ -26,7 +26,9 @@ eager instead of replayed as CUDA graphs, :mod:`rlflow.rollout.graphs`; on a CPU
 line of the engine over it; ``--without-split`` likewise the engine with ``split_stragglers=False`` (a group's
 last rows never continue alone: :meth:`rlflow.rollout.serving.ServeCall.split_stragglers`). Every engine is seeded
 with ``--seed``, so an engine and its variants draw the same random streams call after call: in float32 they
-sample the same tokens (up to rounding), and their ratio is one of times.
+sample the same tokens (up to rounding), and their ratio is one of times. ``--with-mkl`` adds the float32 engine
+with its matrices packed through MKL (:mod:`rlflow.rollout.prepack`: the kernel off AVX2 CPUs; on an AVX2 CPU the
+engine packs through oneDNN), with a ratio line of the engine over it.
 
 ``--device cuda`` runs both on the GPU (their outputs are Python lists, so each timed rollout has finished its
 kernels); add ``--full-warmup`` there. Simplifications: CPU or a single device; prompts are the first ``--prompts``
@@ -39,12 +41,14 @@ scheduler noise to move a single timing by several per cent).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -118,6 +122,8 @@ def main(argv=None) -> dict:
                     "max_memory_percent 0.5)")
     ap.add_argument("--without-graphs", action="store_true",
                     help="add the engine with cuda_graphs=False (eager decode steps on a GPU) and its ratio line")
+    ap.add_argument("--with-mkl", action="store_true",
+                    help="add the float32 engine with its matrices packed through MKL instead of this CPU's choice")
     ap.add_argument("--without-split", action="store_true",
                     help="add the engine with split_stragglers=False and its ratio line")
     ap.add_argument("--full-warmup", action="store_true",
@@ -129,6 +135,7 @@ def main(argv=None) -> dict:
 
     from benchmarks.continuous_batching import ContinuousBatchingRollout
     from benchmarks.plain_generate import PlainGenerateRollout
+    from rlflow.rollout import prepack
     from rlflow.rollout.base import SamplingParams
     from rlflow.rollout.engine import EngineRollout
 
@@ -159,15 +166,23 @@ def main(argv=None) -> dict:
     engines = [(name, b, m) for name, (b, m) in backends.items() if name.startswith("engine")]
     backends.update({f"{name}-{suffix}": (EngineRollout(dtype=b.dtype, seed=args.seed, **option), m)
                      for suffix, option in variants for name, b, m in engines})
+    if args.with_mkl and "engine" in backends:
+        backends["engine-mkl"] = (EngineRollout(seed=args.seed), model)
     warmup = (prompts, args.n) if args.full_warmup else (prompts[:2], 2)  # prompts and group size
-    for b, m in backends.values():
-        b.bind(m, tok)
-        run_once(b, warmup[0], params, warmup[1])
+    def kernel(name: str):  # the engine-mkl variant packs through MKL wherever its decoder packs (bind, any call)
+        mkl = name.endswith("-mkl")
+        return mock.patch.object(prepack, "float32_kernel", lambda: "mkl") if mkl else contextlib.nullcontext()
+
+    for name, (b, m) in backends.items():
+        with kernel(name):
+            b.bind(m, tok)
+            run_once(b, warmup[0], params, warmup[1])
     backends = {name: b for name, (b, _) in backends.items()}
     rates: dict[str, list[float]] = {name: [] for name in backends}
     for r in range(args.repeats):
         for name, backend in backends.items():
-            seconds, tokens, lengths = run_once(backend, prompts, params, args.n, args.rollouts)
+            with kernel(name):
+                seconds, tokens, lengths = run_once(backend, prompts, params, args.n, args.rollouts)
             rates[name].append(tokens / seconds)
             print(f"run {r + 1} {name:6s}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s "
                   f"(mean length {statistics.mean(lengths):.1f}, max {max(lengths)})", flush=True)
@@ -190,6 +205,8 @@ def main(argv=None) -> dict:
               (("engine", "cb", ""), ("engine-bf16", "cb-bf16", "-bf16")) if cb in med]
     pairs += [(fast, f"{fast}-{suffix}", f"{fast[6:]}-over-{suffix}") for suffix, _ in variants
               for fast in ("engine", "engine-bf16") if f"{fast}-{suffix}" in med]
+    if "engine-mkl" in med:
+        pairs.append(("engine", "engine-mkl", "-over-mkl"))
     for fast, anchor, label in pairs:
         ratio = med[fast] / med[anchor]
         # robust to load drifting between runs

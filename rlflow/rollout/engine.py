@@ -79,6 +79,7 @@ from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsu
 from rlflow.rollout.fused import FusedDecoder, torch_norm_for
 from rlflow.rollout.graphs import GraphCaptureError, GraphedDecoder, capture_kind
 from rlflow.rollout.hardware import inference_context, native_bf16
+from rlflow.rollout.prepack import rounds_like_mm
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource, check_call
 from rlflow.rollout.serving import ServeCall
 
@@ -234,6 +235,8 @@ class EngineRollout(CallKeys, RolloutBackend):
         else:
             self._kept_decoder = self._graphed = None  # free the old copies (and their graphs) before new ones
             kept = (key, FusedDecoder(model, dtype, self.norm))
+            if device.type == "cpu" and not rounds_like_mm(kept[1].dtype):  # before any product: all packed alike
+                kept[1].prepack(min(self.max_batch_size, 16))
         self._kept_decoder, self._stale = (key, kept[1]), False
         return kept[1]
 
@@ -347,7 +350,7 @@ class EngineRollout(CallKeys, RolloutBackend):
                      decoder: FusedDecoder | None = None) -> torch.Tensor:
         state.begin_step()
         if decoder is not None:
-            decoder.prepack(pending.shape[0])  # the large matrices in the CPU GEMM's layout, once (bit-identical)
+            decoder.prepack(pending.shape[0])  # the large matrices in the CPU GEMM's layout, once
             def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
                 state.write(layer, k[:, :, 0], v[:, :, 0])
                 return state.attend(layer, q, scaling).reshape(q.shape[0], -1)

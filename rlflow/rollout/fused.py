@@ -12,7 +12,9 @@ recomputed), and ``rotate_half(x) * sin`` is ``roll(x, dim / 2) * (sign * sin)``
 float rounding, so logits agree with the model's forward to float32 precision; other dtypes keep the model's
 own order of operations. On a CPU the engine has the large matrices packed once per decoder in the GEMM library's
 own layout at its first decode step (:meth:`FusedDecoder.prepack`, :mod:`rlflow.rollout.prepack`; the products
-are bit-identical, the per-call repacking of the weight operand is gone).
+are bit-identical, the per-call repacking of the weight operand is gone), or, with float32 weights on an AVX2 CPU,
+in oneDNN's layout as soon as the decoder is built (its products round unlike ``torch.mm``'s, each row alike at any
+row count and thread count: every product of the decoder then takes it).
 
 With ``dtype`` (:class:`FusedDecoder`'s argument; the engine's ``dtype`` option) the decoder computes in another
 dtype than the live weights': its weight copies are made in that dtype (bfloat16 copies of float32 master
@@ -110,13 +112,14 @@ def _packed(
     weight_t: torch.Tensor | PackedWeight, bias: torch.Tensor | None, rows: int, residual: bool = False,
     checked: bool = False,
 ) -> torch.Tensor | PackedWeight:
-    """``weight_t`` packed for products of ``rows`` rows where :mod:`rlflow.rollout.prepack` packs it exactly (no
-    bias; a float32 residual product stays ``addmm``; ``checked``: a 16-bit product packed only for the row counts
-    where it equals ``torch.mm``), else as it is."""
+    """``weight_t`` packed for products of ``rows`` rows where :mod:`rlflow.rollout.prepack` packs it (no bias; a
+    float32 residual product stays ``addmm`` where packed products round like ``torch.mm``; ``checked``: a 16-bit
+    product packed only for the row counts where it equals ``torch.mm``), else as it is."""
     plain = weight_t.weight_t if isinstance(weight_t, PackedWeight) else weight_t
-    if bias is not None or not packable(plain) or (residual and plain.dtype == torch.float32):
+    if bias is not None or not packable(plain):
         return plain
-    return PackedWeight(plain, rows, checked=checked)
+    packed = PackedWeight(plain, rows, checked=checked)
+    return plain if residual and packed.mkl else packed
 
 
 def _cat(
@@ -274,9 +277,11 @@ class FusedDecoder:
 
     def prepack(self, rows: int) -> None:
         """Pack the large weight matrices once in the CPU GEMM library's layout (:mod:`rlflow.rollout.prepack`),
-        for decode steps of up to ``rows`` rows (float32: packed again for more rows; bfloat16 packs fit every
-        row count). Results are bit-identical to the unpacked products; a no-op where nothing packs."""
-        if self.packed_rows and (rows <= self.packed_rows or self.dtype != torch.float32):
+        for decode steps of up to ``rows`` rows (MKL's float32 packs: packed again for more rows; oneDNN's fit every
+        row count); a no-op where nothing packs. Results are bit-identical to the unpacked products where
+        :func:`~rlflow.rollout.prepack.rounds_like_mm`; elsewhere (oneDNN's float32 kernel) they differ from them by
+        float rounding, and the engine packs the decoder before its first product, so that all of them round alike."""
+        if self.packed_rows and (rows <= self.packed_rows or not self._packed_for_rows()):
             return
         if self.embed.device.type != "cpu":
             return
@@ -287,6 +292,11 @@ class FusedDecoder:
         elif not self.head_fp32:  # a 16-bit head is a physical transpose, whose mm may round unlike oneDNN's packed
             self.lm_head_w = _packed(self.lm_head_w, self.lm_head_b, rows, checked=True)  # product: per row count
         self.packed_rows = rows
+
+    def _packed_for_rows(self) -> bool:
+        """Whether a matrix is packed for a row count (MKL's float32 packs; a product of more rows runs unpacked)."""
+        mats = [self.lm_head_w] + [w for layer in self.layers for w in (layer.qkv_w, layer.gate_up_w)]
+        return any(isinstance(w, PackedWeight) and w.mkl for w in mats)
 
     def rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sign * sin`` ``[rows, 1, dim]`` at ``positions``, from the table (grown by doubling as needed)."""

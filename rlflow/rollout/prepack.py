@@ -2,19 +2,29 @@
 
 Why: a decode step multiplies a few dozen rows by every weight matrix of the model, and a CPU GEMM library
 (MKL for float32, oneDNN for bfloat16 ``mm``) first repacks the weight operand into its blocked layout on every
-call. At these sizes that repacking is a good part of a step's matrix products (``tools/bench_rollout.py``
+call. At these sizes that repacking is a good part of a step's matrix products (``benchmarks/bench_rollout.py``
 shows the effect on a whole rollout). This module packs a matrix once per
 :class:`~rlflow.rollout.fused.FusedDecoder` (whose weight copies are made once per set of weights anyway) with the
 kernels torch's own CPU inference paths use:
 
-* float32: MKL's packed GEMM (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``_mkl_linear``), packed for one
-  row count; a product with fewer rows is padded with zero rows to it (row ``i`` of the result does not depend
+* float32, on a CPU whose widest vector unit is AVX2 (most laptops and desktops; :func:`float32_kernel`): oneDNN's
+  prepacked linear, as for bfloat16 below. There MKL's products of a few rows barely use a second core and
+  oneDNN's use both (``benchmarks/bench_rollout.py --with-mkl`` compares the two). Its sums run in another order
+  than ``torch.mm``'s, so its results differ from ``torch.mm``'s by float32 rounding (the same seed samples the
+  same tokens, with log-probs equal to rounding). In exchange row ``i`` of a product has the same bits at every row
+  count and thread count, which ``torch.mm`` does not promise: the engine packs such a decoder when it builds it,
+  before its first prefill (:meth:`~rlflow.rollout.fused.FusedDecoder.prepack`), so that prefills and decode steps
+  take the one kernel, and a rollout samples the same tokens and log-probs on one thread or two (the trainer and a
+  generator process may run different thread counts). That row independence is checked once per matrix shape on
+  a seeded input (:meth:`PackedWeight.rows_independent`); a shape that fails it takes MKL's kernel below.
+* float32 elsewhere: MKL's packed GEMM (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``_mkl_linear``), packed for
+  one row count; a product with fewer rows is padded with zero rows to it (row ``i`` of the result does not depend
   on the other rows), one with more rows runs unpacked ``torch.mm``. Its results must be bit-identical to
-  ``torch.mm`` with the transposed weight, so that the engine samples the same tokens: on some CPUs ``torch.mm``
-  takes another kernel for a few rows and rounds differently, so each row count is checked once against
-  ``torch.mm`` on a random input (:meth:`PackedWeight.agrees`) and a count that differs runs unpacked. Only
-  products without a bias or residual are packed: MKL's ``addmm`` accumulates its addend inside
-  the blocked sum, which a packed product followed by an add would round differently.
+  ``torch.mm`` with the transposed weight, so that the engine samples the same tokens packed or not: on some CPUs
+  ``torch.mm`` takes another kernel for a few rows and rounds differently, so each row count is checked once
+  against ``torch.mm`` on a random input (:meth:`PackedWeight.agrees`) and a count that differs runs unpacked.
+  Only products without a bias or residual are packed: MKL's ``addmm`` accumulates its addend inside the blocked
+  sum, which a packed product followed by an add would round differently.
 * bfloat16: oneDNN's prepacked linear (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``),
   usable for any row count, with the residual add as its ``add`` post-op; bit-identical to ``torch.mm`` /
   ``torch.addmm`` with the same weight as a transposed view of a ``[out, in]`` matrix (checked by the same test),
@@ -27,11 +37,12 @@ kernels torch's own CPU inference paths use:
   neither) and rounds unlike the packed product for some inputs; bf16 decoding is slower than float32 there
   anyway, and ``dtype: auto`` does not choose it.
 
-Simplifications: CPU only, and only where torch was built with MKL (float32) or oneDNN (bfloat16); other
+Simplifications: CPU only, and only where torch was built with MKL or oneDNN (float32) or oneDNN (bfloat16); other
 dtypes and devices keep ``torch.mm``. Matrices under :data:`MIN_NUMEL` entries stay unpacked (a small matrix
 stays in cache, where packing saves nothing; the tiny demo model is all small matrices). A packed copy is extra
 memory beside the decoder's own copy (MKL's float32 buffer is about twice the matrix's bytes), held as long as
-the decoder.
+the decoder. oneDNN's float32 kernel is chosen on AVX2 CPUs only, where it was measured; MKL stays the float32
+kernel on AVX-512 CPUs.
 """
 
 from __future__ import annotations
@@ -43,22 +54,54 @@ from rlflow.rollout.hardware import native_bf16
 MIN_NUMEL = 1 << 18  # entries of the smallest matrix worth packing (576 x 576 is 331,776)
 #: ``(rows, packed rows, in, out)`` -> whether MKL's padded packed product equals ``torch.mm`` bit for bit here
 _AGREES: dict[tuple[int, ...], bool] = {}
+#: ``(in, out)`` -> whether oneDNN's float32 product of each row is the same at every row count here
+_ROWS_INDEPENDENT: dict[tuple[int, int], bool] = {}
+#: Row counts :meth:`PackedWeight.rows_independent` compares with one product of all of them
+PROBE_ROWS = (1, 2, 3, 7, 16, 33, 100)
+
+
+def _onednn() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _mkl() -> bool:
+    return bool(getattr(torch._C, "has_mkl", False)) and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def float32_kernel() -> str | None:
+    """The library that packs float32 matrices on this CPU: ``"onednn"`` where torch's widest CPU capability is
+    AVX2 (see the module docstring), else ``"mkl"``; None where this torch has neither."""
+    if _onednn() and torch.backends.cpu.get_cpu_capability() == "AVX2":
+        return "onednn"
+    return "mkl" if _mkl() else None
 
 
 def _available(dtype: torch.dtype) -> bool:
     """Whether this torch has the CPU packed-GEMM kernels for ``dtype``."""
     if dtype == torch.float32:
-        return bool(getattr(torch._C, "has_mkl", False)) and hasattr(torch.ops.mkl, "_mkl_linear")
+        return float32_kernel() is not None
     if dtype == torch.bfloat16:
-        return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-                and native_bf16(torch.device("cpu")))
+        return _onednn() and native_bf16(torch.device("cpu"))
     return False
+
+
+def rounds_like_mm(dtype: torch.dtype) -> bool:
+    """Whether packed products of ``dtype`` equal ``torch.mm``'s bit for bit (else they equal each other whatever
+    the row count, and a decoder is packed before its first product: :meth:`~rlflow.rollout.fused.FusedDecoder.
+    prepack`)."""
+    return not (dtype == torch.float32 and float32_kernel() == "onednn")
 
 
 def packable(weight_t: torch.Tensor) -> bool:
     """Whether ``weight_t`` (``[in, out]``) is a CPU matrix this module packs (dtype, size, kernels present)."""
     return (weight_t.device.type == "cpu" and weight_t.dim() == 2 and weight_t.numel() >= MIN_NUMEL
             and _available(weight_t.dtype))
+
+
+def _onednn_products(x: torch.Tensor, h: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """oneDNN's ``x @ W`` and ``h + x @ W`` with a packed ``W``."""
+    return (torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
+            torch.ops.mkldnn._linear_pointwise.binary(x, h, packed, None, "add"))
 
 
 class PackedWeight:
@@ -75,9 +118,13 @@ class PackedWeight:
         """
         if not packable(weight_t):
             raise ValueError(f"PackedWeight: cannot pack a {weight_t.dtype} {tuple(weight_t.shape)} matrix on "
-                             f"{weight_t.device} (float32 with MKL or bfloat16 with oneDNN, on a CPU)")
+                             f"{weight_t.device} (float32 with MKL or oneDNN or bfloat16 with oneDNN, on a CPU)")
         self.weight_t = weight_t
-        self.mkl = weight_t.dtype == torch.float32
+        fp32 = weight_t.dtype == torch.float32
+        #: MKL's kernel (float32 where oneDNN's is not chosen or its rows depend on the row count), else oneDNN's
+        self.mkl = fp32 and not (float32_kernel() == "onednn" and self.rows_independent(weight_t))
+        #: whether products equal ``torch.mm``'s bit for bit (oneDNN's float32 ones: to float32 rounding)
+        self.rounds_like_mm = self.mkl or not fp32
         self.rows = rows
         self.checked = checked or self.mkl
         if self.mkl:
@@ -85,8 +132,27 @@ class PackedWeight:
         else:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t(), rows)
 
+    @staticmethod
+    def rows_independent(weight_t: torch.Tensor) -> bool:
+        """Whether oneDNN's float32 product with a ``weight_t``-shaped matrix gives each row the same bits at every
+        row count of :data:`PROBE_ROWS` (with and without the residual add), on a seeded input; checked once per
+        shape."""
+        key = tuple(weight_t.shape)
+        if key not in _ROWS_INDEPENDENT:
+            gen = torch.Generator().manual_seed(0)
+            most = max(PROBE_ROWS)
+            x = torch.randn(most, key[0], generator=gen)
+            h = torch.randn(most, key[1], generator=gen)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t(), most)
+            full, full_add = _onednn_products(x, h, packed)
+            _ROWS_INDEPENDENT[key] = all(torch.equal(got, full[:r]) and torch.equal(got_add, full_add[:r])
+                                         for r in PROBE_ROWS[:-1] for got, got_add in [
+                                             _onednn_products(x[:r], h[:r], packed)])
+        return _ROWS_INDEPENDENT[key]
+
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight_t`` (``x`` ``[rows', in]``), bit-identical to ``torch.mm(x, weight_t)``."""
+        """``x @ weight_t`` (``x`` ``[rows', in]``), bit-identical to ``torch.mm(x, weight_t)`` where
+        :attr:`rounds_like_mm`."""
         rows = x.shape[0]
         if not self.mkl:
             if self.checked and not self.agrees(rows):
@@ -97,7 +163,7 @@ class PackedWeight:
         return self._mkl_mm(x)
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """The packed product: MKL's (float32, padded to the packed row count) or oneDNN's (bfloat16)."""
+        """The packed product: MKL's (padded to the packed row count) or oneDNN's (any row count)."""
         if self.mkl:
             return self._mkl_mm(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
@@ -124,8 +190,8 @@ class PackedWeight:
         return _AGREES[key]
 
     def addmm(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``h + x @ weight_t``, bit-identical to ``torch.addmm(h, x, weight_t)`` (float32: unpacked, see the
-        module docstring)."""
+        """``h + x @ weight_t``, bit-identical to ``torch.addmm(h, x, weight_t)`` where :attr:`rounds_like_mm` (MKL:
+        unpacked, see the module docstring), else to ``h + self.mm(x)``."""
         if self.mkl:
             return torch.addmm(h, x, self.weight_t)
         return torch.ops.mkldnn._linear_pointwise.binary(x, h, self.packed, None, "add")

@@ -1,10 +1,15 @@
 """Prepacked CPU weights of the fused decoder (:mod:`rlflow.rollout.prepack`).
 
-What is checked: a packed product is bit-identical to the ``torch.mm`` / ``torch.addmm`` the decoder used
-before (float32 through MKL at the packed row count, fewer rows (zero-padded) and more rows (unpacked);
-bfloat16 through oneDNN at any row count, with the residual add); a decoder with packed matrices gives
-bit-identical logits; a seeded engine on a model large enough to pack samples exactly the tokens and log-probs
-it samples with packing switched off; small matrices and biased products stay unpacked.
+What is checked, for both float32 kernels on any CPU that has them (the one :func:`~rlflow.rollout.prepack.
+float32_kernel` chooses is monkeypatched): through MKL, a packed product is bit-identical to the ``torch.mm`` /
+``torch.addmm`` the decoder used before (at the packed row count, fewer rows (zero-padded) and more rows
+(unpacked)), a decoder with packed matrices gives bit-identical logits, and a seeded engine on a model large enough
+to pack samples exactly the tokens and log-probs it samples with packing switched off; through oneDNN, each row of a
+product has the same bits at every row count and thread count, the residual add is exact, products and logits
+agree with ``torch.mm``'s to float32 rounding, a seeded engine samples the same tokens and log-probs on one thread
+or two (and the unpacked decoder's tokens), and a shape whose rows would depend on the row count takes MKL's
+kernel. bfloat16 through oneDNN is bit-identical at any row count, with the residual add. Small matrices and
+biased products stay unpacked.
 """
 
 from __future__ import annotations
@@ -20,9 +25,30 @@ from rlflow.rollout.fused import FusedDecoder
 from rlflow.rollout.prepack import PackedWeight, packable
 from tests.helpers.tiny_archs import IdTokenizer
 
-needs_mkl = pytest.mark.skipif(not prepack._available(torch.float32), reason="torch built without MKL")
+needs_mkl = pytest.mark.skipif(not prepack._mkl(), reason="torch built without MKL")
+needs_onednn_float32 = pytest.mark.skipif(not prepack._onednn(), reason="torch built without oneDNN")
 needs_onednn = pytest.mark.skipif(not prepack._available(torch.bfloat16),
                                   reason="bf16 packing needs torch with oneDNN and a CPU with AMX or AVX512-BF16")
+
+
+@pytest.fixture
+def mkl_float32(monkeypatch):
+    """float32 matrices pack through MKL, whatever this CPU's choice."""
+    monkeypatch.setattr(prepack, "float32_kernel", lambda: "mkl")
+
+
+@pytest.fixture
+def onednn_float32(monkeypatch):
+    """float32 matrices pack through oneDNN, whatever this CPU's choice."""
+    monkeypatch.setattr(prepack, "float32_kernel", lambda: "onednn")
+
+
+def test_the_float32_kernel_is_onednn_on_avx2_only(monkeypatch):
+    for capability, want in [("AVX2", "onednn"), ("AVX512", "mkl"), ("DEFAULT", "mkl")]:
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert prepack.float32_kernel() == (want if prepack._onednn() and prepack._mkl() else prepack.float32_kernel())
+        assert prepack.rounds_like_mm(torch.float32) == (prepack.float32_kernel() != "onednn")
+        assert prepack.rounds_like_mm(torch.bfloat16)
 
 
 def matrix(k: int, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
@@ -33,13 +59,56 @@ def matrix(k: int, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
 
 @needs_mkl
 @pytest.mark.parametrize("rows", [32, 5, 31, 57])
-def test_float32_packed_products_are_bit_identical_to_mm(rows):
+def test_float32_packed_products_are_bit_identical_to_mm(rows, mkl_float32):
     weight_t = matrix(576, 960, torch.float32)
     packed = PackedWeight(weight_t, 32)
+    assert packed.mkl and packed.rounds_like_mm
     x = torch.randn(rows, 576)
     assert torch.equal(packed.mm(x), torch.mm(x, weight_t))
     h = torch.randn(rows, 960)
     assert torch.equal(packed.addmm(h, x), torch.addmm(h, x, weight_t))
+
+
+@needs_onednn_float32
+@pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (512, 640)])
+def test_onednn_float32_products_give_each_row_the_same_bits_at_any_row_count_and_thread_count(
+        shape, onednn_float32):
+    weight_t = matrix(*shape, torch.float32)
+    packed = PackedWeight(weight_t, 16)
+    assert not packed.mkl and not packed.rounds_like_mm
+    x, h = torch.randn(333, shape[0]), torch.randn(333, shape[1])
+    full, full_add = packed.mm(x), packed.addmm(h, x)
+    assert torch.equal(full_add, full + h)  # the residual add is one exact float32 add after the product
+    scale = torch.mm(x, weight_t).abs().max()
+    assert (full - torch.mm(x, weight_t)).abs().max() <= 1e-5 * scale  # torch.mm's value, to float32 rounding
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for rows in (1, 2, 5, 16, 57, 333):
+                assert torch.equal(packed.mm(x[:rows]), full[:rows]), (n_threads, rows)
+                assert torch.equal(packed.addmm(h[:rows], x[:rows]), full_add[:rows]), (n_threads, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@needs_mkl
+@needs_onednn_float32
+def test_a_shape_whose_onednn_rows_depend_on_the_row_count_packs_through_mkl(monkeypatch, onednn_float32):
+    monkeypatch.setattr(prepack, "_ROWS_INDEPENDENT", {})
+    weight_t = matrix(576, 960, torch.float32)
+    assert PackedWeight.rows_independent(weight_t) and not PackedWeight(weight_t, 8).mkl
+    real = prepack._onednn_products
+
+    def rounding_at_7_rows(x, h, packed):  # a kernel whose 7-row products round differently
+        mm, add = real(x, h, packed)
+        return (mm * (1 + 1e-6), add) if x.shape[0] == 7 else (mm, add)
+
+    monkeypatch.setattr(prepack, "_ROWS_INDEPENDENT", {})
+    monkeypatch.setattr(prepack, "_onednn_products", rounding_at_7_rows)
+    assert not PackedWeight.rows_independent(weight_t)
+    assert prepack._ROWS_INDEPENDENT == {(576, 960): False}  # checked once per shape
+    assert PackedWeight(weight_t, 8).mkl
 
 
 @needs_onednn
@@ -78,50 +147,92 @@ def packing_llama(seed: int = 0) -> torch.nn.Module:
     return AutoModelForCausalLM.from_config(config).eval()
 
 
+def attend_alone(layer_idx, q, k, v, scaling):  # each row alone: softmax over one key is 1
+    rep = q.shape[1] // v.shape[1]
+    return v.repeat_interleave(rep, dim=1).reshape(q.shape[0], -1)
+
+
 @pytest.mark.parametrize("dtype", [
     pytest.param(torch.float32, marks=needs_mkl), pytest.param(torch.bfloat16, marks=needs_onednn)])
-def test_a_prepacked_decoder_gives_bit_identical_logits(dtype):
+def test_a_prepacked_decoder_gives_bit_identical_logits(dtype, mkl_float32):
     model = packing_llama()
     plain, packed = FusedDecoder(model, dtype), FusedDecoder(model, dtype)
     packed.prepack(6)
     layer = packed.layers[0]
     assert isinstance(layer.qkv_w, PackedWeight)
     assert isinstance(packed.lm_head_w, PackedWeight)  # a 16-bit head: packed where its product agrees with mm
-    assert isinstance(layer.down_w, PackedWeight) == (dtype == torch.bfloat16)  # float32 residuals stay addmm
+    assert isinstance(layer.down_w, PackedWeight) == (dtype == torch.bfloat16)  # MKL's float32 residuals: addmm
     tokens, positions = torch.tensor([5, 9, 11, 300, 2, 7]), torch.tensor([0, 1, 2, 3, 4, 5])
-
-    def attend(layer_idx, q, k, v, scaling):  # each row alone: softmax over one key is 1
-        rep = q.shape[1] // v.shape[1]
-        return v.repeat_interleave(rep, dim=1).reshape(q.shape[0], -1)
-
     for rows in (6, 4):  # the packed count and fewer rows
-        want = plain.step(tokens[:rows], positions[:rows], attend)
-        assert torch.equal(packed.step(tokens[:rows], positions[:rows], attend), want)
+        want = plain.step(tokens[:rows], positions[:rows], attend_alone)
+        assert torch.equal(packed.step(tokens[:rows], positions[:rows], attend_alone), want)
+
+
+@needs_onednn_float32
+def test_a_onednn_float32_decoder_packs_every_product_once_and_agrees_to_rounding(onednn_float32):
+    model = packing_llama()
+    plain, packed = FusedDecoder(model, torch.float32), FusedDecoder(model, torch.float32)
+    packed.prepack(4)
+    layer = packed.layers[0]
+    assert all(isinstance(w, PackedWeight) for w in (layer.qkv_w, layer.gate_up_w, layer.o_w, layer.down_w))
+    assert isinstance(packed.lm_head_w, PackedWeight)
+    first = packed.lm_head_w
+    packed.prepack(64)  # more rows than packed for: oneDNN's packs fit every row count, nothing is packed again
+    assert packed.lm_head_w is first and packed.packed_rows == 4
+    tokens, positions = torch.tensor([5, 9, 11, 300, 2, 7]), torch.tensor([0, 1, 2, 3, 4, 5])
+    with torch.no_grad():  # as the engine decodes
+        want = plain.step(tokens, positions, attend_alone)
+        got = packed.step(tokens, positions, attend_alone)
+        assert not torch.equal(got, want) and torch.allclose(got, want, rtol=0, atol=1e-4 * float(want.abs().max()))
+        for rows in (1, 4):  # each row's logits whatever the rows beside it
+            assert torch.equal(packed.step(tokens[:rows], positions[:rows], attend_alone), got[:rows])
+
+
+def engine_samples(model, dtype: str, max_batch_size: int = 8):
+    """A seeded engine's tokens and log-probs for 3 prompts x 3 (at most ``max_batch_size`` rows at once)."""
+    prompts = [[3, 17, 250, 31, 44, 9, 100], [3, 17, 250, 31, 8], [3, 17, 250, 31, 44, 9, 12, 600, 5]]
+    engine = EngineRollout(seed=7, dtype=dtype, min_shared_prefix=4, max_batch_size=max_batch_size)
+    engine.bind(model, IdTokenizer())
+    groups = engine.generate(prompts, SamplingParams(1.0, max_tokens=12), n=3)  # groups join behind others
+    return engine, [(c.token_ids, c.logprobs) for g in groups for c in g]
 
 
 @pytest.mark.parametrize("dtype", [
     pytest.param("model", marks=needs_mkl), pytest.param("bfloat16", marks=needs_onednn)])
-def test_a_seeded_engine_samples_the_same_tokens_with_and_without_packing(dtype, monkeypatch, one_thread):
+def test_a_seeded_engine_samples_the_same_tokens_with_and_without_packing(dtype, monkeypatch, one_thread,
+                                                                          mkl_float32):
     model = packing_llama()
-    prompts = [[3, 17, 250, 31, 44, 9, 100], [3, 17, 250, 31, 8], [3, 17, 250, 31, 44, 9, 12, 600, 5]]
-    params = SamplingParams(1.0, max_tokens=12)
-
-    def sample():
-        engine = EngineRollout(seed=7, dtype=dtype, min_shared_prefix=4, max_batch_size=8)
-        engine.bind(model, IdTokenizer())
-        groups = engine.generate(prompts, params, n=3)  # 9 rows, at most 8 at once: groups join behind others
-        return engine, [(c.token_ids, c.logprobs) for g in groups for c in g]
-
-    engine, packed = sample()
+    engine, packed = engine_samples(model, dtype)
     assert engine._kept_decoder[1].packed_rows > 0
     monkeypatch.setattr(prepack, "MIN_NUMEL", 1 << 40)  # nothing packs
-    engine, plain = sample()
+    engine, plain = engine_samples(model, dtype)
     assert isinstance(engine._kept_decoder[1].lm_head_w, torch.Tensor)
     assert packed == plain
 
 
+@needs_onednn_float32
+def test_a_seeded_onednn_float32_engine_samples_the_same_on_one_thread_or_two(monkeypatch, onednn_float32):
+    """Packed before its first prefill, every product rounds alike on any thread count: one thread and two sample
+    the same tokens and log-probs; the unpacked decoder samples the same tokens, log-probs equal to rounding."""
+    model = packing_llama()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        engine, one = engine_samples(model, "model")
+        assert engine._kept_decoder[1].packed_rows > 0
+        torch.set_num_threads(2)
+        assert engine_samples(model, "model")[1] == one
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(prepack, "MIN_NUMEL", 1 << 40)  # nothing packs
+    plain = engine_samples(model, "model")[1]
+    assert [tokens for tokens, _ in plain] == [tokens for tokens, _ in one]
+    for (_, want), (_, got) in zip(plain, one):
+        assert got == pytest.approx(want, abs=1e-4)
+
+
 @needs_mkl
-def test_a_row_count_whose_packed_product_rounds_differently_runs_unpacked(monkeypatch):
+def test_a_row_count_whose_packed_product_rounds_differently_runs_unpacked(monkeypatch, mkl_float32):
     """Where this CPU's ``torch.mm`` takes another kernel for a row count, the packed product is not used for it."""
     monkeypatch.setattr(prepack, "_AGREES", {})
     weight_t = matrix(576, 960, torch.float32)
