@@ -3,6 +3,7 @@ exists, and no page narrates how the work went."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -84,18 +85,27 @@ def test_every_flag_the_docs_pass_to_a_script_exists():
         for script, args in command.findall(path.read_text()):
             uses.setdefault(script, set()).update(re.findall(r"(?<![\w-])--[a-z][\w-]*", args.split(" -- ")[0]))
     assert "benchmarks/bench_step.py" in uses
-    unknown = []
-    from concurrent.futures import ThreadPoolExecutor
-
-    def help_of(script: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=300)
-
     scripts = [script for script, flags in sorted(uses.items()) if flags]
-    with ThreadPoolExecutor(4) as pool:  # four at a time: most of each is its imports, and some wait on disk
-        helps = dict(zip(scripts, pool.map(help_of, scripts)))
-    for script, done in helps.items():
-        assert done.returncode == 0, f"{script} --help: {done.stderr}"
-        stdout = done.stdout
-        unknown += [f"{script} {flag}" for flag in sorted(uses[script]) if flag not in stdout]
+    # one process prints every script's --help (each run as `python <script> --help` runs it, by runpy): most of
+    # a script's start is its imports, which the scripts share
+    printer = (
+        "import contextlib, io, json, runpy, sys\n"
+        "helps = {}\n"
+        "for script in sys.argv[1:]:\n"
+        "    out, sys.argv = io.StringIO(), [script, '--help']\n"
+        "    try:\n"
+        "        with contextlib.redirect_stdout(out):\n"
+        "            runpy.run_path(script, run_name='__main__')\n"
+        "        helps[script] = 'no SystemExit from --help'\n"
+        "    except SystemExit as exc:\n"
+        "        helps[script] = out.getvalue() if exc.code in (0, None) else f'exit {exc.code}: {out.getvalue()}'\n"
+        "print(json.dumps(helps))\n")
+    done = subprocess.run([sys.executable, "-c", printer, *scripts], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr
+    helps = json.loads(done.stdout.strip().splitlines()[-1])
+    unknown = []
+    for script in scripts:
+        assert "usage:" in helps[script], f"{script} --help: {helps[script]}"
+        unknown += [f"{script} {flag}" for flag in sorted(uses[script]) if flag not in helps[script]]
     assert not unknown, unknown
