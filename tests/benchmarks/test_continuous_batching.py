@@ -1,5 +1,6 @@
 """The benchmarks' continuous-batching anchor (:class:`benchmarks.continuous_batching.ContinuousBatchingRollout`,
-transformers' ``generate_batch``), ``bench_rollout.py --continuous-batching`` and ``--without-graphs``."""
+transformers' ``generate_batch``), ``bench_rollout.py --continuous-batching``, ``--without-graphs`` and
+``--with-mkl``."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from benchmarks.continuous_batching import ContinuousBatchingRollout
+from rlflow.rollout import prepack
 from rlflow.rollout.base import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -78,3 +80,26 @@ def test_the_anchor_takes_trls_memory_share_unless_told_otherwise():
     assert ContinuousBatchingRollout().settings.max_memory_percent == 0.5
     own = ContinuousBatchingRollout(max_memory_percent=0.2, num_blocks=8).settings
     assert own.max_memory_percent == 0.2 and own.num_blocks == 8
+
+
+@pytest.mark.skipif(not (prepack._mkl() and prepack._onednn()), reason="torch built without MKL or oneDNN")
+def test_bench_rollout_with_mkl_packs_its_variant_through_mkl(tiny_model, capsys, monkeypatch):
+    from benchmarks.bench_rollout import main
+
+    monkeypatch.setattr(prepack, "MIN_NUMEL", 1)  # the tiny model's matrices pack too
+    monkeypatch.setattr(prepack, "float32_kernel", lambda: "onednn")  # an AVX2 CPU's choice, on any CPU
+    kernels = []
+    real = prepack.PackedWeight.__init__
+
+    def init(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        kernels.append("mkl" if self.mkl else "onednn")
+
+    monkeypatch.setattr(prepack.PackedWeight, "__init__", init)
+    out = main(["--model", str(tiny_model), "--data", str(tiny_model.parent / "data" / "train.jsonl"),
+                "--prompts", "2", "--n", "2", "--max-tokens", "6", "--repeats", "1", "--rollouts", "1",
+                "--threads", "1", "--with-mkl"])
+    printed = capsys.readouterr().out
+    assert out["ratio-over-mkl"] == pytest.approx(out["engine_tok_s"] / out["engine-mkl_tok_s"])
+    assert "rollout engine/engine-mkl speedup:" in printed and "run 1 engine-mkl" in printed
+    assert {"mkl", "onednn"} <= set(kernels)
