@@ -120,11 +120,8 @@ class PackedWeight:
             raise ValueError(f"PackedWeight: cannot pack a {weight_t.dtype} {tuple(weight_t.shape)} matrix on "
                              f"{weight_t.device} (float32 with MKL or oneDNN or bfloat16 with oneDNN, on a CPU)")
         self.weight_t = weight_t
-        fp32 = weight_t.dtype == torch.float32
         #: MKL's kernel (float32 where oneDNN's is not chosen or its rows depend on the row count), else oneDNN's
-        self.mkl = fp32 and not (float32_kernel() == "onednn" and self.rows_independent(weight_t))
-        #: whether products equal ``torch.mm``'s bit for bit (oneDNN's float32 ones: to float32 rounding)
-        self.rounds_like_mm = self.mkl or not fp32
+        self.mkl = weight_t.dtype == torch.float32 and not (float32_kernel() == "onednn" and self.rows_independent(weight_t))
         self.rows = rows
         self.checked = checked or self.mkl
         if self.mkl:
@@ -151,8 +148,8 @@ class PackedWeight:
         return _ROWS_INDEPENDENT[key]
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ weight_t`` (``x`` ``[rows', in]``), bit-identical to ``torch.mm(x, weight_t)`` where
-        :attr:`rounds_like_mm`."""
+        """``x @ weight_t`` (``x`` ``[rows', in]``), bit-identical to ``torch.mm(x, weight_t)``
+        except through oneDNN's float32 kernel (there: to float32 rounding)."""
         rows = x.shape[0]
         if not self.mkl:
             if self.checked and not self.agrees(rows):
@@ -190,8 +187,8 @@ class PackedWeight:
         return _AGREES[key]
 
     def addmm(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``h + x @ weight_t``, bit-identical to ``torch.addmm(h, x, weight_t)`` where :attr:`rounds_like_mm` (MKL:
-        unpacked, see the module docstring), else to ``h + self.mm(x)``."""
+        """``h + x @ weight_t``, bit-identical to ``torch.addmm(h, x, weight_t)`` (MKL: unpacked, see the module
+        docstring), except through oneDNN's float32 kernel (there: to ``h + self.mm(x)``)."""
         if self.mkl:
             return torch.addmm(h, x, self.weight_t)
         return torch.ops.mkldnn._linear_pointwise.binary(x, h, self.packed, None, "add")
