@@ -121,7 +121,8 @@ class PackedWeight:
                              f"{weight_t.device} (float32 with MKL or oneDNN or bfloat16 with oneDNN, on a CPU)")
         self.weight_t = weight_t
         #: MKL's kernel (float32 where oneDNN's is not chosen or its rows depend on the row count), else oneDNN's
-        self.mkl = weight_t.dtype == torch.float32 and not (float32_kernel() == "onednn" and self.rows_independent(weight_t))
+        self.mkl = weight_t.dtype == torch.float32 and not (
+            float32_kernel() == "onednn" and self.rows_independent(weight_t))
         self.rows = rows
         self.checked = checked or self.mkl
         if self.mkl:
