@@ -4,17 +4,35 @@ Every rank runs the same code, so a plain ``print`` repeats each message once pe
 :func:`warn` go through Lightning's ``rank_zero_only`` (the rank is known once the strategy has set up, and read
 from the launcher's environment before that) to the ``rlflow`` logger, which prints ``[rlflow] message`` lines
 to standard output unless the application configured logging itself.
+
+``rank_zero_only`` is imported from ``lightning_utilities``, where Lightning itself takes it (the same function
+object, whose ``rank`` the strategy sets), and its rank is read from the environment as Lightning's import reads
+it: a process that logs without training (the generator process, a judger's worker) does not import Lightning.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
-from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only
 
 from rlflow.quiet import quiet_third_party
+
+
+def _environment_rank() -> int:
+    """The process's rank from the launcher's environment, read as ``lightning.fabric.utilities.rank_zero`` does
+    (``LOCAL_RANK`` only after ``RANK``; 0 where none is set)."""
+    for key in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        if os.environ.get(key) is not None:
+            return int(os.environ[key])
+    return 0
+
+
+# as Lightning's import does, without overwriting a rank the trainer has set
+rank_zero_only.rank = getattr(rank_zero_only, "rank", _environment_rank())
 
 
 class _StdoutHandler(logging.StreamHandler):

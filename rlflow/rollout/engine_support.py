@@ -71,7 +71,7 @@ def probe_error(engine: Any, model: Any) -> str | None:
     only rounds differently.
     """
     from rlflow.rollout.fused import FusedDecoder
-    from rlflow.training.distributed import full_weights
+    from rlflow.training.fsdp_units import full_weights
 
     vocab = model.get_input_embeddings().num_embeddings
     head_len = engine.min_shared_prefix if engine.min_shared_prefix else 0  # exercise the shared-head path too

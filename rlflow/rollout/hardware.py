@@ -33,7 +33,7 @@ def inference_context(model: torch.nn.Module | None = None) -> Any:
     FSDP-sharded modules, whose unsharded weights and hooks are left to the mode FSDP2 is tested in. Tensors made
     inside cannot be saved for a backward pass, so it suits code whose results leave as numbers (the engine's
     token ids and log-probs)."""
-    from rlflow.training.distributed import fsdp_modules  # here: it imports Lightning's strategies
+    from rlflow.training.fsdp_units import fsdp_modules
 
     gloo = dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
     sharded = model is not None and bool(fsdp_modules(model))

@@ -80,7 +80,7 @@ def generator_copy(policy: torch.nn.Module) -> torch.nn.Module:
 def copy_weights(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """Copy every parameter of ``src`` into the parameter of the same name of ``dst`` (in place).
 
-    An FSDP-sharded ``src`` must be unsharded around the call (:func:`rlflow.training.distributed.full_weights`); a
+    An FSDP-sharded ``src`` must be unsharded around the call (:func:`rlflow.training.fsdp_units.full_weights`); a
     DTensor parameter is gathered all the same. A policy with LoRA adapters (``model.lora``) is copied merged, under
     the plain model's names (:func:`rlflow.models.lora.merge_lora_tensors`): ``dst`` is the model without adapters.
     """

@@ -22,8 +22,6 @@ the metric reduction assumes every rank holds the same number of samples, which 
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -31,6 +29,8 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+
+from rlflow.training.fsdp_units import fsdp_modules, full_weights
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: rlflow's names for strategies: ``trainer.strategy: fsdp`` means FSDP2 applied by ``configure_model``.
@@ -196,39 +196,6 @@ def shard_model(
     return model
 
 
-def fsdp_modules(model: torch.nn.Module) -> list[Any]:
-    from torch.distributed.fsdp import FSDPModule
-
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-@contextlib.contextmanager
-def full_weights(model: torch.nn.Module | None) -> Iterator[None]:
-    """Unshard every FSDP unit of ``model`` for the block (generation), reshard after; a no-op on a plain model.
-
-    Inside, forward passes run no collectives, so ranks may generate different numbers of steps.
-    """
-    modules = fsdp_modules(model) if model is not None else []
-    if not modules:
-        yield
-        return
-    root_state = getattr(model, "_get_fsdp_state", lambda: None)()
-    if root_state is not None and hasattr(root_state, "_lazy_init"):
-        root_state._lazy_init()  # FSDP2 makes the first unit to run forward the root: make sure it is this one
-    for m in modules:
-        m.set_reshard_after_forward(False, recurse=False)
-    try:
-        for m in modules:
-            m.unshard()
-        yield
-    finally:
-        for m in modules:
-            m.reshard()
-        layer_flag = model.__dict__.get("_rlflow_reshard_after_forward", True)
-        for m in modules:  # the root keeps its unsharded weights between forward and backward, as FSDP2 sets it
-            m.set_reshard_after_forward(layer_flag if m is not model else False, recurse=False)
-
-
 def sharded_completion_logprobs(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], temperature: float = 1.0, chunk_size: int = 1024
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -390,7 +357,7 @@ def reduce_metrics(
 
 __all__ = [
     "FSDP2Strategy", "STRATEGY_ALIASES", "register_strategies", "resolve_strategy_alias", "is_sharded", "shard_model",
-    "data_parallel_mesh", "decoder_layers", "full_weights", "sharded_completion_logprobs", "root_hidden_states",
-    "reshard_root_without_grad", "gather_full_state_dict", "all_max",
+    "data_parallel_mesh", "decoder_layers", "fsdp_modules", "full_weights", "sharded_completion_logprobs",
+    "root_hidden_states", "reshard_root_without_grad", "gather_full_state_dict", "all_max",
     "full_tensor", "all_gather", "all_sum", "all_true", "combine_metrics", "reduce_metrics", "world_size",
 ]
