@@ -32,6 +32,10 @@ def test_a_process_that_only_generates_reads_its_rank_from_the_environment_witho
         "import sys\n"
         "from rlflow.log import info\n"
         "import rlflow.rollout.engine, rlflow.rollout.worker, rlflow.rollout.select, rlflow.training.packing\n"
+        "import torch\n"
+        "from rlflow.rollout.hardware import inference_context\n"
+        "with inference_context(torch.nn.Linear(2, 2)):\n"  # what every rollout enters (FSDP units looked up)
+        "    pass\n"
         "info('from rank one')\n"
         "print('lightning' in sys.modules)\n")
     for rank, said in (("1", False), ("0", True)):
