@@ -120,28 +120,30 @@ class PackedWeight:
             raise ValueError(f"PackedWeight: cannot pack a {weight_t.dtype} {tuple(weight_t.shape)} matrix on "
                              f"{weight_t.device} (float32 with MKL or oneDNN or bfloat16 with oneDNN, on a CPU)")
         self.weight_t = weight_t
-        #: MKL's kernel (float32 where oneDNN's is not chosen or its rows depend on the row count), else oneDNN's
-        self.mkl = weight_t.dtype == torch.float32 and not (
-            float32_kernel() == "onednn" and self.rows_independent(weight_t))
         self.rows = rows
+        fp32 = weight_t.dtype == torch.float32
+        onednn = not fp32 or float32_kernel() == "onednn"
+        if onednn:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t(), rows)
+        #: MKL's kernel (float32 where oneDNN's is not chosen or its rows depend on the row count), else oneDNN's
+        self.mkl = fp32 and not (onednn and self.rows_independent(weight_t, self.packed))
         self.checked = checked or self.mkl
         if self.mkl:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight_t.t().contiguous(), rows)
-        else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t(), rows)
 
     @staticmethod
-    def rows_independent(weight_t: torch.Tensor) -> bool:
-        """Whether oneDNN's float32 product with a ``weight_t``-shaped matrix gives each row the same bits at every
-        row count of :data:`PROBE_ROWS` (with and without the residual add), on a seeded input; checked once per
-        shape."""
+    def rows_independent(weight_t: torch.Tensor, packed: torch.Tensor | None = None) -> bool:
+        """Whether oneDNN's float32 product with a ``weight_t``-shaped matrix (``packed``: its oneDNN-packed copy,
+        made here if None) gives each row the same bits at every row count of :data:`PROBE_ROWS` (with and without
+        the residual add), on a seeded input; checked once per shape."""
         key = tuple(weight_t.shape)
         if key not in _ROWS_INDEPENDENT:
             gen = torch.Generator().manual_seed(0)
             most = max(PROBE_ROWS)
             x = torch.randn(most, key[0], generator=gen)
             h = torch.randn(most, key[1], generator=gen)
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t(), most)
+            if packed is None:
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t(), most)
             full, full_add = _onednn_products(x, h, packed)
             _ROWS_INDEPENDENT[key] = all(torch.equal(got, full[:r]) and torch.equal(got_add, full_add[:r])
                                          for r in PROBE_ROWS[:-1] for got, got_add in [
