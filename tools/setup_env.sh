@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Creates ./.venv (once) and installs rlflow into it: the CPU build of torch first, then rlflow[dev] editable
-# and the example judger plugin. Re-running is cheap: nothing is reinstalled while the pyproject files and
-# this script are unchanged. Override the torch requirement with RLFLOW_TORCH (e.g. a CUDA build on a GPU box).
+# Creates ./.venv (once) and installs rlflow into it: torch first, through pip (so pip's configuration picks the
+# build: the CPU wheel here), then rlflow[dev] editable and the example plugins. The second install goes through uv
+# (installed with torch) where uv is available, since it resolves and unpacks in parallel; otherwise, or if uv
+# fails, through pip. Neither compiles bytecode at install: Python writes each module's cache the first time it is
+# imported (unless PYTHONDONTWRITEBYTECODE is set; tools/test.sh unsets it). Re-running is cheap: nothing is
+# reinstalled while the pyproject files and this script are unchanged. Override the torch requirement with
+# RLFLOW_TORCH (e.g. a CUDA build on a GPU box); set RLFLOW_NO_UV=1 to install with pip only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -28,10 +32,16 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 echo "[setup] installing $TORCH (the CPU wheel here; a plain 'torch' would pull GBs of CUDA packages)"
-python -m pip install -q "$TORCH"
-echo "[setup] installing rlflow[dev] and the example judger plugin"
-python -m pip install -q -e ".[dev]"
+python -m pip install -q --no-compile "$TORCH"
+packages=(-e ".[dev]")
 for plugin in plugins/*/; do
-  [ -f "$plugin/pyproject.toml" ] && python -m pip install -q -e "$plugin"
+  [ -f "$plugin/pyproject.toml" ] && packages+=(-e "$plugin")
 done
+echo "[setup] installing rlflow[dev] and the example plugins"
+if [ -z "${RLFLOW_NO_UV:-}" ] && python -m pip install -q --no-compile uv >/dev/null 2>&1 \
+    && python -m uv pip install -q --python "$VENV/bin/python" "${packages[@]}"; then
+  :
+else
+  python -m pip install -q --no-compile "${packages[@]}"
+fi
 echo "$want" > "$stamp"

@@ -10,5 +10,7 @@ bash tools/setup_env.sh
 # shellcheck disable=SC1091
 . "${RLFLOW_VENV:-.venv}/bin/activate"
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+# ~200 Python processes start during the suite: let each module be compiled once, not in every process.
+unset PYTHONDONTWRITEBYTECODE
 workers="${RLFLOW_TEST_WORKERS:-$(( $(nproc) + 1 ))}"
 python -m pytest -q -n "$workers" --dist worksteal "$@"
