@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Creates ./.venv (once) and installs rlflow into it: torch first, through pip (so pip's configuration picks the
 # build: the CPU wheel here), then rlflow[dev] editable and the example plugins. The second install goes through uv
-# (installed with torch) where uv is available, since it resolves and unpacks in parallel; otherwise, or if uv
-# fails, through pip. Neither compiles bytecode at install: Python writes each module's cache the first time it is
-# imported (unless PYTHONDONTWRITEBYTECODE is set; tools/test.sh unsets it). Re-running is cheap: nothing is
-# reinstalled while the pyproject files and this script are unchanged. Override the torch requirement with
-# RLFLOW_TORCH (e.g. a CUDA build on a GPU box); set RLFLOW_NO_UV=1 to install with pip only.
+# (which pip installs into the venv first) where it can, since uv resolves and unpacks in parallel; otherwise, or if
+# uv fails, through pip. Neither compiles bytecode for every installed file; instead one import of what `rlflow fit`
+# loads writes the bytecode of those modules (even where PYTHONDONTWRITEBYTECODE is set), and Python writes the
+# rest on first import. Re-running is cheap: nothing is reinstalled while the pyproject files and this script are
+# unchanged. Override the torch requirement with RLFLOW_TORCH (e.g. a CUDA build on a GPU box); set RLFLOW_NO_UV=1
+# to install with pip only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -44,4 +45,7 @@ if [ -z "${RLFLOW_NO_UV:-}" ] && python -m pip install -q --no-compile uv >/dev/
 else
   python -m pip install -q --no-compile "${packages[@]}"
 fi
+echo "[setup] writing the bytecode of the modules rlflow fit imports"
+env -u PYTHONDONTWRITEBYTECODE python -c "import rlflow.cli, rlflow.training.module, rlflow.rollout.engine" \
+  >/dev/null 2>&1 || true
 echo "$want" > "$stamp"
