@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 bash tools/setup_env.sh
 # shellcheck disable=SC1091
 . "${RLFLOW_VENV:-.venv}/bin/activate"
-# The install compiles no bytecode: let Python cache each module the first time it is imported.
+# The install writes bytecode only for what `rlflow fit` imports: let Python cache the rest on first import.
 unset PYTHONDONTWRITEBYTECODE
 if [ "${1:-}" = "smollm2" ]; then  # a real pretrained model: SmolLM2-135M-Instruct on sums in GSM8K's format
   shift

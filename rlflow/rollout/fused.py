@@ -240,6 +240,7 @@ class FusedDecoder:
         self.rope_table = getattr(self.rotary, "rope_type", "default") in STATIC_ROPE_TYPES
         self._table = None  # [positions, 2, dim]: cos, and sin with rotate_half's sign folded in
         self.packed_rows = 0  # the row count the matrices are packed for (prepack); 0: not packed
+        self.packed_per_rows = False  # whether a matrix is packed for that row count (MKL's float32 packs)
 
     def _head(self, model: Any) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """``(final norm weight, LM head [in, out], its bias)`` of ``model`` (unwrapped) as this decoder holds
@@ -281,7 +282,7 @@ class FusedDecoder:
         row count); a no-op where nothing packs. Results are bit-identical to the unpacked products where
         :func:`~rlflow.rollout.prepack.rounds_like_mm`; elsewhere (oneDNN's float32 kernel) they differ from them by
         float rounding, and the engine packs the decoder before its first product, so that all of them round alike."""
-        if self.packed_rows and (rows <= self.packed_rows or not self._packed_for_rows()):
+        if self.packed_rows and (rows <= self.packed_rows or not self.packed_per_rows):
             return
         if self.embed.device.type != "cpu":
             return
@@ -292,11 +293,8 @@ class FusedDecoder:
         elif not self.head_fp32:  # a 16-bit head is a physical transpose, whose mm may round unlike oneDNN's packed
             self.lm_head_w = _packed(self.lm_head_w, self.lm_head_b, rows, checked=True)  # product: per row count
         self.packed_rows = rows
-
-    def _packed_for_rows(self) -> bool:
-        """Whether a matrix is packed for a row count (MKL's float32 packs; a product of more rows runs unpacked)."""
         mats = [self.lm_head_w] + [w for layer in self.layers for w in (layer.qkv_w, layer.gate_up_w)]
-        return any(isinstance(w, PackedWeight) and w.mkl for w in mats)
+        self.packed_per_rows = any(isinstance(w, PackedWeight) and w.mkl for w in mats)  # more rows: run unpacked
 
     def rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sign * sin`` ``[rows, 1, dim]`` at ``positions``, from the table (grown by doubling as needed)."""
