@@ -44,9 +44,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return export_main(args[1:])
     if args and args[0] == "fit":  # a pipelined run: its generator process imports beside the trainer
-        from rlflow.rollout.prestart import from_argv
+        from rlflow.rollout import prestart
 
-        from_argv(args[1:])
+        prestart.KEEP_WORKERS = False  # the process ends with its one run: no worker kept for a next one
+        prestart.from_argv(args[1:])
     from rlflow.cli import main as cli_main
 
     return cli_main(argv)

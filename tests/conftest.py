@@ -19,13 +19,18 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 @pytest.fixture(autouse=True)
 def restored_environment():
-    """Each test leaves ``os.environ``, torch's thread count and the default process group as it found them. An
+    """Each test leaves ``os.environ``, torch's thread count, the default process group and whether finished runs
+    keep their generator workers as it found them. An
     in-process run under a distributed strategy has Lightning export its rank and rendezvous address (``LOCAL_RANK``,
     ``MASTER_PORT``, ...); a later ``rlflow fit`` subprocess of the same worker would inherit them and wait for ranks
     nobody starts."""
+    from rlflow.rollout import prestart
+
     environ = dict(os.environ)
     threads = torch.get_num_threads()
+    keep_workers = prestart.KEEP_WORKERS  # the console script's entry point turns it off (tests call it in-process)
     yield
+    prestart.KEEP_WORKERS = keep_workers
     if torch.get_num_threads() != threads:  # a run that shared out this process's threads (split rollouts)
         torch.set_num_threads(threads)
     if torch.distributed.is_available() and torch.distributed.is_initialized():  # an in-process run's group

@@ -20,6 +20,12 @@ anything else (a ``--data`` file, a value that is not a plain number) predicts n
 worker at ``setup("fit")`` as before. A prediction that the parsed config overrules costs a process that stops
 at ``setup`` (:func:`discard`) or with the trainer (it is a daemon). ``data.rollout: lmdeploy`` needs no process
 (a thread sends its requests) and starts none.
+
+Several runs in one Python process (the Python API: a sweep, a notebook) share their workers: a run that ends with
+its worker idle and healthy hands it back (:func:`park`; the worker lets go of that run's model) and the next run
+with as many generator threads adopts it (:func:`unpark`) instead of starting another process and importing torch
+and transformers again. A kept worker waits :data:`PARK_SECONDS` for a run, then stops; at most one is kept per
+thread count. The ``rlflow`` console script, whose process ends with its run, keeps none (:data:`KEEP_WORKERS`).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import multiprocessing as mp
+import queue
 import signal
 import threading
 import time
@@ -40,6 +47,15 @@ from rlflow.rollout.worker import worker_main
 _EARLY: tuple[Any, ...] | None = None
 #: Every worker started and not stopped yet: (process, jobs queue).
 _SPAWNED: list[tuple[Any, Any]] = []
+#: Workers handed back by a finished run, by torch threads: (process, jobs queue, results queue, running event,
+#: the timer that stops it).
+_PARKED: dict[int, tuple[Any, ...]] = {}
+_PARKED_LOCK = threading.Lock()
+#: Seconds a worker handed back waits for the next run of this process before it is stopped.
+PARK_SECONDS = 300.0
+#: Whether a finished run's idle worker is kept for the next run of this process (:func:`park`); the ``rlflow``
+#: console script turns it off.
+KEEP_WORKERS = True
 
 
 @contextlib.contextmanager
@@ -80,7 +96,12 @@ def spawn_worker(threads: int, tokenizer_path: str | None = None) -> tuple[Any, 
 
 def _stop_spawned() -> None:
     """At exit, stop the workers nobody stopped (a run that failed or was refused before it closed its generator):
-    multiprocessing's exit handler would send them SIGTERM, which they ignore, and wait for them forever."""
+    multiprocessing's exit handler would send them SIGTERM, which they ignore, and wait for them forever. Workers
+    kept for a next run are among them."""
+    with _PARKED_LOCK:
+        for kept in _PARKED.values():
+            kept[4].cancel()
+        _PARKED.clear()
     for process, jobs in list(_SPAWNED):
         stop_worker(process, jobs, wait=1.0)
 
@@ -114,6 +135,85 @@ def discard() -> None:
     early, _EARLY = _EARLY, None
     if early is not None:
         stop_worker(early[0], early[1])
+
+
+def park(process: Any, jobs: Any, results: Any, running: Any, threads: int, attached: bool, wait: float) -> bool:
+    """Keep an idle worker whose run has ended for the next run of this process with ``threads`` threads
+    (:func:`unpark`); False where it is not kept (:data:`KEEP_WORKERS` off, the worker gone, or, for a worker
+    that was ``attached`` to a model, no word within ``wait`` seconds that it let go of it): the caller stops it.
+    A worker kept earlier with as many threads is stopped; this one is stopped after :data:`PARK_SECONDS`."""
+    if not KEEP_WORKERS or not process.is_alive():
+        return False
+    if attached and not _detached(process, jobs, results, wait):
+        return False
+    running.set()
+    timer = threading.Timer(PARK_SECONDS, _expire, args=(threads, process))
+    timer.daemon = True
+    with _PARKED_LOCK:
+        older = _PARKED.pop(threads, None)
+        _PARKED[threads] = (process, jobs, results, running, timer)
+    if older is not None:
+        older[4].cancel()
+        stop_worker(older[0], older[1])
+    timer.start()
+    return True
+
+
+def _detached(process: Any, jobs: Any, results: Any, wait: float) -> bool:
+    """Tell an attached worker to let go of its model and backend; whether it said it did within ``wait`` s (its
+    answer to the attach, if still on its way, is passed over)."""
+    deadline = time.monotonic() + wait
+    try:
+        jobs.put(("detach",))
+        while time.monotonic() < deadline:
+            try:
+                kind, _ = results.get(timeout=min(0.5, max(deadline - time.monotonic(), 0.01)))
+            except queue.Empty:
+                if not process.is_alive():
+                    return False
+                continue
+            if kind == "detached":
+                return True
+            if kind != "ready":
+                return False
+    except (OSError, ValueError, EOFError, TypeError):
+        return False
+    return False
+
+
+def unpark(threads: int) -> tuple[Any, Any, Any, Any, float] | None:
+    """The worker a finished run of this process handed back with ``threads`` threads, if one is alive:
+    ``(process, jobs queue, results queue, running event, now)``; handed out once."""
+    with _PARKED_LOCK:
+        kept = _PARKED.pop(threads, None)
+    if kept is None:
+        return None
+    process, jobs, results, running, timer = kept
+    timer.cancel()
+    if not process.is_alive():
+        stop_worker(process, jobs)
+        return None
+    return process, jobs, results, running, time.perf_counter()
+
+
+def _expire(threads: int, process: Any) -> None:
+    """The timer of a kept worker: stop it if no run adopted it."""
+    with _PARKED_LOCK:
+        kept = _PARKED.get(threads)
+        if kept is None or kept[0] is not process:
+            return
+        del _PARKED[threads]
+    stop_worker(kept[0], kept[1])
+
+
+def stop_parked() -> None:
+    """Stop every worker kept for a next run."""
+    with _PARKED_LOCK:
+        kept = list(_PARKED.values())
+        _PARKED.clear()
+    for process, jobs, _, _, timer in kept:
+        timer.cancel()
+        stop_worker(process, jobs)
 
 
 def stop_worker(process: Any, jobs: Any, wait: float = 5.0) -> None:

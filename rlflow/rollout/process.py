@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import os
 import queue
 import time
 from typing import Any
@@ -100,7 +101,8 @@ class GeneratorProcess:
     The process starts (and imports torch, transformers and rlflow) as soon as it is built, before the policy
     exists; :meth:`attach` then hands it the shared copy of the policy and the backend to build. A worker that
     ``rlflow fit`` started before importing Lightning (:mod:`rlflow.rollout.prestart`) is adopted instead of
-    starting another.
+    starting another, as is the worker an earlier run of this process handed back when it closed
+    (:func:`~rlflow.rollout.prestart.park`; that worker takes this process's ``os.environ`` at :meth:`attach`).
 
     :meth:`pause` and :meth:`resume` lend the worker's cores to the trainer for a while (its backward pass): an
     engine job waits between two decode iterations meanwhile; other backends are not held.
@@ -113,8 +115,13 @@ class GeneratorProcess:
 
     def __init__(self, threads: int = 1, start_timeout: float = 600.0, tokenizer_path: str | None = None) -> None:
         self.model: torch.nn.Module | None = None
+        self.threads = threads
+        early = prestart.adopt(threads)
+        kept = None if early is not None else prestart.unpark(threads)
         self.process, self.jobs, self.results, self.running, self.started_at = \
-            prestart.adopt(threads) or prestart.spawn_worker(threads, tokenizer_path)
+            early or kept or prestart.spawn_worker(threads, tokenizer_path)
+        self.reused = kept is not None  # a worker of an earlier run: it takes this process's environment
+        self.failed = False
         self.busy = False
         self.ready = False  # the worker's start-up (imports, backend check) overlaps the trainer's own
         self.start_timeout = start_timeout
@@ -124,7 +131,7 @@ class GeneratorProcess:
         name or mapping, or a backend class) to run on it; ``tokenizer_path``: the tokenizer it loads."""
         if self.model is None:
             self.model = generator_copy(policy)
-            self.jobs.put(("attach", self.model, tokenizer_path, spec))
+            self.jobs.put(("attach", self.model, tokenizer_path, spec, dict(os.environ) if self.reused else None))
 
     def wait_ready(self) -> None:
         """Block until the worker has built its backend (once); raise with its traceback if it could not."""
@@ -137,6 +144,7 @@ class GeneratorProcess:
 
     def _started(self, kind: str, payload: Any) -> None:
         if kind != "ready":
+            self.failed = True
             self.close()
             raise RuntimeError(f"the generator process failed to start:\n{payload}")
         self.ready = True
@@ -196,13 +204,20 @@ class GeneratorProcess:
             break
         self.busy = False
         if kind != "done":
+            self.failed = True
             raise RuntimeError(f"the generator process failed:\n{payload}")
         return payload
 
-    def close(self, wait: float = 5.0) -> None:
-        """Stop the worker: ask it, give it ``wait`` seconds (a job in flight ends first), then kill it."""
+    def close(self, wait: float = 5.0, keep: bool = True) -> None:
+        """Stop the worker: ask it, give it ``wait`` seconds (a job in flight ends first), then kill it. With
+        ``keep``, a worker with no job in flight and no failure is instead kept for the next run of this process
+        (:func:`~rlflow.rollout.prestart.park`, which the ``rlflow`` console script turns off)."""
         self.running.set()
-        prestart.stop_worker(self.process, self.jobs, wait)
+        if keep and not (self.busy or self.failed) and prestart.park(
+                self.process, self.jobs, self.results, self.running, self.threads, self.model is not None, wait):
+            self.model = None  # the worker let go of its shared copy
+        else:
+            prestart.stop_worker(self.process, self.jobs, wait)
         self.busy = False
 
 

@@ -3,7 +3,9 @@
 :func:`worker_main` is the process's entry point (started by :class:`~rlflow.rollout.process.GeneratorProcess`,
 or early by :mod:`rlflow.rollout.prestart`): it imports what generation needs, waits for the shared-memory copy
 of the policy, builds the rollout backend on it and runs :class:`Job` after :class:`Job` (:func:`run_job`), answering
-with a :class:`JobResult` of plain lists. A job is seeded, so its completions depend only on the weights, the
+with a :class:`JobResult` of plain lists; told to let go of the run (``("detach",)``: a worker kept for the next
+run of the trainer's process, :func:`rlflow.rollout.prestart.park`), it drops the model and the backend and waits
+for the next attach. A job is seeded, so its completions depend only on the weights, the
 prompts and the seed. Two hooks run between the engine's decode iterations: a hold while the trainer has the
 cores (:func:`_pause_hook`) and, for partial rollouts, the swap to new weights (:func:`_swap_hook`).
 
@@ -187,7 +189,8 @@ def _load_tokenizer(path: str) -> Any:
 
 def worker_main(threads: int, jobs: Any, results: Any, tokenizer_path: str | None = None, running: Any = None) -> None:
     """The worker process: import what generation needs (and load the tokenizer, if given), wait for the shared
-    model, build the backend on it, then run jobs until told to stop (held while ``running`` is cleared). The
+    model, build the backend on it, then run jobs until told to stop (held while ``running`` is cleared) or, kept for
+the next run, to let go of this one (then again from the wait for a model). The
     process exits when this returns; everything still alive is frozen out of the garbage collector first
     (``gc.freeze``), since the interpreter's last collection would walk every object torch and transformers
     created while the trainer waits for the worker to end."""
@@ -204,16 +207,43 @@ def _work(threads: int, jobs: Any, results: Any, tokenizer_path: str | None, run
         import torch
 
         torch.set_num_threads(max(int(threads), 1))
+        import rlflow.rollout.select  # noqa: F401 - the backends, imported while the trainer loads its model
         import rlflow.training.packing  # noqa: F401 - registers rlflow's attention function, as in the trainer
+
+        early = (tokenizer_path, _load_tokenizer(tokenizer_path)) if tokenizer_path else None
+    except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
+        results.put(("error", traceback.format_exc()))
+        return
+    while True:  # one run's attach, its jobs, then (a worker kept for the next run, rlflow.rollout.prestart) again
+        backend = _attached(jobs, results, parent, early)
+        if backend is None or not _serve(backend, jobs, results, parent, running):
+            return
+        early = None
+        del backend  # the run's model (shared memory), tokenizer and backend let go of
+        gc.collect()
+        results.put(("detached", os.getpid()))
+
+
+def _attached(jobs: Any, results: Any, parent: Any, early: tuple[str, Any] | None) -> Any:
+    """Wait for ``("attach", model, tokenizer_path, spec, environment)`` and build the backend on that model
+    (answering ``("ready", pid)``); None when told to stop or when it cannot (answering ``("error", traceback)``).
+    ``environment`` (a worker kept from an earlier run): the adopting trainer's ``os.environ``, taken over."""
+    while True:
+        attach = _next_message(jobs, parent)
+        if not (isinstance(attach, tuple) and attach and attach[0] == "detach"):
+            break
+        results.put(("detached", os.getpid()))  # nothing attached yet: nothing to let go of
+    if attach is None:
+        return None
+    try:
         from rlflow import registry
         from rlflow.rollout.select import resolve_backend
 
-        early = _load_tokenizer(tokenizer_path) if tokenizer_path else None
-        attach = _next_message(jobs, parent)  # ("attach", model, tokenizer_path, spec)
-        if attach is None:
-            return
-        _, model, path, spec = attach
-        tokenizer = early if early is not None and path == tokenizer_path else _load_tokenizer(path)
+        _, model, path, spec, *rest = attach
+        if rest and rest[0] is not None:
+            os.environ.clear()
+            os.environ.update(rest[0])
+        tokenizer = early[1] if early is not None and path == early[0] else _load_tokenizer(path)
         if isinstance(spec, type):
             backend = spec()
             backend.bind(model, tokenizer)
@@ -223,14 +253,21 @@ def _work(threads: int, jobs: Any, results: Any, tokenizer_path: str | None, run
         results.put(("ready", os.getpid()))
     except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
         results.put(("error", traceback.format_exc()))
-        return
+        return None
+    return backend
+
+
+def _serve(backend: Any, jobs: Any, results: Any, parent: Any, running: Any) -> bool:
+    """Run jobs on ``backend`` until told to stop (False) or to let go of it (``("detach",)``: True)."""
     while True:
         job = _next_message(jobs, parent)
         if job is None:
-            return
+            return False
+        if isinstance(job, tuple) and job and job[0] == "detach":
+            return True
         try:
             results.put(("done", run_job(job, backend, jobs, results, parent, running)))
         except _Stopped:
-            return
+            return False
         except BaseException:  # noqa: BLE001
             results.put(("error", traceback.format_exc()))

@@ -76,9 +76,11 @@ def test_rlflow_fit_starts_the_worker_before_lightnings_cli(monkeypatch, config)
     calls = []
     monkeypatch.setattr(prestart, "start", lambda threads: calls.append(("start", threads)))
     monkeypatch.setattr(rlflow.cli, "main", lambda argv=None: calls.append(("cli", argv)) or 0)
+    monkeypatch.setattr(prestart, "KEEP_WORKERS", True)
     pipelined = config("data: {pipeline: {max_staleness: 1, generator_threads: 1}}\n")
     assert entry.main(["fit", "--config", pipelined]) == 0
     assert calls == [("start", 1), ("cli", ["fit", "--config", pipelined])]
+    assert prestart.KEEP_WORKERS is False  # the process ends with this run: its worker is not kept for another
     calls.clear()
     assert entry.main(["validate", "--config", pipelined]) == 0  # only fit trains
     assert calls == [("cli", ["validate", "--config", pipelined])]

@@ -74,7 +74,7 @@ def test_an_hf_job_is_not_held(policy, tiny_model, prompts):
         gen.submit(job(prompts))
         result = gen.collect(timeout=120)  # hf has no step hook: pausing lends nothing and holds nothing
     finally:
-        gen.close()
+        gen.close(keep=False)  # stopped, not kept for a next run
     assert result.num_tokens > 0
     assert not gen.process.is_alive()
 
