@@ -56,9 +56,12 @@ def run(gen: GeneratorProcess, policy, tiny_model, prompts, spec="engine"):
 
 
 def alive_within(process, seconds: float) -> bool:
-    """Whether ``process`` is still alive after up to ``seconds`` of waiting for it to end."""
-    process.join(timeout=seconds)
-    return process.is_alive()
+    """Whether ``process`` is still alive after up to ``seconds`` of waiting for it to end (polled, not joined:
+    the timer that stops a kept worker joins it from its own thread)."""
+    deadline = time.monotonic() + seconds
+    while process.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return process.exitcode is None
 
 
 class EnvironmentWriter:
