@@ -221,6 +221,9 @@ def _work(threads: int, jobs: Any, results: Any, tokenizer_path: str | None, run
         early = None
         del backend  # the run's model (shared memory), tokenizer and backend let go of
         gc.collect()
+        from rlflow.training.host_memory import release_free_memory
+
+        release_free_memory()  # an idle worker keeps the imports, not the run's caches
         results.put(("detached", os.getpid()))
 
 

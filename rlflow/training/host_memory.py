@@ -58,3 +58,10 @@ def reuse_freed_memory(choice: bool | None, device: torch.device) -> bool:
     if libc is None:
         return False
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def release_free_memory() -> bool:
+    """Give the free memory of the process's heap back to the system (glibc's ``malloc_trim``), for a process that
+    goes idle after holding large temporaries; False where the C library is not glibc or nothing was returned."""
+    libc = _glibc()
+    return libc is not None and hasattr(libc, "malloc_trim") and bool(libc.malloc_trim(0))
