@@ -447,3 +447,20 @@ def test_a_continued_fsdp_pipelined_run_matches_the_straight_run(fsdp_straight, 
     fsdp_run(tiny_model, tiny_data, tmp_path, 3, "--ckpt_path=last")
     assert_same_run(fsdp_straight, tmp_path, 3)
     assert rank_trajectories(fsdp_straight) == rank_trajectories(tmp_path)
+
+
+def test_a_second_run_of_the_process_adopts_the_first_runs_worker_and_logs_what_it_logged(
+        tiny_model, small_data, tmp_path, one_thread):
+    """Two pipelined runs through the Python API in one process (a sweep): the second takes over the generator
+    process the first handed back, instead of starting one, and with the same seed logs the same metrics."""
+    from rlflow.rollout import prestart
+
+    prestart.stop_parked()  # none kept by an earlier test of this process
+    pipelined_run(tiny_model, small_data, tmp_path / "first")
+    kept = prestart._PARKED.get(1)  # data.pipeline.generator_threads: 1
+    assert kept is not None and kept[0].is_alive()
+    pipelined_run(tiny_model, small_data, tmp_path / "second")
+    again = prestart._PARKED.get(1)
+    assert again is not None and again[0] is kept[0]  # the same process served both runs, and is kept again
+    prestart.stop_parked()
+    assert_same_run(tmp_path / "first", tmp_path / "second", STEPS)
