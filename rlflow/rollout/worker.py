@@ -189,9 +189,9 @@ def _load_tokenizer(path: str) -> Any:
 
 def worker_main(threads: int, jobs: Any, results: Any, tokenizer_path: str | None = None, running: Any = None) -> None:
     """The worker process: import what generation needs (and load the tokenizer, if given), wait for the shared
-    model, build the backend on it, then run jobs until told to stop (held while ``running`` is cleared) or, kept for
-the next run, to let go of this one (then again from the wait for a model). The
-    process exits when this returns; everything still alive is frozen out of the garbage collector first
+    model, build the backend on it, then run jobs until told to stop (held while ``running`` is cleared) or, kept
+    for the next run, to let go of this one (then again from the wait for a model). The process exits when this
+    returns; everything still alive is frozen out of the garbage collector first
     (``gc.freeze``), since the interpreter's last collection would walk every object torch and transformers
     created while the trainer waits for the worker to end."""
     try:
@@ -209,6 +209,7 @@ def _work(threads: int, jobs: Any, results: Any, tokenizer_path: str | None, run
         torch.set_num_threads(max(int(threads), 1))
         import rlflow.rollout.select  # noqa: F401 - the backends, imported while the trainer loads its model
         import rlflow.training.packing  # noqa: F401 - registers rlflow's attention function, as in the trainer
+        from rlflow.training.host_memory import release_free_memory
 
         early = (tokenizer_path, _load_tokenizer(tokenizer_path)) if tokenizer_path else None
     except BaseException:  # noqa: BLE001 - reported to the trainer, which raises it
@@ -221,8 +222,6 @@ def _work(threads: int, jobs: Any, results: Any, tokenizer_path: str | None, run
         early = None
         del backend  # the run's model (shared memory), tokenizer and backend let go of
         gc.collect()
-        from rlflow.training.host_memory import release_free_memory
-
         release_free_memory()  # an idle worker keeps the imports, not the run's caches
         results.put(("detached", os.getpid()))
 
@@ -231,11 +230,7 @@ def _attached(jobs: Any, results: Any, parent: Any, early: tuple[str, Any] | Non
     """Wait for ``("attach", model, tokenizer_path, spec, environment)`` and build the backend on that model
     (answering ``("ready", pid)``); None when told to stop or when it cannot (answering ``("error", traceback)``).
     ``environment`` (a worker kept from an earlier run): the adopting trainer's ``os.environ``, taken over."""
-    while True:
-        attach = _next_message(jobs, parent)
-        if not (isinstance(attach, tuple) and attach and attach[0] == "detach"):
-            break
-        results.put(("detached", os.getpid()))  # nothing attached yet: nothing to let go of
+    attach = _next_message(jobs, parent)
     if attach is None:
         return None
     try:
