@@ -403,6 +403,17 @@ class RolloutDataModule(L.LightningDataModule):
         if self._rollout_rng is not None and hasattr(self.backend, "load_rng_state"):
             self.backend.load_rng_state(self._rollout_rng)  # else when bind() builds the backend
 
+    def on_exception(self, exception: BaseException) -> None:
+        """A fit that fails, is refused or is interrupted (Lightning calls this, not :meth:`teardown`) stops its
+        generator processes now, not at the interpreter's exit: a Python-API caller keeps no idle process per
+        failed run. A job in flight is not waited for (its completions, if a checkpoint needed them, are in it)."""
+        from rlflow.rollout.process import GeneratorProcess
+
+        pipelined = self.pipeline.generator if self.pipeline is not None else None
+        for generator in (pipelined, getattr(self.split, "generator", None), self._split_generator):
+            if isinstance(generator, GeneratorProcess):  # a server's thread (lmdeploy) ends with its backend
+                generator.close(wait=1.0, keep=False)
+
     def teardown(self, stage: str) -> None:
         if self.pipeline is not None and stage == "fit":
             self.pipeline.close()  # the generator process

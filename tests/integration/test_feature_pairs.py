@@ -299,10 +299,15 @@ def test_each_refused_pair_is_one_line_at_startup(pair, paths, tmp_path, capsys)
         out = rlflow_process(args)
         code, err = out.returncode, out.stderr
     else:
+        import multiprocessing
+
         from rlflow.cli import main
 
+        before = set(multiprocessing.active_children())  # workers kept by earlier runs of this process may be alive
         code = main(args)
         err = capsys.readouterr().err
+        left = [p for p in multiprocessing.active_children() if p not in before and p.name == "rlflow-generator"]
+        assert not left, "a refused run left its generator process running"
     lines = [line for line in err.splitlines() if line.startswith("rlflow: error:")]
     assert code == 1 and len(lines) == 1 and REFUSED[frozenset(pair)] in lines.pop(), err[-2000:]
     assert not list(tmp_path.rglob("metrics.csv")), "refused after training had started"
