@@ -405,13 +405,15 @@ class RolloutDataModule(L.LightningDataModule):
 
     def on_exception(self, exception: BaseException) -> None:
         """A fit that fails, is refused or is interrupted (Lightning calls this, not :meth:`teardown`) stops its
-        generator processes now, not at the interpreter's exit: a Python-API caller keeps no idle process per
-        failed run. A job in flight is not waited for (its completions, if a checkpoint needed them, are in it)."""
+        generator processes now, not at the interpreter's exit, and takes back the torch threads it lent them: a
+        Python-API caller keeps no idle process per failed run. A job in flight gets a second to end (its
+        completions, if a checkpoint needed them, are in it), as at the interpreter's exit."""
         from rlflow.rollout.process import GeneratorProcess
 
-        pipelined = self.pipeline.generator if self.pipeline is not None else None
-        for generator in (pipelined, getattr(self.split, "generator", None), self._split_generator):
-            if isinstance(generator, GeneratorProcess):  # a server's thread (lmdeploy) ends with its backend
+        if self.pipeline is not None and isinstance(self.pipeline.generator, GeneratorProcess):
+            self.pipeline.close(wait=1.0, keep=False)  # a server's thread (lmdeploy) ends with its backend
+        for generator in (getattr(self.split, "generator", None), self._split_generator):
+            if isinstance(generator, GeneratorProcess):
                 generator.close(wait=1.0, keep=False)
 
     def teardown(self, stage: str) -> None:

@@ -346,8 +346,12 @@ class RolloutPipeline:
         mine = by_rank[rank] if by_rank and rank < len(by_rank) else state.get("in_flight")
         self.ready = JobResult.from_state(mine) if mine else None
 
-    def close(self) -> None:
-        if self.generator is not None:
+    def close(self, wait: float = 5.0, keep: bool = True) -> None:
+        """Close the generator (a process: ``wait`` and ``keep`` as :meth:`GeneratorProcess.close` takes them) and
+        give the trainer back the torch threads it lent."""
+        if isinstance(self.generator, GeneratorProcess):
+            self.generator.close(wait, keep)
+        elif self.generator is not None:
             self.generator.close()
         self.generator = None
         self.in_flight = None
