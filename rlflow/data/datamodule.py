@@ -412,9 +412,9 @@ class RolloutDataModule(L.LightningDataModule):
 
         if self.pipeline is not None and isinstance(self.pipeline.generator, GeneratorProcess):
             self.pipeline.close(wait=1.0, keep=False)  # a server's thread (lmdeploy) ends with its backend
-        for generator in (getattr(self.split, "generator", None), self._split_generator):
-            if isinstance(generator, GeneratorProcess):
-                generator.close(wait=1.0, keep=False)
+        for split in (self.split, self._split_generator):  # a SplitRollout, or the process it has not taken yet
+            if split is not None:
+                split.close(wait=1.0, keep=False)
 
     def teardown(self, stage: str) -> None:
         if self.pipeline is not None and stage == "fit":

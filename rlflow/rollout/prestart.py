@@ -98,10 +98,7 @@ def _stop_spawned() -> None:
     """At exit, stop the workers nobody stopped (a run that failed or was refused before it closed its generator):
     multiprocessing's exit handler would send them SIGTERM, which they ignore, and wait for them forever. Workers
     kept for a next run are among them."""
-    with _PARKED_LOCK:
-        for kept in _PARKED.values():
-            kept[4].cancel()
-        _PARKED.clear()
+    stop_parked(wait=1.0)
     for process, jobs in list(_SPAWNED):
         stop_worker(process, jobs, wait=1.0)
 
@@ -206,14 +203,14 @@ def _expire(threads: int, process: Any) -> None:
     stop_worker(kept[0], kept[1])
 
 
-def stop_parked() -> None:
-    """Stop every worker kept for a next run."""
+def stop_parked(wait: float = 5.0) -> None:
+    """Stop every worker kept for a next run (``wait``: as :func:`stop_worker`)."""
     with _PARKED_LOCK:
         kept = list(_PARKED.values())
         _PARKED.clear()
     for process, jobs, _, _, timer in kept:
         timer.cancel()
-        stop_worker(process, jobs)
+        stop_worker(process, jobs, wait)
 
 
 def stop_worker(process: Any, jobs: Any, wait: float = 5.0) -> None:

@@ -112,8 +112,9 @@ class SplitRollout(RolloutBackend):
     def sync_weights(self) -> None:
         self.engine.sync_weights()
 
-    def close(self) -> None:
-        self.generator.close()
+    def close(self, wait: float = 5.0, keep: bool = True) -> None:
+        """Close the generator process (``wait`` and ``keep`` as :meth:`GeneratorProcess.close` takes them)."""
+        self.generator.close(wait, keep)
 
 
 def split_problem(threads: int, world_size: int, sharded: bool, device: str, backend: Any = None) -> str | None:
