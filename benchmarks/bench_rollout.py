@@ -15,7 +15,10 @@ reported, and the last line (one line, wrapped here) is the ratio::
 ``--dtype bfloat16`` compares at the same precision on both sides: the engine decoding through bf16 copies of the
 float32 weights (``EngineRollout(dtype="bfloat16")``, as in training) against ``generate`` on the model cast to
 bf16; ``--dtype both`` runs the float32 pair and the bf16 pair in one run (four backends, alternating) and prints
-a ratio line for each, plus bf16 engine over float32 ``generate``.
+a ratio line for each, plus bf16 engine over float32 ``generate``. ``--bf16-policy`` adds a policy loaded in bf16
+(``model.policy.dtype: bfloat16``): the engine in the model's dtype (``dtype: model``) and with ``dtype: auto``
+(bf16 where the device multiplies it natively, float32 copies on other CPUs), each against ``generate`` on that
+model (``hf-bf16``).
 
 ``--continuous-batching`` adds transformers' ``generate_batch`` (paged KV cache, continuous batching: the path TRL
 offers beside ``generate``; :mod:`benchmarks.continuous_batching`) as a second anchor at each precision, with a
@@ -115,6 +118,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "both"], default="float32",
                     help="precision of both sides: float32 weights, bf16 (engine: bf16 copies of float32 weights; "
                     "generate: the model cast to bf16), or both pairs in one run")
+    ap.add_argument("--bf16-policy", action="store_true",
+                    help="also time a policy loaded in bf16 (model.policy.dtype: bfloat16): the engine with dtype "
+                    "model (bf16 arithmetic) and dtype auto against generate on that model")
     ap.add_argument("--continuous-batching", action="store_true",
                     help="also time transformers' generate_batch (continuous batching) as a second anchor")
     ap.add_argument("--cb-settings", type=json.loads, default={},
@@ -162,6 +168,11 @@ def main(argv=None) -> dict:
                          "engine-bf16": (EngineRollout(dtype="bfloat16", seed=args.seed), model)})
         if args.continuous_batching:
             backends["cb-bf16"] = (ContinuousBatchingRollout(**args.cb_settings), half)
+    if args.bf16_policy:  # the policy itself in bf16: generate on it, the engine in its dtype and with auto
+        policy = backends["hf-bf16"][1] if "hf-bf16" in backends else copy.deepcopy(model).to(torch.bfloat16)
+        backends.update({"hf-bf16": backends.get("hf-bf16", (PlainGenerateRollout(), policy)),
+                         "engine-bf16-policy": (EngineRollout(seed=args.seed), policy),
+                         "engine-bf16-policy-auto": (EngineRollout(dtype="auto", seed=args.seed), policy)})
     variants = [(suffix, option) for flag, suffix, option in VARIANTS if getattr(args, flag)]
     engines = [(name, b, m) for name, (b, m) in backends.items() if name.startswith("engine")]
     backends.update({f"{name}-{suffix}": (EngineRollout(dtype=b.dtype, seed=args.seed, **option), m)
@@ -201,6 +212,8 @@ def main(argv=None) -> dict:
         pairs.append(("engine-bf16", "hf-bf16", "-bf16"))
         if "hf" in med:
             pairs.append(("engine-bf16", "hf", "-bf16-over-float32-generate"))
+    pairs += [(fast, "hf-bf16", f"-{fast[7:]}") for fast in ("engine-bf16-policy", "engine-bf16-policy-auto")
+              if fast in med]
     pairs += [(fast, cb, f"{label}-over-continuous-batching") for fast, cb, label in
               (("engine", "cb", ""), ("engine-bf16", "cb-bf16", "-bf16")) if cb in med]
     pairs += [(fast, f"{fast}-{suffix}", f"{fast[6:]}-over-{suffix}") for suffix, _ in variants

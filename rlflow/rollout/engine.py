@@ -89,7 +89,9 @@ DECODE_DTYPES = ("model", "float32", "bfloat16", "float16", "auto")
 def decode_dtype(choice: str, device: torch.device) -> torch.dtype | None:
     """The fused decoder's dtype for the engine's ``dtype`` option on ``device`` (None: the model's own)."""
     if choice == "auto":
-        return torch.bfloat16 if native_bf16(device) else None
+        if native_bf16(device):
+            return torch.bfloat16
+        return torch.float32 if device.type == "cpu" else None  # a CPU's emulated 16-bit products: float32 copies
     return None if choice == "model" else getattr(torch, choice)
 
 
@@ -126,11 +128,12 @@ class EngineRollout(CallKeys, RolloutBackend):
             min_shared_prefix: Prefill the token prefix common to all prompts of a rollout once, and attend to it
                 with one matrix product for all rows, when it is at least this long (0 disables it).
             dtype: Arithmetic of the fused decoder: ``model`` (the policy's own dtype, exact), ``float32``,
-                ``bfloat16``, ``float16`` (a copy of the weights in that dtype, made per rollout call, so it
-                always holds the current weights; training keeps the policy's dtype), or ``auto`` (``bfloat16``
-                where the device multiplies it natively: a CUDA GPU with bf16, a CPU with AMX or AVX512-BF16;
-                the model's own otherwise). Lower precision halves the weight bytes a decode step reads; the
-                rollout log-probs are then those of the rounded weights (see docs/performance.md, "bf16
+                ``bfloat16``, ``float16`` (a copy of the weights in that dtype, made per rollout call, so it always
+                holds the current weights; training keeps the policy's dtype), or ``auto`` (``bfloat16`` where the
+                device multiplies it natively: a CUDA GPU with bf16, a CPU with AMX or AVX512-BF16; ``float32`` on other
+                CPUs, where 16-bit products are emulated and several times slower, so a 16-bit policy decodes through
+                float32 copies; the model's own on other GPUs). Lower precision halves the weight bytes a decode step
+                reads; the rollout log-probs are then those of the rounded weights (see docs/performance.md, "bf16
                 decoding"). Decoding through the model's forward (no fused path) ignores it.
             norm: The fused decoder's RMS norms: ``model`` (the model's own formula in its order of roundings),
                 ``torch`` (``F.rms_norm``: one kernel on a CUDA GPU, rounding once where the model rounds twice),

@@ -14,7 +14,9 @@ own order of operations. On a CPU the engine has the large matrices packed once 
 own layout at its first decode step (:meth:`FusedDecoder.prepack`, :mod:`rlflow.rollout.prepack`; the products
 are bit-identical, the per-call repacking of the weight operand is gone), or, with float32 weights on an AVX2 CPU,
 in oneDNN's layout as soon as the decoder is built (its products round unlike ``torch.mm``'s, each row alike at any
-row count and thread count: every product of the decoder then takes it).
+row count and thread count: every product of the decoder then takes it). A 16-bit matrix that nothing packs (on a
+CPU without bf16 units) keeps ``nn.Linear``'s layout, whose software 16-bit products run far faster there than
+those of a transposed copy (:func:`_transposed`).
 
 With ``dtype`` (:class:`FusedDecoder`'s argument; the engine's ``dtype`` option) the decoder computes in another
 dtype than the live weights': its weight copies are made in that dtype (bfloat16 copies of float32 master
@@ -47,7 +49,7 @@ import torch.nn.functional as F
 
 from rlflow.models.lm_head import is_fp32_head
 from rlflow.models.lora import fold_problem, linear_weights, unwrap_peft
-from rlflow.rollout.prepack import PackedWeight, packable
+from rlflow.rollout.prepack import PackedWeight, packable, packs
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -139,13 +141,19 @@ def _cast(t: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | N
     return t if t is None or dtype is None else t.to(dtype)
 
 
-def _transposed(weight: torch.Tensor, dtype: torch.dtype | None, physical: bool = False) -> torch.Tensor:
-    """``weight`` (``[out, in]``) as ``[in, out]`` for :func:`_linear`: a contiguous transposed copy in its own
-    dtype (the faster layout for a float32 ``mm`` at decode batch sizes); in another ``dtype`` (None: its own), the
-    transposed view of a plain cast, unless ``physical`` (a transposing copy costs much more than a cast, and bf16
-    ``mm`` at decode sizes runs about as fast on either layout; the LM head is the exception)."""
-    if dtype is None or physical:
-        return weight.to(dtype or weight.dtype).t().contiguous()  # cast first: a converting transpose is slower
+def _transposed(weight: torch.Tensor, dtype: torch.dtype | None, head: bool = False) -> torch.Tensor:
+    """``weight`` (``[out, in]``) as ``[in, out]`` for :func:`_linear`, in ``dtype`` (None: its own): a contiguous
+    transposed copy in its own dtype (the faster layout for a float32 ``mm`` at decode batch sizes), or in another
+    dtype the transposed view of a plain cast (a transposing copy costs much more than a cast, and bf16 ``mm`` at
+    decode sizes runs about as fast on either layout), except the LM head (``head``), which is copied transposed.
+    A 16-bit matrix on a CPU that does not pack it (:func:`~rlflow.rollout.prepack.packs`: no AMX or AVX512-BF16,
+    or float16) is always the transposed view, ``nn.Linear``'s own layout: there ``torch.mm`` of a contiguous
+    ``[in, out]`` 16-bit matrix takes a slower kernel path than of the view (on an AVX2 CPU, 15-60x at 1-16 rows)."""
+    target = dtype or weight.dtype
+    if weight.device.type == "cpu" and target in (torch.bfloat16, torch.float16) and not packs(target):
+        return weight.to(target).t()
+    if dtype is None or head:
+        return weight.to(target).t().contiguous()  # cast first: a converting transpose is slower
     return weight.to(dtype).t()
 
 
@@ -245,12 +253,12 @@ class FusedDecoder:
     def _head(self, model: Any) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """``(final norm weight, LM head [in, out], its bias)`` of ``model`` (unwrapped) as this decoder holds
         them: the norm folded into the head in float32, copies in the decoder's dtype (the head in float32 under
-        ``cast_lm_head_to_fp32``), the head physically transposed."""
+        ``cast_lm_head_to_fp32``), the head transposed as :func:`_transposed` lays it out."""
         head_cast = torch.float32 if self.head_fp32 else self.cast
         norm_w, head_w = model.model.norm.weight, model.lm_head.weight
         if self.fold:
             head_w, norm_w = head_w * norm_w, None
-        return _cast(norm_w, self.cast), _transposed(head_w, head_cast, physical=True), _cast(model.lm_head.bias,
+        return _cast(norm_w, self.cast), _transposed(head_w, head_cast, head=True), _cast(model.lm_head.bias,
                                                                                                head_cast)
 
     @torch.no_grad()
@@ -290,7 +298,7 @@ class FusedDecoder:
             layer.pack(rows)
         if self.dtype == torch.float32:
             self.lm_head_w = _packed(self.lm_head_w, self.lm_head_b, rows)
-        elif not self.head_fp32:  # a 16-bit head is a physical transpose, whose mm may round unlike oneDNN's packed
+        elif not self.head_fp32:  # a packable 16-bit head is a physical transpose, whose mm may round unlike the packed
             self.lm_head_w = _packed(self.lm_head_w, self.lm_head_b, rows, checked=True)  # product: per row count
         self.packed_rows = rows
         mats = [self.lm_head_w] + [w for layer in self.layers for w in (layer.qkv_w, layer.gate_up_w)]

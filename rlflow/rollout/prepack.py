@@ -76,8 +76,9 @@ def float32_kernel() -> str | None:
     return "mkl" if _mkl() else None
 
 
-def _available(dtype: torch.dtype) -> bool:
-    """Whether this torch has the CPU packed-GEMM kernels for ``dtype``."""
+def packs(dtype: torch.dtype) -> bool:
+    """Whether this module packs CPU matrices of ``dtype`` here (this torch has the kernels and, for bfloat16,
+    the CPU multiplies it natively)."""
     if dtype == torch.float32:
         return float32_kernel() is not None
     if dtype == torch.bfloat16:
@@ -95,7 +96,7 @@ def rounds_like_mm(dtype: torch.dtype) -> bool:
 def packable(weight_t: torch.Tensor) -> bool:
     """Whether ``weight_t`` (``[in, out]``) is a CPU matrix this module packs (dtype, size, kernels present)."""
     return (weight_t.device.type == "cpu" and weight_t.dim() == 2 and weight_t.numel() >= MIN_NUMEL
-            and _available(weight_t.dtype))
+            and packs(weight_t.dtype))
 
 
 def _onednn_products(x: torch.Tensor, h: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

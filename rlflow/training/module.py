@@ -86,17 +86,22 @@ class NonFiniteLossError(RuntimeError):
     """Too many optimizer steps in a row had a NaN or infinite loss or gradient."""
 
 
-def emulated_bf16(precision: str, device: torch.device) -> str | None:
-    """Why ``trainer.precision`` costs time on ``device``, or None: bf16 compute on a CPU that multiplies bf16 in
-    software (neither AMX nor AVX512-BF16), where a run is faster in 32-true (``trainer.precision: auto`` picks
-    that there, :mod:`rlflow.training.trainer`)."""
+def emulated_bf16(precision: str, device: torch.device, policy_dtype: torch.dtype = torch.float32) -> str | None:
+    """Why ``trainer.precision`` or the policy's parameter dtype costs time on ``device``, or None: bf16 compute on
+    a CPU that multiplies bf16 in software (neither AMX nor AVX512-BF16), where a run is faster in 32-true
+    (``trainer.precision: auto`` picks that there, :mod:`rlflow.training.trainer`) with float32 parameters."""
     from rlflow.rollout.hardware import native_bf16
 
-    if not precision.startswith("bf16") or device.type != "cpu" or native_bf16(device):
+    if device.type != "cpu" or native_bf16(device):
         return None
-    return (f"trainer.precision={precision} on a CPU without bf16 hardware (no AMX or AVX512-BF16): its bf16 matrix "
-            "products are emulated, several times slower than float32; set --trainer.precision 32-true (or auto: "
-            "bf16 only where the device multiplies it natively)")
+    why = "its bf16 matrix products are emulated, several times slower than float32"
+    if precision.startswith("bf16"):
+        return (f"trainer.precision={precision} on a CPU without bf16 hardware (no AMX or AVX512-BF16): {why}; set "
+                "--trainer.precision 32-true (or auto: bf16 only where the device multiplies it natively)")
+    if policy_dtype == torch.bfloat16:
+        return (f"model.policy.dtype=bfloat16 on a CPU without bf16 hardware (no AMX or AVX512-BF16): {why}; keep "
+                "float32 parameters (the engine's dtype: auto decodes rollouts through float32 copies either way)")
+    return None
 
 
 def build_loss(loss: Any) -> Any:
@@ -483,7 +488,7 @@ class GRPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if self.ref_model is not None and not self.sharded:  # a sharded reference already sits on its devices
             self.ref_model.to(self.device)
-        slow = emulated_bf16(str(self.trainer.precision), self.device)
+        slow = emulated_bf16(str(self.trainer.precision), self.device, next(self.policy.parameters()).dtype)
         if slow:
             warn(slow)
         self.experience.bind(self.policy, self.current_policy_version)

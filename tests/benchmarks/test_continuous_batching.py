@@ -1,6 +1,6 @@
 """The benchmarks' continuous-batching anchor (:class:`benchmarks.continuous_batching.ContinuousBatchingRollout`,
-transformers' ``generate_batch``), ``bench_rollout.py --continuous-batching``, ``--without-graphs`` and
-``--with-mkl``."""
+transformers' ``generate_batch``), ``bench_rollout.py --continuous-batching``, ``--without-graphs``,
+``--bf16-policy`` and ``--with-mkl``."""
 
 from __future__ import annotations
 
@@ -74,6 +74,31 @@ def test_bench_rollout_prints_the_engine_over_its_unsplit_groups(tiny_model, cap
     printed = capsys.readouterr().out
     assert out["ratio-over-whole"] == pytest.approx(out["engine_tok_s"] / out["engine-whole_tok_s"])
     assert "rollout engine/engine-whole speedup:" in printed and "rollout engine/engine-eager speedup:" in printed
+
+
+def test_bench_rollout_times_a_bf16_policy_against_generate_on_it(tiny_model, capsys, monkeypatch):
+    from benchmarks.bench_rollout import main
+    from rlflow.rollout import engine
+
+    monkeypatch.setattr(engine, "native_bf16", lambda device: False)  # a CPU without bf16 units: auto is float32
+    decoders = []
+    real = engine.FusedDecoder.__init__
+
+    def init(self, model, dtype=None, norm="model"):
+        real(self, model, dtype, norm)
+        decoders.append((next(model.parameters()).dtype, self.dtype))
+
+    monkeypatch.setattr(engine.FusedDecoder, "__init__", init)
+    out = main(["--model", str(tiny_model), "--data", str(tiny_model.parent / "data" / "train.jsonl"),
+                "--prompts", "2", "--n", "2", "--max-tokens", "6", "--repeats", "1", "--rollouts", "1",
+                "--threads", "1", "--bf16-policy"])
+    printed = capsys.readouterr().out
+    for fast in ("engine-bf16-policy", "engine-bf16-policy-auto"):
+        assert out[f"ratio-{fast[7:]}"] == pytest.approx(out[f"{fast}_tok_s"] / out["hf-bf16_tok_s"])
+        assert f"rollout {fast}/hf-bf16 speedup:" in printed
+    # the bf16 policy decoded in bf16 (dtype model) and through float32 copies (auto); the float32 model as it is
+    assert {(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32), (torch.float32, torch.float32)} == \
+        set(decoders)
 
 
 def test_the_anchor_takes_trls_memory_share_unless_told_otherwise():

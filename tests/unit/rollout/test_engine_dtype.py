@@ -4,9 +4,10 @@ What is checked: the copies are exactly the bf16 casts of the live weights, refr
 (and reused while the weights are unchanged; switching LoRA adapters off counts as a change); the bf16 engine's
 log-probs agree with the model's own bf16 forward to within bf16 rounding, a bound measured in the test itself
 (how far the model's bf16 forward lies from its float32 forward on the same tokens), in one-turn rollouts and in
-multi-turn continuations on kept bf16 caches; the float32 paths stay exact; ``auto`` and bad values. The ``norm``
-option: ``F.rms_norm`` against a float64 formula rounded once, where each decoder path uses it, and bf16 rollouts
-with it within the same measured bound.
+multi-turn continuations on kept bf16 caches; the float32 paths stay exact; ``auto`` (bf16 where the device
+multiplies it, else float32 copies on a CPU) and bad values; the 16-bit matrices' layout where nothing packs them.
+The ``norm`` option: ``F.rms_norm`` against a float64 formula rounded once, where each decoder path uses it, and
+bf16 rollouts with it within the same measured bound.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import copy
 import pytest
 import torch
 
+from rlflow.rollout import engine as engine_module
 from rlflow.rollout import fused
 from rlflow.rollout.base import SamplingParams
-from rlflow.rollout.engine import EngineRollout, decode_dtype, native_bf16
+from rlflow.rollout.engine import EngineRollout, decode_dtype
 from tests.helpers.tiny_archs import IdTokenizer, tiny_causal_lm
 from tests.unit.rollout.test_engine import assert_logprobs_match_a_full_forward, prompts_of
 
@@ -131,10 +133,75 @@ def test_the_copies_follow_an_optimizer_step_and_are_reused_while_the_weights_st
             torch.testing.assert_close(torch.tensor(c.logprobs, dtype=torch.float64), new, atol=0.01, rtol=0)
 
 
-def test_auto_and_bad_values():
-    cpu = torch.device("cpu")
-    assert decode_dtype("auto", cpu) == (torch.bfloat16 if native_bf16(cpu) else None)
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_is_bf16_where_the_device_multiplies_it_else_float32_on_a_cpu(native, monkeypatch):
+    """``auto``: bf16 on a CPU or GPU with bf16 units; float32 copies on a CPU that emulates 16-bit products (a
+    16-bit policy there decodes through float32 copies; a float32 policy through its own weights, as ``model``);
+    the model's own dtype on a GPU without bf16."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(engine_module, "native_bf16", lambda device: native)
+    assert decode_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
+    assert decode_dtype("auto", cuda) == (torch.bfloat16 if native else None)
     assert decode_dtype("model", cpu) is None and decode_dtype("bfloat16", cpu) == torch.bfloat16
+
+
+def test_the_float32_decoder_of_a_float32_model_is_its_own_under_auto(model, tokenizer, monkeypatch):
+    """On a CPU without bf16 units ``auto`` decodes a float32 model exactly as ``model`` does: its own weights,
+    folded, the same tokens and log-probs."""
+    monkeypatch.setattr(engine_module, "native_bf16", lambda device: False)
+    prompts, params = prompts_of([10, 14], seed=8), SamplingParams(0.9, max_tokens=8)
+    runs = {}
+    for dtype in ("auto", "model"):
+        engine = EngineRollout(seed=5, dtype=dtype)
+        engine.bind(model, tokenizer)
+        runs[dtype] = engine.generate(prompts, params, n=3)
+        decoder = engine._kept_decoder[1]
+        assert decoder.dtype == torch.float32 and decoder.cast is None and decoder.fold
+    assert [[c.token_ids for c in g] for g in runs["auto"]] == [[c.token_ids for c in g] for g in runs["model"]]
+    assert [[c.logprobs for c in g] for g in runs["auto"]] == [[c.logprobs for c in g] for g in runs["model"]]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_auto_decodes_a_bf16_policy_through_float32_copies_on_a_cpu_without_bf16_units(name, monkeypatch):
+    """A policy loaded in bf16 on such a CPU decodes with float32 copies of its bf16 weights: its log-probs are
+    those of the same weights in float32 (a plain forward of ``model.float()``, to float32 rounding), not those of
+    the bf16 forward (which lie further from them than bf16 rounding of the logits)."""
+    monkeypatch.setattr(engine_module, "native_bf16", lambda device: False)
+    half = tiny_causal_lm(name, seed=7).to(torch.bfloat16)
+    engine = bound_engine(half, dtype="auto")
+    prompts = prompts_of([9, 15, 11], seed=9)
+    groups = engine.generate(prompts, SamplingParams(1.0, max_tokens=10), n=3)
+    decoder = engine._kept_decoder[1]
+    assert decoder.dtype == torch.float32 and decoder.layers[0].qkv_w.dtype == torch.float32
+    assert all(p.dtype == torch.bfloat16 for p in half.parameters())  # the policy itself is untouched
+    assert_logprobs_match_a_full_forward(copy.deepcopy(half).float(), prompts, groups, 1.0, atol=1e-4)
+    got = torch.cat([torch.tensor(c.logprobs, dtype=torch.float64) for g in groups for c in g])
+    bf16 = torch.cat([completion_logprobs(half, p, c.token_ids) for p, g in zip(prompts, groups) for c in g])
+    assert (got - bf16).abs().max() > 1e-3  # not the bf16 arithmetic
+
+
+@pytest.mark.parametrize("packs", [True, False])
+def test_16_bit_matrices_take_nn_linears_layout_where_nothing_packs_them(packs, monkeypatch):
+    """On a CPU that does not pack 16-bit matrices (no AMX or AVX512-BF16), ``torch.mm`` of a contiguous
+    ``[in, out]`` 16-bit matrix takes a kernel path many times slower than of the transposed view of ``[out, in]``
+    (``nn.Linear``'s layout): there every 16-bit matrix of the decoder, the LM head included, is that view, both for
+    a bf16 model and for bf16 copies of a float32 one. Where the CPU packs them the LM head is a contiguous copy
+    (packed per row count at the first decode step)."""
+    monkeypatch.setattr(fused, "packs", lambda dtype: packs)
+    model = tiny_causal_lm("qwen3", seed=3)
+    for decoder in (fused.FusedDecoder(copy.deepcopy(model).to(torch.bfloat16)),
+                    fused.FusedDecoder(model, torch.bfloat16)):
+        layer = decoder.layers[0]
+        assert decoder.lm_head_w.is_contiguous() == packs
+        assert decoder.lm_head_w.t().is_contiguous() != packs
+        for name in ("qkv_w", "o_w", "gate_up_w", "down_w"):
+            weight = getattr(layer, name)
+            assert weight.dtype == torch.bfloat16
+            assert weight.t().is_contiguous() or packs  # the transposed view (where packed: either, packed later)
+        assert torch.equal(decoder.lm_head_w.t(), model.lm_head.weight.to(torch.bfloat16))
+
+
+def test_bad_values():
     with pytest.raises(ValueError, match="engine dtype must be one of model, float32, bfloat16, float16, auto"):
         EngineRollout(dtype="bf16")
 

@@ -27,7 +27,7 @@ from tests.helpers.tiny_archs import IdTokenizer
 
 needs_mkl = pytest.mark.skipif(not prepack._mkl(), reason="torch built without MKL")
 needs_onednn_float32 = pytest.mark.skipif(not prepack._onednn(), reason="torch built without oneDNN")
-needs_onednn = pytest.mark.skipif(not prepack._available(torch.bfloat16),
+needs_onednn = pytest.mark.skipif(not prepack.packs(torch.bfloat16),
                                   reason="bf16 packing needs torch with oneDNN and a CPU with AMX or AVX512-BF16")
 
 
@@ -128,7 +128,7 @@ def test_bfloat16_does_not_pack_where_the_cpu_emulates_it(monkeypatch):
     """Emulated bf16 ``mm`` takes other kernels at some row counts and rounds unlike the packed product."""
     monkeypatch.setattr(prepack, "native_bf16", lambda device: False)
     assert not packable(matrix(576, 960, torch.bfloat16))
-    assert packable(matrix(576, 960, torch.float32)) == prepack._available(torch.float32)  # float32 still does
+    assert packable(matrix(576, 960, torch.float32)) == prepack.packs(torch.float32)  # float32 still does
 
 
 def test_small_matrices_and_other_dtypes_do_not_pack():

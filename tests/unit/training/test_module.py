@@ -43,3 +43,8 @@ def test_bf16_precision_on_a_cpu_without_bf16_hardware_is_named(monkeypatch, nat
             assert f"trainer.precision={precision}" in message and "--trainer.precision 32-true" in message
     assert emulated_bf16("32-true", cpu) is None and emulated_bf16("16-mixed", cpu) is None
     assert emulated_bf16("bf16-mixed", torch.device("meta")) is None  # not a CPU: not this check's business
+    policy = emulated_bf16("32-true", cpu, torch.bfloat16)  # bf16 parameters: their products are bf16 too
+    assert (policy is None) == native, policy
+    if policy:
+        assert "model.policy.dtype=bfloat16" in policy and "float32 parameters" in policy
+    assert emulated_bf16("32-true", cpu, torch.float32) is None
