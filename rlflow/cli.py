@@ -282,7 +282,8 @@ class RLFlowCLI(LightningCLI):
             if every < 1:
                 raise ConfigError(f"evaluate_every_n_steps must be >= 1, got {every}")
             if not config["data"].get("eval_data_path"):
-                raise ConfigError(f"evaluate_every_n_steps={every} needs an eval set: set data.eval_data_path")
+                raise ConfigError(f"evaluate_every_n_steps={every} needs an eval set: set data.eval_data_path, or "
+                                  "--evaluate_every_n_steps null to train without evaluation")
             trainer["val_check_interval"] = every  # counted in training batches = rollout steps...
             trainer["check_val_every_n_epoch"] = None  # ...across epoch boundaries
         logger = trainer.get("logger")

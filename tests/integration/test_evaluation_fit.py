@@ -82,8 +82,16 @@ def test_evaluate_every_n_steps_maps_to_lightning(tiny_model, tiny_data, tmp_pat
     )
     trainer = cli_main(args[1:], run=False).trainer  # [1:]: no subcommand
     assert trainer.val_check_interval == 5 and trainer.check_val_every_n_epoch is None
-    with pytest.raises(ValueError, match="needs an eval set"):
+    with pytest.raises(ValueError, match="needs an eval set: .* or --evaluate_every_n_steps null to train without"):
         cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--evaluate_every_n_steps=5")[1:], run=False)
+    # what the message says turns evaluation off where a config file sets it
+    config = tmp_path / "evaluating.yaml"
+    config.write_text(f"evaluate_every_n_steps: 5\ndata:\n  eval_data_path: {tiny_data / 'val.jsonl'}\n")
+    off = [*fit_args(tiny_model, tiny_data, tmp_path)[1:], f"--config={config}", "--data.eval_data_path=null"]
+    with pytest.raises(ValueError, match="evaluate_every_n_steps=5 needs an eval set"):
+        cli_main(off, run=False)
+    trainer = cli_main([*off, "--evaluate_every_n_steps=null"], run=False).trainer
+    assert trainer.val_check_interval == 1.0 and trainer.check_val_every_n_epoch == 1  # Lightning's defaults
 
 
 EVAL_SEEN: list[tuple[str, str]] = []
