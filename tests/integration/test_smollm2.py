@@ -101,6 +101,33 @@ def test_bf16_engine_logprobs_are_within_bf16_rounding_on_the_real_model(model_a
     assert to_half.mean() <= 2 * float_to_half.mean() and to_half.max() <= 2 * float_to_half.max()
 
 
+def test_packing_stays_on_for_the_real_model_computing_in_bf16(model_and_tokenizer):
+    """The packing probe's random tokens have log-probs near -15 on the real model, where bf16 rounds them by more
+    than the fixed 0.1 in any layout: packed and padded bf16 log-probs differ by more than 0.1 here, yet packing
+    is exact (no sequence moves when the pack is reversed) and stays on, for bf16 weights and for bf16 autocast
+    over the float32 weights (FSDP2's param_dtype computes the same way)."""
+    import copy
+
+    from rlflow.data.experience import collate
+    from rlflow.training.logprobs import completion_logprobs
+    from rlflow.training.packing import collate_packed, packed_completion_logprobs
+    from rlflow.training.packing_support import HALF_TOLERANCE, packing_unsupported_reason, probe_experiences
+
+    model, _ = model_and_tokenizer
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    exps = probe_experiences(model.get_input_embeddings().num_embeddings)
+    with torch.no_grad():
+        padded_batch = collate(exps, pad_id=0)
+        padded = completion_logprobs(half, padded_batch)[0]
+        packed = packed_completion_logprobs(half, collate_packed(exps, share_prompts=True))[0]
+    mask = padded_batch["completion_mask"]
+    assert float((packed.float() - padded.float())[mask].abs().max()) > HALF_TOLERANCE  # the fixed bound alone fails
+    assert packing_unsupported_reason(half) is None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert packing_unsupported_reason(model) is None
+    assert packing_unsupported_reason(model) is None  # float32: within 0.001
+
+
 def test_the_shipped_cpu_config_trains_a_step_on_the_real_model_and_the_export_reloads(smollm2, tmp_path, caplog):
     """configs/smollm2_gsm8k_cpu.yaml as shipped (4 prompts x 4, up to 64 tokens), one rollout step; the reward is
     the share of digits instead of GSM8K correctness, which this 135M model rarely reaches (all-zero groups give

@@ -120,3 +120,47 @@ def test_the_tolerance_follows_the_compute_dtype_not_the_stored_one(rounded_pack
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def test_in_16_bits_a_leak_moves_a_sequence_when_the_pack_is_reversed(monkeypatch):
+    """Under bf16 compute the leaking layout's gap passes the fixed tolerance's fallback only if order does not
+    move any sequence: it does, so packing is refused, naming the order test."""
+    import torch
+
+    import rlflow.training.packing as packing
+
+    monkeypatch.setattr(packing, "_varlen_attention", lambda model, batch: contextlib.nullcontext({}))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reason = packing_unsupported_reason(tiny_causal_lm("qwen3"))
+    assert reason and "when the pack's order is reversed" in reason and "sequences leak into each other" in reason
+
+
+@pytest.mark.parametrize("packed_off,accepted", [(0.15, True), (0.25, False)])
+def test_in_16_bits_a_gap_within_three_times_the_models_own_rounding_passes(monkeypatch, packed_off, accepted):
+    """A real model's log-probs round by more than 0.1 in bf16 in any layout (simulated here: scoring a sequence
+    alone moves it by 0.06): packed log-probs 0.15 from the padded ones are within 3 x 0.06 and packing stays on;
+    0.25 is not. In float32 the fixed tolerance alone decides."""
+    import torch
+
+    import rlflow.training.logprobs as logprobs
+    import rlflow.training.packing_support as packing_support
+
+    exact_packed, exact_padded = packing_support.packed_completion_logprobs, logprobs.completion_logprobs
+
+    def packed(*args, **kwargs):
+        out, rest = exact_packed(*args, **kwargs)
+        return out + packed_off, rest
+
+    def padded(model, batch, *args, **kwargs):
+        out, rest = exact_padded(model, batch, *args, **kwargs)
+        return (out + 0.06 if len(batch["input_ids"]) == 1 else out), rest
+
+    monkeypatch.setattr(packing_support, "packed_completion_logprobs", packed)
+    monkeypatch.setattr(logprobs, "completion_logprobs", padded)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reason = packing_unsupported_reason(tiny_causal_lm("qwen3"))
+    assert (reason is None) == accepted, reason
+    if not accepted:
+        assert re.search(r"by 0\.2\d* \(> 0\.1, and > 3x the 0\.06\d* between two padded layouts, in bfloat16",
+                         reason)
+    assert "(> 0.001 in float32)" in packing_unsupported_reason(tiny_causal_lm("qwen3"))
