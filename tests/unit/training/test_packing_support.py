@@ -164,3 +164,43 @@ def test_in_16_bits_a_gap_within_three_times_the_models_own_rounding_passes(monk
         assert re.search(r"by 0\.2\d* \(> 0\.1, and > 3x the 0\.06\d* between two padded layouts, in bfloat16",
                          reason)
     assert "(> 0.001 in float32)" in packing_unsupported_reason(tiny_causal_lm("qwen3"))
+
+
+def test_the_16_bit_checks_run_on_a_sharded_model(monkeypatch):
+    """FSDP2 with a bf16 ``param_dtype``: the order test and the padded layouts' rounding are sharded forwards too
+    (collectives on every rank), and a gap within the model's rounding keeps packing on."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import rlflow.training.distributed as distributed
+    import rlflow.training.packing_support as packing_support
+
+    exact_packed, exact_padded = packing_support.packed_completion_logprobs, distributed.sharded_completion_logprobs
+    calls = []
+
+    def packed(*args, **kwargs):
+        calls.append(("packed", kwargs.get("sharded")))
+        out, rest = exact_packed(*args, **kwargs)
+        return out + 0.15, rest
+
+    def padded(model, batch, *args, **kwargs):
+        calls.append(("padded", len(batch["input_ids"])))
+        out, rest = exact_padded(model, batch, *args, **kwargs)
+        return (out + 0.06 if len(batch["input_ids"]) == 1 else out), rest
+
+    monkeypatch.setattr(packing_support, "packed_completion_logprobs", packed)
+    monkeypatch.setattr(distributed, "sharded_completion_logprobs", padded)
+    created = not dist.is_initialized()
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = tiny_causal_lm("qwen3")
+        distributed.shard_model(model, init_device_mesh("cpu", (dist.get_world_size(),)),
+                                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+        assert packing_unsupported_reason(model, sharded=True) is None
+    finally:
+        if created:
+            dist.destroy_process_group()
+    assert calls.count(("packed", True)) == 3 and ("padded", 1) in calls  # the original, reversed and again
