@@ -169,9 +169,10 @@ def main(argv=None) -> dict:
         if args.continuous_batching:
             backends["cb-bf16"] = (ContinuousBatchingRollout(**args.cb_settings), half)
     if args.bf16_policy:  # the policy itself in bf16: generate on it, the engine in its dtype and with auto
-        policy = backends["hf-bf16"][1] if "hf-bf16" in backends else copy.deepcopy(model).to(torch.bfloat16)
-        backends.update({"hf-bf16": backends.get("hf-bf16", (PlainGenerateRollout(), policy)),
-                         "engine-bf16-policy": (EngineRollout(seed=args.seed), policy),
+        if "hf-bf16" not in backends:
+            backends["hf-bf16"] = (PlainGenerateRollout(), copy.deepcopy(model).to(torch.bfloat16))
+        policy = backends["hf-bf16"][1]
+        backends.update({"engine-bf16-policy": (EngineRollout(seed=args.seed), policy),
                          "engine-bf16-policy-auto": (EngineRollout(dtype="auto", seed=args.seed), policy)})
     variants = [(suffix, option) for flag, suffix, option in VARIANTS if getattr(args, flag)]
     engines = [(name, b, m) for name, (b, m) in backends.items() if name.startswith("engine")]

@@ -97,15 +97,16 @@ def probe_error(model: Any, sharded: bool = False) -> str | None:
     linear = next((m for m in model.modules() if isinstance(m, torch.nn.Linear)), None)
     hook = linear.register_forward_hook(lambda m, i, out: computed.append(out.dtype)) if linear is not None else None
     try:
-        worst = _gap(packed(exps), padded(exps))
+        in_order, padded_in_order = packed(exps), padded(exps)
+        worst = _gap(in_order, padded_in_order)
         dtype = computed[0] if computed else next(model.parameters()).dtype
         tolerance = TOLERANCE.get(dtype, HALF_TOLERANCE)
         name = str(dtype).removeprefix("torch.")
         if worst <= tolerance:
             return None
         if dtype not in TOLERANCE:  # 16 bits: the model's own rounding, and whether order moves a sequence
-            moved = _gap(packed(exps[::-1])[::-1], packed(exps))
-            rounding = _gap(padded(exps), [padded([e])[0] for e in exps])
+            moved = _gap(packed(exps[::-1])[::-1], in_order)
+            rounding = _gap(padded_in_order, [padded([e])[0] for e in exps])
             if moved > ORDER_TOLERANCE:
                 return (f"a sequence's packed log-probs move by {moved:.3g} when the pack's order is reversed (> "
                         f"{ORDER_TOLERANCE:g} in {name}): sequences leak into each other")

@@ -122,6 +122,30 @@ def test_the_tolerance_follows_the_compute_dtype_not_the_stored_one(rounded_pack
             dist.destroy_process_group()
 
 
+def offset_scores(monkeypatch, padded_module, padded_name: str, packed_off: float, alone_off: float) -> list:
+    """Packed log-probs moved by ``packed_off`` and a sequence scored alone (padded, batch of one) by ``alone_off``,
+    as a real model's bf16 rounding moves them; returns the list of calls, ``("packed", sharded)`` or
+    ``("padded", sequences)``."""
+    import rlflow.training.packing_support as packing_support
+
+    exact_packed, exact_padded = packing_support.packed_completion_logprobs, getattr(padded_module, padded_name)
+    calls = []
+
+    def packed(*args, **kwargs):
+        calls.append(("packed", kwargs.get("sharded")))
+        out, rest = exact_packed(*args, **kwargs)
+        return out + packed_off, rest
+
+    def padded(model, batch, *args, **kwargs):
+        calls.append(("padded", len(batch["input_ids"])))
+        out, rest = exact_padded(model, batch, *args, **kwargs)
+        return (out + alone_off if len(batch["input_ids"]) == 1 else out), rest
+
+    monkeypatch.setattr(packing_support, "packed_completion_logprobs", packed)
+    monkeypatch.setattr(padded_module, padded_name, padded)
+    return calls
+
+
 def test_in_16_bits_a_leak_moves_a_sequence_when_the_pack_is_reversed(monkeypatch):
     """Under bf16 compute the leaking layout's gap passes the fixed tolerance's fallback only if order does not
     move any sequence: it does, so packing is refused, naming the order test."""
@@ -143,20 +167,8 @@ def test_in_16_bits_a_gap_within_three_times_the_models_own_rounding_passes(monk
     import torch
 
     import rlflow.training.logprobs as logprobs
-    import rlflow.training.packing_support as packing_support
 
-    exact_packed, exact_padded = packing_support.packed_completion_logprobs, logprobs.completion_logprobs
-
-    def packed(*args, **kwargs):
-        out, rest = exact_packed(*args, **kwargs)
-        return out + packed_off, rest
-
-    def padded(model, batch, *args, **kwargs):
-        out, rest = exact_padded(model, batch, *args, **kwargs)
-        return (out + 0.06 if len(batch["input_ids"]) == 1 else out), rest
-
-    monkeypatch.setattr(packing_support, "packed_completion_logprobs", packed)
-    monkeypatch.setattr(logprobs, "completion_logprobs", padded)
+    offset_scores(monkeypatch, logprobs, "completion_logprobs", packed_off, 0.06)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         reason = packing_unsupported_reason(tiny_causal_lm("qwen3"))
     assert (reason is None) == accepted, reason
@@ -175,23 +187,8 @@ def test_the_16_bit_checks_run_on_a_sharded_model(monkeypatch):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import rlflow.training.distributed as distributed
-    import rlflow.training.packing_support as packing_support
 
-    exact_packed, exact_padded = packing_support.packed_completion_logprobs, distributed.sharded_completion_logprobs
-    calls = []
-
-    def packed(*args, **kwargs):
-        calls.append(("packed", kwargs.get("sharded")))
-        out, rest = exact_packed(*args, **kwargs)
-        return out + 0.15, rest
-
-    def padded(model, batch, *args, **kwargs):
-        calls.append(("padded", len(batch["input_ids"])))
-        out, rest = exact_padded(model, batch, *args, **kwargs)
-        return (out + 0.06 if len(batch["input_ids"]) == 1 else out), rest
-
-    monkeypatch.setattr(packing_support, "packed_completion_logprobs", packed)
-    monkeypatch.setattr(distributed, "sharded_completion_logprobs", padded)
+    calls = offset_scores(monkeypatch, distributed, "sharded_completion_logprobs", 0.15, 0.06)
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -203,4 +200,4 @@ def test_the_16_bit_checks_run_on_a_sharded_model(monkeypatch):
     finally:
         if created:
             dist.destroy_process_group()
-    assert calls.count(("packed", True)) == 3 and ("padded", 1) in calls  # the original, reversed and again
+    assert calls.count(("packed", True)) == 2 and ("padded", 1) in calls  # the pack in order, then reversed
