@@ -24,18 +24,35 @@ is no safe place to run code.
 Nothing outlives the trainer: the zygote ends when its control socket to the trainer closes or when the trainer
 dies (``PR_SET_PDEATHSIG``, on Linux), killing its workers' process groups first; a worker dies with its zygote
 (``PR_SET_PDEATHSIG``). Each worker runs in the trainer's working directory, environment and ``sys.path`` of the
-moment it was started.
+moment it was started. The zygote imports the trainer's own rlflow: its ``python -c`` first sets ``sys.path`` to
+the folder holding this rlflow, then the trainer's ``sys.path`` without the working directory (``''``), so neither
+a ``rlflow`` folder nor a module named like a standard one in the working directory takes their place; it preloads
+from there, then takes the trainer's ``sys.path`` as it is (``''`` included) for its workers, whose user modules
+import as they do in the trainer.
 
 Keywords whose value is a :class:`Recorded` are callbacks (a judger's ``log_extra``, ``log_metric``): in the
 worker they record their arguments, after checking them, and the caller replays the records on the real
 callbacks (:attr:`Outcome.records`).
+
+Only plain values travel back, since user code may write anything to its pipe. In the worker, a reply (the value,
+the records) is made of plain values before it is pickled (:func:`_plain`: lists, tuples, dicts, sets, strings,
+bytes, numbers, None; numpy and torch values through ``tolist()``, an iterator as a list); anything else fails the
+call, naming its type. An exception travels as its class's module and name, its one-line message and, for Python's
+own exceptions, its ``args`` (:func:`_sendable`); the trainer rebuilds Python's own as themselves and others as a
+:class:`WorkerRaised` of the same name (:func:`_rebuilt`). The trainer reads whatever a worker or the zygote sends
+with :func:`_load`, which builds plain values and nothing else (its ``find_class`` allows ``builtins.complex``,
+``set`` and ``frozenset`` alone) and refuses values that refer to each other far more often than the bytes that
+came allow: a reply holding anything else fails its call, naming what it held, and its worker is killed. No code
+a worker chose runs in the trainer.
 """
 
 from __future__ import annotations
 
+import builtins
 import concurrent.futures
 import ctypes
 import io
+import numbers
 import os
 import pickle
 import signal
@@ -60,6 +77,10 @@ _SHARED: _Zygote | None = None
 _SHARED_LOCK = threading.Lock()
 _LAUNCHER: concurrent.futures.ThreadPoolExecutor | None = None
 _LAUNCHER_LOCK = threading.Lock()
+#: The folder holding this rlflow: first on the zygote's ``sys.path``, so that it imports the trainer's rlflow.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: The only globals a reply from a worker or the zygote may name (every other plain value has an opcode of its own).
+_ALLOWED = frozenset({("builtins", "complex"), ("builtins", "set"), ("builtins", "frozenset")})
 
 
 class WorkerError(Exception):
@@ -75,8 +96,17 @@ class WorkerTimeout(TimeoutError):
     """The call outlived its timeout; its worker (and the worker's process group) was killed."""
 
 
+class WorkerRaised(WorkerError):
+    """An exception a call raised in its worker process, of a class the trainer does not load from a worker (only
+    plain values travel): rebuilt as a subclass of this one with that class's name and module, and its message."""
+
+
 class WorkerTraceback(Exception):
     """The traceback, in the worker process, of an exception a call raised there (its ``__cause__``)."""
+
+
+class _Unreadable(Exception):
+    """What a worker or the zygote sent cannot be read here (:func:`_load`); the message says why."""
 
 
 @dataclass(frozen=True)
@@ -181,6 +211,73 @@ def _context() -> tuple[list[str], str, dict[str, str]]:
     return list(sys.path), os.getcwd(), dict(os.environ)
 
 
+def _cut(text: str, limit: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ------------------------------------------------------------------------------- reading what a worker sends
+class _Reader(pickle.Unpickler):
+    """An unpickler that builds plain values only: a global other than those of :data:`_ALLOWED` (the one way a
+    pickle runs code: ``os._exit``, a class's ``__setstate__``) is refused, naming it."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED:
+            return getattr(builtins, name)
+        raise _Unreadable(f"it held a disallowed object {_cut(f'{module}.{name}')}")
+
+
+def _load(data: bytes) -> Any:
+    """What a worker or the zygote sent, as plain values (:class:`_Reader`) that refer to each other no more often
+    than the size of ``data`` allows (:func:`_small`); else an :class:`_Unreadable` saying why. Runs no code the
+    sender chose."""
+    try:
+        value = _Reader(io.BytesIO(data)).load()
+    except _Unreadable:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the bytes make pickle raise
+        raise _Unreadable(f"{type(exc).__name__}: {_cut(str(exc))}") from None
+    if not _small(value, 2 * len(data) + 1024):
+        raise _Unreadable("its values refer to each other far more often than its size allows (a structure built "
+                          "to take the trainer's time or memory)")
+    return value
+
+
+def _small(value: Any, budget: int) -> bool:
+    """Whether walking ``value`` (every container's items, each time the container is met) takes at most ``budget``
+    steps. A reply made by :func:`_plain` holds each container once, so its walk is no longer than its pickle; one
+    list referred to a million times over, or a list holding itself, is not."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            budget -= 2 * len(item)
+            if budget < 0:
+                return False
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            budget -= len(item)
+            if budget < 0:
+                return False
+            stack.extend(item)
+    return True
+
+
+def _records(records: Any) -> list[tuple[str, tuple[Any, ...]]]:
+    """A reply's :class:`Recorded` calls, checked to be ``(keyword, arguments)`` pairs (else a TypeError)."""
+    if type(records) is not list or not all(type(r) is tuple and len(r) == 2 and type(r[0]) is str
+                                            and type(r[1]) is tuple for r in records):
+        raise TypeError("not a call's records")
+    return records
+
+
+def _text(value: Any) -> str:
+    if type(value) is not str:
+        raise TypeError("not a text")
+    return value
+
+
 # ----------------------------------------------------------------------------------------- the trainer's side
 class _Zygote:
     """The trainer's handle on a zygote: a control socket to ask it for workers and for how they ended."""
@@ -194,13 +291,17 @@ class _Zygote:
 
     @classmethod
     def spawn(cls) -> _Zygote:
-        """A fresh Python process (the shared zygote) that imports :func:`preloaded`."""
+        """A fresh Python process (the shared zygote) that imports :func:`preloaded`: this process's rlflow, as its
+        ``-c`` code first sets ``sys.path`` to :data:`_ROOT` and this process's ``sys.path`` without ``''`` (which
+        ``-c`` puts first: the working directory, whose ``rlflow`` folder or ``socket.py`` would be imported
+        instead); it gets the whole ``sys.path`` once it has loaded (:func:`_zygote_main`)."""
         ours, theirs = socket.socketpair()
-        command = f"from rlflow.isolation import _zygote_main; _zygote_main({theirs.fileno()}, {os.getpid()})"
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+        path = [_ROOT, *(p for p in sys.path if p and p != _ROOT)]
+        command = (f"import sys; sys.path[:] = {path!r}; from rlflow.isolation import _zygote_main; "
+                   f"_zygote_main({theirs.fileno()}, {os.getpid()})")
 
         def start() -> subprocess.Popen:
-            return subprocess.Popen([sys.executable, "-c", command], pass_fds=(theirs.fileno(),), env=env,
+            return subprocess.Popen([sys.executable, "-c", command], pass_fds=(theirs.fileno(),),
                                     stdin=subprocess.DEVNULL)
 
         try:
@@ -223,13 +324,19 @@ class _Zygote:
             if not self.conn.poll(timeout):
                 self.close()  # a late answer would be taken for the next request's
                 raise OSError(f"the worker zygote did not answer within {timeout:g} s")
-            return pickle.loads(self.conn.recv_bytes())
+            try:
+                return _load(self.conn.recv_bytes())
+            except _Unreadable as exc:
+                self.close()
+                raise OSError(f"the worker zygote's answer cannot be read: {exc}") from None
 
     def fork_worker(self, payload: bytes) -> tuple[int, Connection]:
         """A new worker (its pid and the connection to it), loading the pickled callable ``payload``."""
         ours, theirs = socket.socketpair()
         try:
             _, pid = self.request(("fork", payload, _context()), theirs.fileno())
+            if type(pid) is not int:
+                raise OSError(f"the worker zygote answered {_cut(repr(pid))} for a process id")
         except BaseException:
             ours.close()
             raise
@@ -240,9 +347,10 @@ class _Zygote:
     def exit_code(self, pid: int) -> int | None:
         """How worker ``pid`` ended, once the zygote has reaped it (None if unknown within a few seconds)."""
         try:
-            return self.request(("status", pid, 5.0), timeout=10.0)[1]
-        except (OSError, EOFError):
+            code = self.request(("status", pid, 5.0), timeout=10.0)[1]
+        except (OSError, EOFError, TypeError, LookupError):
             return None
+        return code if type(code) is int else None
 
     def close(self) -> None:
         """End the zygote (it kills its workers first) by closing its control socket."""
@@ -286,13 +394,14 @@ class _Worker:
     conn: Connection
     zygote: _Zygote
 
-    def kill(self) -> None:
-        """SIGKILL the worker and its process group, unless it has ended already (its pid may be reused)."""
+    def kill(self, force: bool = False) -> None:
+        """SIGKILL the worker and its process group, unless it has ended already (its pid may be reused); ``force``:
+        even where it has sent more than it was asked (which reads as having ended)."""
         try:
             ended = self.conn.poll(0)  # an EOF waits on the connection of a worker that has ended
         except OSError:
             ended = True
-        if not ended:
+        if force or not ended:
             _kill_group(self.pid)
         self.conn.close()
 
@@ -350,11 +459,18 @@ class Isolated:
             raise WorkerCrashed(f"{self.what} did not load in its worker process within {timeout:g} s; the worker "
                                 "was killed")
         try:
-            answer = pickle.loads(conn.recv_bytes())
+            answer = _load(conn.recv_bytes())
+            if not (type(answer) is tuple and len(answer) == 2 and answer[0] in ("ready", "failed")
+                    and type(answer[1]) is (int if answer[0] == "ready" else str)):
+                raise _Unreadable("it is none of the answers a worker sends")
         except (EOFError, OSError):
             conn.close()
             raise WorkerCrashed(f"the worker process of {self.what} {how_it_ended(zygote.exit_code(pid))} while "
                                 "loading it") from None
+        except _Unreadable as exc:
+            worker.kill(force=True)
+            raise WorkerCrashed(f"{self.what} cannot be loaded in a worker process: its answer cannot be read here "
+                                f"({exc}); the worker was killed") from None
         if answer[0] != "ready":
             conn.close()  # it ends by itself
             raise WorkerCrashed(f"{self.what} cannot be loaded in a worker process: {answer[1]}")
@@ -429,8 +545,14 @@ class Isolated:
             code = worker.zygote.exit_code(worker.pid)
             return Outcome(error=WorkerCrashed(f"the worker process of {self.what} {how_it_ended(code)} during the "
                                                "call; a new one serves the next call"), pid=worker.pid)
+        try:
+            outcome = _outcome(reply, self.what, worker.pid)
+        except _Unreadable as exc:  # it sent what no worker of ours sends: not one to keep
+            worker.kill(force=True)
+            return Outcome(error=WorkerError(f"the reply of {self.what}'s worker process cannot be read here: {exc}; "
+                                             "the worker was killed, a new one serves the next call"), pid=worker.pid)
         self.release(worker)
-        return _outcome(reply, self.what, worker.pid)
+        return outcome
 
     def close(self) -> None:
         """Kill the idle workers (a busy one is kept after its call); a later call starts new ones."""
@@ -446,36 +568,76 @@ def close_all(pools: dict[str, Isolated | None]) -> None:
 
 
 def _outcome(reply: bytes, what: str, pid: int) -> Outcome:
+    """How a call ended, from its worker's ``reply`` (:func:`_serve`) read by :func:`_load`; an
+    :class:`_Unreadable` where it cannot be read or is none of the replies a worker sends."""
+    message = _load(reply)
     try:
-        kind, *rest = pickle.loads(reply)
-    except Exception as exc:  # noqa: BLE001 - e.g. a class only the worker can import
-        return Outcome(error=WorkerError(f"the reply of {what}'s worker process cannot be read here: "
-                                         f"{type(exc).__name__}: {exc}"), pid=pid)
-    if kind == "ok":
-        value, records = rest
-        return Outcome(value=value, records=records, pid=pid)
-    if kind == "raised":
-        error, text, records = rest
-        error.__cause__ = WorkerTraceback(f"in the worker process:\n{text}")
-        return Outcome(error=error, records=records, pid=pid)
-    message, records = rest
-    return Outcome(error=WorkerError(f"{what} returned {message}"), records=records, pid=pid)
+        kind, *rest = message
+        if kind == "ok":
+            value, records = rest
+            return Outcome(value=value, records=_records(records), pid=pid)
+        if kind == "raised":
+            description, text, records = rest
+            error = _rebuilt(description)
+            error.__cause__ = WorkerTraceback(f"in the worker process:\n{_text(text)}")
+            return Outcome(error=error, records=_records(records), pid=pid)
+        if kind == "unpicklable":
+            text, records = rest
+            return Outcome(error=WorkerError(f"{what} returned {_text(text)}"), records=_records(records), pid=pid)
+    except (TypeError, ValueError):  # the wrong shape
+        pass
+    raise _Unreadable("it is none of the replies a worker sends")
+
+
+_REBUILT: dict[tuple[str, str], type[WorkerRaised]] = {}
+
+
+def _rebuilt(description: Any) -> BaseException:
+    """The exception a worker described (:func:`_sendable`): Python's own (``builtins``) rebuilt from its arguments
+    (or from its message, where those do not give it), a :class:`WorkerError` as one, any other as a
+    :class:`WorkerRaised` subclass of the same name and module (one class per name, up to 256 kept). Nothing of the
+    worker's is imported. A TypeError where ``description`` is not one a worker sends."""
+    module, qualname, args, message = description
+    if not (type(module) is str and type(qualname) is str and type(message) is str
+            and (args is None or type(args) is tuple)):
+        raise TypeError("not an exception's description")
+    if module == "builtins":
+        cls = getattr(builtins, qualname, None)
+        if isinstance(cls, type) and issubclass(cls, BaseException):
+            try:
+                error = cls(*args) if args is not None else cls(message)
+                return error if str(error) == message else cls(message)
+            except Exception:  # noqa: BLE001 - one wanting other arguments (UnicodeDecodeError): by its name below
+                pass
+    if (module, qualname) == (__name__, "WorkerError"):
+        return WorkerError(message)
+    module, qualname = _cut(module), _cut(qualname)
+    cls = _REBUILT.get((module, qualname))
+    if cls is None:
+        try:
+            cls = type(qualname.rpartition(".")[2], (WorkerRaised,), {"__module__": module, "__qualname__": qualname})
+        except Exception:  # noqa: BLE001 - a name type() refuses (a NUL character)
+            cls = WorkerRaised
+        if len(_REBUILT) < 256:
+            _REBUILT[(module, qualname)] = cls
+    return cls(message)
 
 
 # ----------------------------------------------------------------------------------------- the processes' side
 def _zygote_main(fd: int, trainer: int) -> None:
-    """Entry point of the spawned zygote: read ``sys.path`` and the modules to preload, then serve."""
+    """Entry point of the spawned zygote: read the trainer's ``sys.path`` and the modules to preload; preload them
+    (from the path :meth:`_Zygote.spawn` set), take that ``sys.path``, then serve."""
     sock = socket.socket(fileno=fd)
     try:
         conn = Connection(os.dup(fd))
         path, preload = pickle.loads(conn.recv_bytes())
         conn.close()
-        sys.path[:] = path
-        for module in preload:
+        for module in preload:  # from the path spawn() set: the trainer's rlflow, not the working directory's
             try:
                 __import__(module)
             except BaseException:  # noqa: BLE001 - preloading only saves time; the worker imports it or says why
                 pass
+        sys.path[:] = path
         _zygote_loop(sock, trainer)
     finally:
         os._exit(0)
@@ -581,9 +743,42 @@ def _worker_main(fd: int, payload: bytes, context: tuple[list[str], str, dict[st
     _serve(conn, fn)
 
 
+def _type_name(obj: Any) -> str:
+    """``type(obj).__name__``, read past any metaclass (whose ``__name__`` may raise); never raises."""
+    try:
+        name = type.__dict__["__name__"].__get__(type(obj))
+    except BaseException:  # noqa: BLE001 - nothing is known of it
+        return "object"
+    return name if type(name) is str else "object"
+
+
+def _class_of(obj: Any) -> tuple[str, str]:
+    """The module and qualified name of ``obj``'s class (``"?"`` for one that cannot be read); never raises."""
+    names = []
+    for attribute in ("__module__", "__qualname__"):
+        try:
+            name = type.__dict__[attribute].__get__(type(obj))
+        except BaseException:  # noqa: BLE001 - a class whose __module__ is a property of its metaclass
+            name = None
+        names.append(name if type(name) is str else "?")
+    return names[0], names[1]
+
+
+def _message(exc: BaseException) -> tuple[str, bool]:
+    """``str(exc)`` as a plain str and True; where its ``__str__`` raises (anything, ``SystemExit`` too), ``(its
+    message could not be read: ErrorType)`` and False. Never raises."""
+    try:
+        return str.__str__(str(exc)), True
+    except BaseException as error:  # noqa: BLE001 - a hostile __str__
+        return f"(its message could not be read: {_type_name(error)})", False
+
+
 def _one_line(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    """``Type: message`` of ``exc`` on one line (``Type (its message could not be read: ErrorType)`` where its
+    ``str()`` raises); never raises."""
+    text, readable = _message(exc)
+    text = " ".join(text.split())
+    return f"{_type_name(exc)}{': ' if readable else ' '}{text}" if text else _type_name(exc)
 
 
 def _recorder(key: str, check: Callable[..., tuple[Any, ...]] | None,
@@ -595,7 +790,9 @@ def _recorder(key: str, check: Callable[..., tuple[Any, ...]] | None,
 
 
 def _serve(conn: Connection, fn: Any) -> None:
-    """Answer calls until the trainer closes the connection."""
+    """Answer calls until the trainer closes the connection: each reply is ``("ok", value, records)``,
+    ``("raised", description, traceback, records)`` (:func:`_sendable`) or ``("unpicklable", message, records)``,
+    of plain values only (:func:`_dumped`)."""
     while True:
         try:
             args, kwargs = pickle.loads(conn.recv_bytes())
@@ -613,7 +810,7 @@ def _serve(conn: Connection, fn: Any) -> None:
                 value = asyncio.run(_awaited(value))
             reply = ("ok", value, records)
         except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt are the call's failure
-            reply = ("raised", _sendable(exc), traceback.format_exc(), records)
+            reply = ("raised", _sendable(exc), _traceback_text(), records)
         conn.send_bytes(_dumped(reply))
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -626,27 +823,94 @@ async def _awaited(awaitable: Any) -> Any:
     return await awaitable
 
 
-def _sendable(exc: BaseException) -> BaseException:
-    """``exc`` where it survives pickling both ways, else a :class:`WorkerError` with its type and message."""
+def _traceback_text() -> str:
+    """The traceback of the exception being handled; never raises."""
+    try:
+        return str.__str__(traceback.format_exc())
+    except BaseException:  # noqa: BLE001 - a hostile exception's parts
+        return "(its traceback could not be formatted)"
+
+
+def _sendable(exc: BaseException) -> tuple[str, str, tuple[Any, ...] | None, str]:
+    """What of ``exc`` travels back, for :func:`_rebuilt`: its class's module and qualified name, the arguments
+    that rebuild it (Python's own exceptions only, from their ``__reduce__``, where those are plain values; else
+    None) and its message. One that does not survive pickling both ways (an ``__init__`` taking other arguments, a
+    ``__reduce__`` that raises) travels as a :class:`WorkerError` saying so, with its type and message. Never
+    raises: a message that cannot be read is said to be so (:func:`_one_line`)."""
     try:
         pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:  # noqa: BLE001 - e.g. an exception class whose __init__ takes other arguments
-        return WorkerError(f"{_one_line(exc)} (its exception could not be sent back from the worker process)")
+    except BaseException:  # noqa: BLE001 - whatever its pickling raises
+        why = f"{_one_line(exc)} (its exception could not be sent back from the worker process)"
+        return __name__, "WorkerError", None, why
+    module, qualname = _class_of(exc)
+    args = None
+    if module == "builtins" and type(exc) is getattr(builtins, qualname, None):
+        try:
+            args = _plain(tuple(exc.__reduce__()[1]))  # an OSError's filename too
+        except BaseException:  # noqa: BLE001 - args that are not plain values: rebuilt from the message
+            args = None
+    return module, qualname, args, _message(exc)[0]
+
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as the plain values :func:`_load` reads: containers copied as lists, tuples, dicts, sets and
+    frozensets (a subclass, a namedtuple, as its base), numpy arrays and scalars and torch tensors through
+    ``tolist()``, other numbers as int, float or complex, a str subclass as a str, bytes-like values as bytes, an
+    iterator (a generator) as a list; anything else raises a TypeError naming its class. Runs in the worker, on
+    user code's values: it raises whatever they raise."""
+    if type(value) in _SCALARS:
+        return value
+    if isinstance(value, dict):
+        return {_plain(key): _plain(item) for key, item in value.items()}
+    for base in (list, tuple, set, frozenset):
+        if isinstance(value, base):
+            return base([_plain(item) for item in value])
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(memoryview(value))
+    tolist = getattr(value, "tolist", None)
+    if callable(tolist):  # numpy, torch
+        return _plain(tolist())
+    for kind, make in ((numbers.Integral, int), (numbers.Real, float), (numbers.Complex, complex)):
+        if isinstance(value, kind):
+            return make(value)
+    if hasattr(value, "__next__"):
+        return [_plain(item) for item in value]
+    module, qualname = _class_of(value)
+    raise TypeError(f"a {module}.{qualname} is not a plain value (lists, tuples, dicts, sets, strings, bytes, "
+                    "numbers and None travel back from a worker process)")
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut to 200 characters; never raises."""
+    try:
+        shown = str.__str__(repr(value))
+    except BaseException:  # noqa: BLE001 - a hostile __repr__
+        shown = f"<{_type_name(value)}>"
+    return shown if len(shown) <= 200 else shown[:200] + "..."
 
 
 def _dumped(reply: tuple[Any, ...]) -> bytes:
+    """``reply`` made :func:`_plain` and pickled. A value (or records) that is not plain, or that raises while
+    converted, fails the call instead (``unpicklable``, with its type and repr); an exception's reply whose records
+    fail travels without them. Never raises."""
     try:
-        return pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception as exc:  # noqa: BLE001 - an unpicklable result: the call's failure, with its repr
-        try:
-            shown = repr(reply[1])
-        except Exception:  # noqa: BLE001
-            shown = f"<{type(reply[1]).__name__}>"
-        shown = shown if len(shown) <= 200 else shown[:200] + "..."
-        message = (f"a {type(reply[1]).__name__} that cannot be sent back from its worker process "
-                   f"({_one_line(exc)}): {shown}")
-        try:
-            return pickle.dumps(("unpicklable", message, reply[-1]))
-        except Exception:  # noqa: BLE001 - the records too
-            return pickle.dumps(("unpicklable", message, []))
+        return pickle.dumps(_plain(reply), protocol=pickle.HIGHEST_PROTOCOL)
+    except BaseException as exc:  # noqa: BLE001 - user objects may raise anything (SystemExit too) while converted
+        failure = _one_line(exc)
+    try:
+        records = _plain(reply[-1])
+    except BaseException as exc:  # noqa: BLE001 - the records failed (too)
+        if reply[0] == "raised":  # its description is plain: it travels without them
+            return _dumped((*reply[:-1], []))
+        records, failure = [], _one_line(exc)
+        message = (f"a value, but what it logged cannot be sent back from its worker process ({failure}): "
+                   f"{_shown(reply[-1])}")
+    else:
+        message = (f"a {_type_name(reply[1])} that cannot be sent back from its worker process ({failure}): "
+                   f"{_shown(reply[1])}")
+    return pickle.dumps(("unpicklable", message, records), protocol=pickle.HIGHEST_PROTOCOL)
