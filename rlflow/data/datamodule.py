@@ -152,7 +152,7 @@ class RolloutDataModule(L.LightningDataModule):
             chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": schemas}
         self.multiturn_args = dict(parser=multiturn.parser, environment=multiturn.environment,
                                    max_turns=multiturn.max_turns, tool_timeout=multiturn.tool_timeout,
-                                   tool_isolation=multiturn.tool_isolation,
+                                   tool_isolation=multiturn.tool_isolation, max_tool_output=multiturn.max_tool_output,
                                    chat_template_kwargs=chat_template_kwargs, environment_factory=factory)
         self.multiturn: MultiTurn | None = None  # built with the tokenizer
         if multiturn.enabled:  # a wrong parser/environment/max_turns fails before any model loads

@@ -189,13 +189,21 @@ class MultiTurnSettings(SettingsGroup):
     judgers get the instances as ``environments``. Not together with ``environment``."""
     max_turns: int = 4
     """Most model turns per trajectory."""
-
+    max_tool_output: int = 4096
+    """Characters kept of a tool result's text (and of each text of an environment's observation); the rest is cut,
+    with a line saying how many characters were cut. Cut where the tool ran (in its worker process with
+    ``tool_isolation: process``), so a tool returning megabytes cannot fill the trainer's memory. Tokens inserted
+    also count in ``data.sampling.max_tokens``, the trajectory's budget."""
 
     def check(self) -> None:
         if self.environment is not None and self.environment_factory is not None:
             from rlflow.environments.trl_factory import BOTH_ENVIRONMENTS
 
             raise ConfigError(BOTH_ENVIRONMENTS)
+        if isinstance(self.max_tool_output, bool) or not isinstance(self.max_tool_output, int) or \
+                self.max_tool_output < 1:
+            raise ConfigError(f"data.multiturn.max_tool_output must be a whole number of characters >= 1, got "
+                              f"{self.max_tool_output!r}")
 
     @property
     def enabled(self) -> bool:

@@ -13,7 +13,8 @@ no log-prob, no KL). Each turn:
    the ``data.sampling.max_tokens`` budget as the turn's limit;
 2. the turn's text is decoded (for the parser and the messages only: the sampled ids themselves are kept), the tool
    parser finds the calls, every active trajectory's calls run concurrently in the :class:`ToolRunner` (timeout per
-   call; failures become tool messages), the environment (if any) answers the turn;
+   call; failures become tool messages; each result's text cut to ``data.multiturn.max_tool_output`` characters),
+   the environment (if any) answers the turn (the text of its observation's messages cut the same way);
 3. the new messages (tool results, the environment's observation) are turned into tokens by rendering the chat
    template and keeping only what it adds after the model's turn: :meth:`MultiTurn.insert_ids` renders a
    placeholder conversation ``[user, assistant(PLACEHOLDER), *new messages]`` with the generation prompt and takes
@@ -90,7 +91,7 @@ from rlflow.environments.trl_factory import (
 from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams
 from rlflow.rollout.draws import stream_key
 from rlflow.rollout.requests import DecodeRequest
-from rlflow.tools.base import Tool, ToolCall, ToolResult, ToolRunner
+from rlflow.tools.base import MAX_TOOL_OUTPUT, Tool, ToolCall, ToolResult, ToolRunner, converted
 from rlflow.tools.parsers import GROUP as PARSER_GROUP
 from rlflow.tools.parsers import ToolParser
 
@@ -154,18 +155,21 @@ class MultiTurn:
         tool_isolation: Where a user's plain tools run: ``process`` (worker processes the timeout kills) or
             ``thread`` (:class:`~rlflow.tools.base.ToolRunner`).
         chat_template_kwargs: Passed to every ``apply_chat_template`` (``tools`` is added from ``tools``).
+        max_tool_output: Characters kept of a tool result's text, and of each text of an environment's
+            observation; the rest is cut, saying how much.
     """
 
     def __init__(self, tokenizer: Any, tools: dict[str, Tool], parser: Any = "hermes", environment: Any = None,
                  max_turns: int = 4, tool_timeout: float | None = 30.0, tool_isolation: str = "process",
-                 chat_template_kwargs: dict[str, Any] | None = None, environment_factory: Any = None) -> None:
+                 chat_template_kwargs: dict[str, Any] | None = None, environment_factory: Any = None,
+                 max_tool_output: int = MAX_TOOL_OUTPUT) -> None:
         if max_turns < 1:
             raise ValueError(f"data.multiturn.max_turns must be >= 1, got {max_turns}")
         if environment is not None and environment_factory is not None:
             raise ConfigError(BOTH_ENVIRONMENTS)
         self.tokenizer = tokenizer
         self.tools = tools
-        self.runner = ToolRunner(tools, tool_timeout, tool_isolation)
+        self.runner = ToolRunner(tools, tool_timeout, tool_isolation, max_tool_output)
         self.parser: ToolParser = registry.build(PARSER_GROUP, parser)
         self.environment = environment
         if environment is not None:
@@ -227,6 +231,7 @@ class MultiTurn:
             text = observed_prompt_text(record, observation, lambda messages: self.render(messages, True))
             prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
         runner = SharedLoopToolRunner({**self.tools, **self.factory.tools_for(instance)}, self.runner)
+        runner.max_output = self.runner.max_output  # the shared runner's cut, as its timeout and isolation
         return _Trajectory(prompt_ids, [], env, instance=instance, runner=runner)
 
     # ---------------------------------------------------------------------------------------- the loop
@@ -329,7 +334,7 @@ class MultiTurn:
         step = self.env_step(t, text) if t.env is not None else EnvStep()
         if step.reward is not None:
             t.env_reward = (t.env_reward or 0.0) + float(step.reward)
-        new += list(step.observation)
+        new += [self.cut_message(m) for m in step.observation]
         if step.done or not new or t.turns >= self.max_turns:
             t.done = True
             return
@@ -341,6 +346,21 @@ class MultiTurn:
         t.ids += inserted
         t.logprobs += [0.0] * len(inserted)
         t.mask += [False] * len(inserted)
+
+    def cut_message(self, message: Any) -> Any:
+        """An environment's observation message with its text cut to ``max_tool_output`` characters, as a tool
+        result's (the rest cut, saying how much): a string ``content``, or each ``text`` of its content parts."""
+        limit = self.runner.max_output
+        if not isinstance(message, dict):
+            return message
+        content = message.get("content")
+        if isinstance(content, str):
+            return {**message, "content": converted(content, limit).text}
+        if isinstance(content, list):
+            parts = [{**p, "text": converted(p["text"], limit).text} if isinstance(p, dict)
+                     and isinstance(p.get("text"), str) else p for p in content]
+            return {**message, "content": parts}
+        return message
 
     def runner_of(self, t: _Trajectory) -> ToolRunner:
         """The tool runner of ``t``'s calls: its instance's methods with the configured tools, or the shared one."""

@@ -20,8 +20,15 @@ exception: ``SystemExit`` and ``KeyboardInterrupt`` raised inside a tool too), c
 :class:`ToolResult` with ``ok=False`` whose ``content`` says what went wrong, for the model to read; the rollout
 goes on. Inside a call, :func:`time_left` says how long the call has left (in a worker process too): a tool that
 starts work it can stop (the ``python`` tool's sandboxed process) stops it at that deadline, so nothing it started
-outlives the call. Simplifications: a thread that times out is abandoned, not killed (Python cannot kill threads);
-a tool's return value is turned into text with ``str`` (``json.dumps`` for dicts and lists).
+outlives the call.
+
+A tool's return value becomes the text of its message (:func:`result_text`: ``str``, ``json.dumps`` for dicts and
+lists), cut to ``max_output`` characters (``data.multiturn.max_tool_output``; the rest cut, saying how much, as
+the ``python`` tool cuts its output) where the call ran, within its time: in the worker process (only the cut
+text crosses the pipe), in the tool's thread, or, for an ``async`` tool's value that is not a string, in a daemon
+thread. A value that cannot be turned into text (a list that contains itself, a ``__str__`` that raises) is a
+failed call (``bad_result``) whose message names the value's type. Simplifications: a thread that times out is
+abandoned, not killed (Python cannot kill threads).
 """
 
 from __future__ import annotations
@@ -65,10 +72,27 @@ def _until(deadline: float | None, fn: Callable[..., Any], /, **arguments: Any) 
     return fn(**arguments)
 
 
-def _tool_in_worker(fn: Callable[..., Any], deadline: float | None, /, **arguments: Any) -> Any:
-    """:func:`_until` with the tool first: the callable a tool's worker process keeps (``time.monotonic`` is the
-    same clock in every process)."""
-    return _until(deadline, fn, **arguments)
+def _tool_in_worker(fn: Callable[..., Any], deadline: float | None, limit: int | None = None, /,
+                    **arguments: Any) -> tuple[str, str | None]:
+    """:func:`_until` with the tool first, its value turned into text cut to ``limit`` characters there
+    (:func:`converted`): the callable a tool's worker process keeps (``time.monotonic`` is the same clock in every
+    process). Only ``(text, error)``, two strings (or None), travel back to the trainer (:func:`_from_worker`)."""
+    out = _until(deadline, fn, **arguments)
+    if inspect.isawaitable(out):  # a plain function handing back a coroutine
+        out = asyncio.run(_awaited(out))
+    text = converted(out, limit)
+    return text.text, text.error
+
+
+def _tool_in_thread(fn: Callable[..., Any], deadline: float | None, limit: int | None, /, **arguments: Any) -> Any:
+    """:func:`_until`, in the tool's thread: its value as text cut to ``limit`` (:func:`converted`), or the
+    awaitable it handed back (awaited on the runner's loop)."""
+    out = _until(deadline, fn, **arguments)
+    return out if inspect.isawaitable(out) else converted(out, limit)
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 @dataclass
@@ -85,7 +109,7 @@ class ToolCall:
 class ToolResult:
     """What a call returned, as the text of the tool message; ``ok`` is False for every kind of failure, and
     ``failure`` names it (``unknown_tool``, ``bad_arguments``, ``raised``, ``timeout``, ``crashed``: its worker
-    process died or could not load the tool)."""
+    process died or could not load the tool; ``bad_result``: its value could not be turned into text)."""
 
     name: str
     content: str
@@ -169,16 +193,81 @@ def _tool_pool(fn: Callable[..., Any], name: str) -> Isolated | None:
         return pool
 
 
+#: Characters of a tool result's text kept by default (``data.multiturn.max_tool_output``).
+MAX_TOOL_OUTPUT = 4096
+
+
+@dataclass(frozen=True)
+class _Text:
+    """A tool's value as the text of its message (cut), or ``error``: why it could not be turned into text."""
+
+    text: str
+    error: str | None = None
+
+
 def result_text(value: Any) -> str:
-    """The text of a tool's return value in the tool message."""
+    """The text of a tool's return value in the tool message (a plain ``str``): the string itself, ``json.dumps``
+    of a dict or list (``str`` of one that holds what JSON cannot), else ``str``. Raises what the conversion raises
+    (a list that contains itself, a ``__str__`` that raises)."""
     if isinstance(value, str):
-        return value
+        return str.__str__(value)  # a plain copy of a str subclass, whatever its methods do
     if isinstance(value, (dict, list)):
         try:
             return json.dumps(value)
         except TypeError:
             pass
-    return str(value)
+    text = str(value)
+    return text if type(text) is str else str.__str__(text)
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _safe_str(value: Any) -> str:
+    """``str(value)`` or, where that fails, a placeholder: for messages about hostile values."""
+    try:
+        return result_text(value)
+    except BaseException:  # noqa: BLE001 - its __str__ raised, whatever it raised
+        return "<unprintable>"
+
+
+def _type_name(value: Any) -> str:
+    try:
+        return str.__str__(type(value).__name__)
+    except BaseException:  # noqa: BLE001 - a metaclass's __name__
+        return "object"
+
+
+def _from_worker(value: Any, limit: int | None) -> _Text:
+    """What :func:`_tool_in_worker` sent back, ``(text, error)``, as a :class:`_Text` (anything else, converted
+    here)."""
+    if isinstance(value, (tuple, list)) and len(value) == 2 and type(value[0]) is str and (
+            value[1] is None or type(value[1]) is str):
+        return _bounded(_Text(value[0], value[1]), limit)
+    return converted(value, limit)
+
+
+def _bounded(text: _Text, limit: int | None) -> _Text:
+    """``text`` cut again where it is longer than :func:`converted` leaves a text (64: room for the cut notice):
+    what a worker process sent back is the tool's own code's doing."""
+    if limit is None or (len(text.text) <= limit + 64 and (text.error is None or len(text.error) <= limit + 64)):
+        return text
+    return _Text(converted(text.text, limit).text, None if text.error is None else converted(text.error, limit).text)
+
+
+def converted(value: Any, limit: int | None) -> _Text:
+    """``value`` as the text of a tool message, cut to ``limit`` characters (the rest cut, saying how much:
+    :func:`rlflow.tools.sandbox.truncate`; None: not cut), or why it cannot be turned into text. Never raises."""
+    from rlflow.tools.sandbox import truncate  # the sandbox module imports this one
+
+    try:
+        text = result_text(value)
+        return _Text(text if limit is None else truncate(text, limit))
+    except BaseException as exc:  # noqa: BLE001 - SystemExit from a __str__ too: the call's failure, not the run's
+        return _Text("", f"a {_type_name(value)} that cannot be turned into text "
+                         f"({_type_name(exc)}: {_one_line(_safe_str(exc))})")
 
 
 class ToolRunner:
@@ -189,16 +278,22 @@ class ToolRunner:
         timeout: Seconds one call may take; None waits forever.
         isolation: ``process``: a user's plain tool runs in worker processes, killed at the timeout; ``thread``:
             every tool runs in the trainer (a hung one is abandoned).
+        max_output: Characters of a result's text kept; the rest is cut, saying how much.
     """
 
-    def __init__(self, tools: dict[str, Tool], timeout: float | None = 30.0, isolation: str = "process") -> None:
+    def __init__(self, tools: dict[str, Tool], timeout: float | None = 30.0, isolation: str = "process",
+                 max_output: int = MAX_TOOL_OUTPUT) -> None:
         if timeout is not None and timeout <= 0:
             raise ValueError(f"data.multiturn.tool_timeout must be positive seconds (or null), got {timeout}")
         if isolation not in ISOLATIONS:
             raise ValueError(f"data.multiturn.tool_isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
+        if isinstance(max_output, bool) or not isinstance(max_output, int) or max_output < 1:
+            raise ValueError(f"data.multiturn.max_tool_output must be a whole number of characters >= 1, got "
+                             f"{max_output!r}")
         self.tools = tools
         self.timeout = timeout
         self.isolation = isolation
+        self.max_output = max_output
         self._loop: asyncio.AbstractEventLoop | None = None
         self._lock = threading.Lock()
         self._pools: dict[str, Isolated | None] = {}  # each tool's worker processes (None: in the trainer)
@@ -264,7 +359,9 @@ class ToolRunner:
         except WorkerError as exc:
             return Outcome(error=exc), False
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        outcome = pool.run(worker, (deadline,), arguments, self.timeout)
+        outcome = pool.run(worker, (deadline, self.max_output), arguments, self.timeout)
+        if outcome.error is None:
+            outcome.value = _from_worker(outcome.value, self.max_output)
         return outcome, outcome.killed or (deadline is not None and time.monotonic() >= deadline)
 
     async def _call(self, call: ToolCall) -> ToolResult:
@@ -287,9 +384,16 @@ class ToolRunner:
                     _deadline.set(deadline)  # this task's own context
                     out = fn(**call.arguments)
                 else:
-                    out = await _in_daemon_thread(functools.partial(_until, deadline, fn), dict(call.arguments or {}),
-                                                  call.name, _Call())
-                return (await out if inspect.isawaitable(out) else out), None
+                    out = await _in_daemon_thread(functools.partial(_tool_in_thread, fn, deadline, self.max_output),
+                                                  dict(call.arguments or {}), call.name, _Call())
+                if inspect.isawaitable(out):
+                    out = await out
+                if isinstance(out, _Text):
+                    return out, None
+                if type(out) is str:  # cut here; anything else is converted in a thread, within the timeout
+                    return converted(out, self.max_output), None
+                return await _in_daemon_thread(converted, {"value": out, "limit": self.max_output}, call.name,
+                                               _Call()), None
             except asyncio.CancelledError:  # the call timed out
                 raise
             except BaseException as exc:  # noqa: BLE001 - a failing tool is a message to the model, not a crash
@@ -304,14 +408,22 @@ class ToolRunner:
         return self._result(call.name, value, exc, timed_out)
 
     def _result(self, name: str, value: Any, exc: BaseException | None, timed_out: bool) -> ToolResult:
-        """The tool message of a call that returned ``value``, raised ``exc`` or ran out of time."""
+        """The tool message of a call that returned ``value`` (its :class:`_Text`, or the value itself), raised
+        ``exc`` or ran out of time; never longer than ``max_output`` characters and the cut notice."""
         if timed_out:
             return ToolResult(name, f"Error: tool {name!r} timed out after {self.timeout} s", False, "timeout")
         if isinstance(exc, WorkerCrashed):
-            return ToolResult(name, f"Error: tool {name!r} crashed: {exc}", False, "crashed")
+            return ToolResult(name, self._cut(f"Error: tool {name!r} crashed: {_safe_str(exc)}"), False, "crashed")
         if exc is not None:
-            return ToolResult(name, f"Error: tool {name!r} raised {type(exc).__name__}: {exc}", False, "raised")
-        return ToolResult(name, result_text(value))
+            return ToolResult(name, self._cut(f"Error: tool {name!r} raised {_type_name(exc)}: {_safe_str(exc)}"),
+                              False, "raised")
+        text = _bounded(value, self.max_output) if isinstance(value, _Text) else converted(value, self.max_output)
+        if text.error is not None:
+            return ToolResult(name, f"Error: tool {name!r} returned {text.error}", False, "bad_result")
+        return ToolResult(name, text.text)
+
+    def _cut(self, text: str) -> str:
+        return converted(text, self.max_output).text
 
     async def _call_all(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         return list(await asyncio.gather(*(self._call(c) for c in calls)))
