@@ -135,7 +135,7 @@ def load(group: str, name: str) -> Any:
     info = plugins[name]
     try:
         obj = info.entry_point.load()
-    except Exception as exc:  # a broken plugin must fail loudly, naming where it came from
+    except (Exception, SystemExit) as exc:  # a broken plugin must fail loudly, naming where it came from
         raise PluginError(
             f"the {group} plugin {name!r} ({info.value}) from distribution {info.distribution} {info.version} "
             f"failed to import: {type(exc).__name__}: {exc}"
@@ -155,7 +155,7 @@ def import_path(path: str) -> Any:
         raise PluginError(f"{path!r} is not an import path of the form 'package.module:attribute'")
     try:
         obj: Any = importlib.import_module(module_name)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:  # a module calling sys.exit() as it loads, too
         raise PluginError(f"could not import module {module_name!r} for {path!r}: {type(exc).__name__}: {exc}") from exc
     for part in attr.split("."):
         try:

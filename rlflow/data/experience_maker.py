@@ -38,6 +38,7 @@ from rlflow.judgers.context import RunState, run_state
 from rlflow.judgers.overlap import generate_and_judge
 from rlflow.judgers.panel import JudgePanel
 from rlflow.judgers.runner import JudgeResult, stop_if_unusable
+from rlflow.log import warn
 from rlflow.models.vision import ImageInputs, rollout_prompts
 from rlflow.rollout.base import RolloutBackend, SamplingParams
 from rlflow.rollout.draws import isolated_draws
@@ -103,6 +104,38 @@ class EvalPlan:
     seed: int
 
 
+#: Columns of the loggers themselves (the CSV logger's, W&B's x-axes): a ``log_metric`` of these names is dropped.
+LOGGER_COLUMNS = ("step", "epoch", "global_step", "trainer/global_step")
+
+
+def merge_logged_metrics(metrics: dict[str, float], logged: dict[str, float], warned: set[str]) -> None:
+    """Add the judgers' ``log_metric`` means to ``metrics``; one named like a built-in metric of the rollout step
+    gives way to it, and one named like a logger's own column (``step``, ``epoch``) is dropped, each with a
+    warning once per run (``warned``: the names warned about)."""
+    for name, mean in logged.items():
+        taken = name in LOGGER_COLUMNS or name in metrics
+        if taken and f"metric:{name}" not in warned:
+            warned.add(f"metric:{name}")
+            warn(f"a judger's log_metric({name!r}, ...) is not logged: {name!r} is "
+                 + ("a logger's own column" if name in LOGGER_COLUMNS else "one of rlflow's metrics")
+                 + "; give it another name")
+        if not taken:
+            metrics[name] = mean
+
+
+def warn_silent_judgers(judged: JudgeResult, step: int, warned: set[str]) -> None:
+    """Warn, once per judger and run, about a judger that returned no reward (None or NaN) for any of its samples
+    of a rollout step without failing: those samples train on the other judgers' rewards, or on 0.0."""
+    for name, stats in sorted(judged.judgers.items()):
+        values = judged.per_judger.get(name, [])
+        silent = stats.samples > 0 and not stats.failed and values and all(v is None for v in values)
+        if silent and f"judger:{name}" not in warned:
+            warned.add(f"judger:{name}")
+            warn(f"rollout step {step}: judger {name!r} returned no reward (None or NaN) for any of its "
+                 f"{stats.samples} samples; a sample no judger scores trains with reward 0.0 (judger/unscored "
+                 "counts them; warned once per judger)")
+
+
 class ExperienceMaker:
     """Generates, judges and scores rollout steps; see the module docstring for the order of the parts."""
 
@@ -123,6 +156,7 @@ class ExperienceMaker:
         self.image_inputs, self.overlap_judging, self.skip_solved = image_inputs, overlap_judging, skip_solved
         self.max_steps, self.max_epochs = max_steps, max_epochs  # the run's bounds (trainer_state's)
         self._record_index: dict[int, int] | None = None  # id(train record) -> its index (skip_solved)
+        self._warned: set[str] = set()  # judgers and log_metric names warned about (once each per run)
 
     # ------------------------------------------------------------------------------------------ the step
     def make(self, batch: list[PromptRecord], policy_version: int, step: int, progress: Any = None) -> RolloutStep:
@@ -139,6 +173,7 @@ class ExperienceMaker:
             backend, functools.partial(self.judges.judge, state=state), records, self.sampling, k,
             self.overlap_judging, progress, prompts=self.prompt_inputs(records))
         stop_if_unusable(judged, self.judges.max_failure_rate, step, self.ranks.any_true)
+        warn_silent_judgers(judged, step, self._warned)
         chosen = Groups(records, [c for group in groups for c in group], judged.rewards, texts, judged.failed)
         notes.add(chosen.completions, judged)
         metrics = dict(judged.metrics)
@@ -163,8 +198,7 @@ class ExperienceMaker:
             metrics.update(self.record_solved(records, judged.rewards))
         sources = [r.data_source or r.origin for r in chosen.records for _ in range(k)]
         metrics.update(per_source_means(sources, chosen.rewards, "reward"))
-        for name, mean in notes.means().items():  # log_metric; one named like a built-in metric gives way
-            metrics.setdefault(name, mean)
+        merge_logged_metrics(metrics, notes.means(), self._warned)
         rows = self.sample_rows(step, chosen.records, chosen.texts, experiences, notes.rows(chosen.completions))
         return RolloutStep(experiences, metrics, rows)
 

@@ -24,6 +24,7 @@ import http.client
 import json
 import logging
 import numbers
+import os
 import socket
 import threading
 import time
@@ -56,6 +57,16 @@ def origin(url: str) -> tuple[str, str, int]:
     """``(scheme, host, port)`` of an http(s) URL, with the scheme's default port filled in."""
     parts = urllib.parse.urlsplit(url)
     return parts.scheme.lower(), (parts.hostname or "").lower(), parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def shown(url: str) -> str:
+    """``url`` as messages show it: without a ``user:password@`` part and with every query value replaced by
+    ``***`` (an ``api_key=...`` in the query stays out of logs)."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    query = urllib.parse.urlencode([(k, "***") for k, _ in urllib.parse.parse_qsl(parts.query, keep_blank_values=True)],
+                                   safe="*")
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, query, ""))
 
 
 def _map_in_daemon_threads(fn: Callable[[int], Any], n: int, workers: int) -> list[Any]:
@@ -111,7 +122,11 @@ class RemoteJudger(Judger):
         backoff: Seconds before the first retry; doubled before each further one.
         batch: Send the whole batch in one request instead of one request per sample.
         max_concurrency: Requests in flight at once in per-sample mode.
-        headers: Extra HTTP headers (e.g. ``Authorization``).
+        headers: Extra HTTP headers. Their values are saved with the run's config (``config.yaml``, the
+            checkpoints, a W&B run's config): put a secret in ``headers_from_env`` instead.
+        headers_from_env: Headers whose values are read from environment variables when the judger is built,
+            ``{header: VARIABLE}``, e.g. ``{Authorization: REWARD_API_AUTH}`` with
+            ``REWARD_API_AUTH="Bearer ..."`` set in the environment: only the variable's name is saved.
         name: Metric name of this judger (``rewards/<name>/mean``).
     """
 
@@ -124,23 +139,35 @@ class RemoteJudger(Judger):
         batch: bool = False,
         max_concurrency: int = 8,
         headers: dict[str, str] | None = None,
+        headers_from_env: dict[str, str] | None = None,
         name: str = "remote",
     ) -> None:
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"remote judger: url must start with http:// or https://, got {url!r}")
+            raise ValueError(f"remote judger: url must start with http:// or https://, got {shown(url)!r}")
         if timeout <= 0 or max_retries < 0 or backoff < 0 or max_concurrency < 1:
             raise ValueError(
                 "remote judger: timeout > 0, max_retries >= 0, backoff >= 0 and max_concurrency >= 1 are required"
             )
         if not urllib.parse.urlsplit(url).hostname:
-            raise ValueError(f"remote judger: url {url!r} names no host")
+            raise ValueError(f"remote judger: url {shown(url)!r} names no host")
+        missing = sorted(var for var in (headers_from_env or {}).values() if not os.environ.get(var))
+        if missing:
+            raise ConfigError(f"data.judging.judgers: the remote judger {name!r} reads headers_from_env from "
+                              f"{', '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} not set")
         self.url = url
+        self.shown_url = shown(url)
+        saved = [h for h in (headers or {}) if any(w in h.lower() for w in ("auth", "key", "token", "secret"))]
+        if saved or "@" in urllib.parse.urlsplit(url).netloc:
+            what = f"header(s) {', '.join(saved)}" if saved else "the user:password in its url"
+            log.warning("remote judger %r: %s will be saved with the run's config (config.yaml, checkpoints, the "
+                        "logger's config); pass secrets through headers_from_env", name, what)
         self.timeout = float(timeout)
         self.max_retries = int(max_retries)
         self.backoff = float(backoff)
         self.batch = batch
         self.max_concurrency = int(max_concurrency)
-        self.headers = {"Content-Type": "application/json", **(headers or {})}
+        self.headers = {"Content-Type": "application/json", **(headers or {}),
+                        **{h: os.environ[var] for h, var in (headers_from_env or {}).items()}}
         self.name = name
         self._failed: list[int] = []  # positions in the current call of the samples whose request failed
         self._logged = False
@@ -154,7 +181,7 @@ class RemoteJudger(Judger):
             socket.create_connection((host, port), timeout=min(self.timeout, CONNECT_CHECK_SECONDS)).close()
         except OSError as exc:
             raise ConfigError(
-                f"data.judging.judgers: the remote judger {self.name!r} cannot reach {self.url} "
+                f"data.judging.judgers: the remote judger {self.name!r} cannot reach {self.shown_url} "
                 f"({type(exc).__name__}: {exc}); start the reward service first, or fix its url"
             ) from exc
 
@@ -163,7 +190,7 @@ class RemoteJudger(Judger):
         ``(status, reason, Location header, body)``. RemoteJudgerError (to retry) when it fails or times out."""
         left = deadline - time.monotonic()
         if left <= 0:
-            raise RemoteJudgerError(f"{url} did not answer within the timeout of {self.timeout} s", retry=True)
+            raise RemoteJudgerError(f"{shown(url)} did not answer within the timeout of {self.timeout} s", retry=True)
         parts = urllib.parse.urlsplit(url)
         kind = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         conn = kind(parts.hostname, parts.port, timeout=left)
@@ -193,13 +220,13 @@ class RemoteJudger(Judger):
             if expired.is_set():
                 raise TimeoutError
             if len(body) > MAX_ANSWER_BYTES:
-                raise RemoteJudgerError(f"{url} answered more than {MAX_ANSWER_BYTES} bytes")
+                raise RemoteJudgerError(f"{shown(url)} answered more than {MAX_ANSWER_BYTES} bytes")
             return response.status, response.reason, response.getheader("Location"), body
         except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, cut off at the deadline
             if expired.is_set() or isinstance(exc, TimeoutError):
-                raise RemoteJudgerError(f"{url} did not answer within the timeout of {self.timeout} s",
+                raise RemoteJudgerError(f"{shown(url)} did not answer within the timeout of {self.timeout} s",
                                         retry=True) from exc
-            raise RemoteJudgerError(f"{url} failed: {type(exc).__name__}: {exc}", retry=True) from exc
+            raise RemoteJudgerError(f"{shown(url)} failed: {type(exc).__name__}: {exc}", retry=True) from exc
         finally:
             watchdog.cancel()
             conn.close()
@@ -216,17 +243,18 @@ class RemoteJudger(Judger):
                     url = target
                     continue
                 raise RemoteJudgerError(
-                    f"{url} answered HTTP {status} redirecting to {target}: the remote judger follows only 307/308 "
-                    "redirects on its own scheme, host and port, so that its headers and rewards stay with "
-                    "{}://{}:{}; set url to the service's own address".format(*origin(self.url))
+                    f"{shown(url)} answered HTTP {status} redirecting to {shown(target)}: the remote judger follows "
+                    "only 307/308 redirects on its own scheme, host and port, so that its headers and rewards stay "
+                    "with {}://{}:{}; set url to the service's own address".format(*origin(self.url))
                 )
             if status >= 400:
-                raise RemoteJudgerError(f"{url} answered HTTP {status} {reason}", retry=status >= 500 or status == 429)
+                raise RemoteJudgerError(f"{shown(url)} answered HTTP {status} {reason}",
+                                        retry=status >= 500 or status == 429)
             try:
                 return json.loads(body)
             except ValueError as exc:
-                raise RemoteJudgerError(f"{url} answered something that is not JSON: {body[:200]!r}") from exc
-        raise RemoteJudgerError(f"{self.url} redirected more than {MAX_REDIRECTS} times")
+                raise RemoteJudgerError(f"{shown(url)} answered something that is not JSON: {body[:200]!r}") from exc
+        raise RemoteJudgerError(f"{self.shown_url} redirected more than {MAX_REDIRECTS} times")
 
     def post(self, payload: Any) -> Any:
         """POST ``payload`` as JSON and return the decoded answer, retrying what may succeed on a second try."""
@@ -254,7 +282,7 @@ class RemoteJudger(Judger):
 
     def _one(self, position: int, payload: dict[str, Any]) -> float | None:
         try:
-            return _reward(self.post(payload), self.url)
+            return _reward(self.post(payload), self.shown_url)
         except RemoteJudgerError as exc:
             with self._lock:
                 self._failed.append(position)
@@ -275,10 +303,10 @@ class RemoteJudger(Judger):
             rewards = answer.get("rewards") if isinstance(answer, dict) else answer
             if not isinstance(rewards, list) or len(rewards) != len(texts):
                 raise RemoteJudgerError(
-                    f"{self.url} must answer a list of {len(texts)} rewards (or {{'rewards': [...]}}), "
+                    f"{self.shown_url} must answer a list of {len(texts)} rewards (or {{'rewards': [...]}}), "
                     f"got {str(answer)[:200]}"
                 )
-            return [_reward(r, self.url) for r in rewards]
+            return [_reward(r, self.shown_url) for r in rewards]
         payloads = [
             {"prompt": prompts[i], "completion": texts[i], **{k: v[i] for k, v in columns.items()}}
             for i in range(len(texts))

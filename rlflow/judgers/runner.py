@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import functools
 import inspect
 import logging
@@ -290,6 +291,23 @@ def runs_in_worker(judger: Any) -> bool:
     return not (is_async(code) or is_rlflows(code) or names_any(code, TRAINER_ONLY))
 
 
+#: Keywords handed to a judger as they are: the run's state, the logging callbacks, the live environments.
+SHARED_KEYWORDS = frozenset({"trainer_state", "log_extra", "log_metric", "environments"})
+
+
+def writes_user_code(judger: Any) -> bool:
+    """Whether calling ``judger`` runs code that is not rlflow's (a user's judger, or the ``function`` judger's
+    function): code that may change the lists and dicts it is given."""
+    return not is_rlflows(judger.fn if isinstance(judger, FunctionJudger) else judger)
+
+
+def private_copies(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with deep copies of the samples and dataset columns, so that a judger running in the trainer that
+    changes them (a prompt's messages, an ``extra_info`` dict) changes neither the dataset's records nor what the
+    other judgers see; :data:`SHARED_KEYWORDS` pass as they are."""
+    return {key: value if key in SHARED_KEYWORDS else copy.deepcopy(value) for key, value in kwargs.items()}
+
+
 def reported_failures(judger: Any) -> tuple[list[int], int]:
     """The samples ``judger`` gave None because of an error in its last call, for judgers that fail per sample (see
     :mod:`rlflow.judgers.base`): their positions in the call and how many, from ``consume_failed()``; from a judger
@@ -395,6 +413,24 @@ def _loop_in_thread(name: str) -> asyncio.AbstractEventLoop:
     loop = asyncio.new_event_loop()
     threading.Thread(target=_serve, args=(loop,), name=name, daemon=True).start()
     return loop
+
+
+_NOT_A_REWARD = object()
+
+
+def reward_number(value: Any) -> Any:
+    """``value`` as a reward: a float, None (no reward), or ``_NOT_A_REWARD``. Accepts what TRL's
+    ``torch.tensor(rewards, dtype=torch.float32)`` accepts of one value: numbers, booleans (1.0/0.0), numpy scalars
+    and 0-d numpy arrays or torch tensors."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, numbers.Real)):
+        return float(value)
+    if type(value).__module__.split(".")[0] in ("numpy", "torch") and getattr(value, "ndim", None) == 0:
+        item = value.item()
+        if isinstance(item, (bool, numbers.Real)):
+            return float(item)
+    return _NOT_A_REWARD
 
 
 class JudgerRunner:
@@ -574,6 +610,8 @@ class JudgerRunner:
             pool = self._pooled(name, kwargs)
             if pool is not None:
                 return await self._in_pool(name, pool, kwargs, call)
+            if writes_user_code(judger):  # in the trainer: its own copy of the samples, which it may change at will
+                kwargs = private_copies(kwargs)
             if is_async(judger):
                 async def run() -> tuple[Any, BaseException | None]:
                     try:
@@ -671,15 +709,12 @@ class JudgerRunner:
             raise JudgerContractError(f"judger {name!r} returned {len(out)} rewards for {n} completions")
         checked: list[float | None] = []
         for value in out:
-            if value is None:
-                checked.append(None)
-                continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            number = reward_number(value)
+            if number is _NOT_A_REWARD:
                 raise JudgerContractError(
                     f"judger {name!r} returned {value!r} ({type(value).__name__}); rewards must be numbers or None"
                 )
-            value = float(value)
-            checked.append(None if math.isnan(value) else value)
+            checked.append(None if number is None or math.isnan(number) else number)
         return checked
 
     def report_failure(self, name: str, exc: BaseException, n: int) -> None:

@@ -253,3 +253,11 @@ def test_init_defaults_follow_kwargs_up_the_mro_and_settings_fill_only_unset_arg
                                                              "unknown": 1})
     assert init_args == {"kl_coef": 0.01, "epsilon_low": 0.3}  # 0.0 is the default: unset; 0.3 was set
     assert conflicts == {"epsilon_low": (0.3, 0.2)}
+
+
+def test_a_module_exiting_as_it_imports_is_a_plugin_error_naming_it(tmp_path, monkeypatch):
+    source = "import sys\nsys.exit(9)\n\ndef reward(completions, **kw):\n    return []\n"
+    (tmp_path / "exits_on_import.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(registry.PluginError, match="could not import module 'exits_on_import'.*SystemExit: 9"):
+        registry.import_path("exits_on_import:reward")

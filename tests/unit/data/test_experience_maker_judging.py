@@ -19,7 +19,12 @@ def stepwise(completions, trainer_state, log_extra, log_metric, **kwargs):
     log_extra("seen_step", [step] * len(completions))
     log_metric("curriculum/step", float(step))
     log_metric("reward", -1.0)  # named like a built-in metric: the built-in one wins
+    log_metric("step", 4242.0)  # named like the loggers' step column: dropped
     return [float(step)] * len(completions)
+
+
+def abstains(completions, **kwargs):
+    return [None] * len(completions)
 
 
 def wrong_signature(completion, **kwargs):
@@ -43,6 +48,23 @@ def test_judgers_see_the_step_and_what_they_log_reaches_rows_and_metrics(tiny_mo
     assert out.metrics["curriculum/step"] == 2.0 and out.metrics["reward"] == 2.0
     assert [row["seen_step"] for row in out.samples] == [2] * 4 * K
     assert all(row["step"] == 2 for row in out.samples)
+
+
+def test_taken_metric_names_and_a_judger_scoring_nothing_are_warned_about_once(
+        tiny_model, tiny_data, tokenizer, caplog):
+    here = "tests.unit.data.test_experience_maker_judging"
+    dm = data_module(tiny_model, tiny_data, tokenizer, {"*": [f"{here}:stepwise", f"{here}:abstains"]})
+    with caplog.at_level("WARNING"):
+        for step in (1, 2):
+            out = dm.make_experience(dm.train_records[:4], policy_version=0, step=step)
+            assert "step" not in out.metrics and out.metrics["reward"] == float(step)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert sum("log_metric('step', ...) is not logged: 'step' is a logger's own column" in w for w in warnings) == 1
+    assert sum("log_metric('reward', ...) is not logged: 'reward' is one of rlflow's metrics" in w
+               for w in warnings) == 1
+    assert sum("rollout step 1: judger 'abstains' returned no reward (None or NaN) for any of its 16 samples" in w
+               for w in warnings) == 1
+    assert not any("'stepwise' returned no reward" in w for w in warnings)
 
 
 def test_a_judger_that_cannot_work_stops_the_step_before_anything_is_trained(tiny_model, tiny_data, tokenizer):

@@ -12,6 +12,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from rlflow import registry
 from rlflow.judgers.runner import JudgerRunner
@@ -319,8 +320,16 @@ def not_a_number(completions, **kwargs):
     return ["1.0"] * len(completions)
 
 
-def a_boolean(completions, **kwargs):
-    return [True] * len(completions)
+def booleans(completions, **kwargs):
+    return [True, np.bool_(False), torch.tensor(0.25), np.float32(0.5), np.array(2.0)][: len(completions)]
+
+
+def a_vector_per_sample(completions, **kwargs):
+    return [torch.tensor([1.0, 2.0])] * len(completions)
+
+
+def a_complex_tensor(completions, **kwargs):
+    return [torch.tensor(1 + 2j)] * len(completions)
 
 
 def a_string(completions, **kwargs):
@@ -336,9 +345,49 @@ def test_contract_breaches_are_errors_naming_the_judger():
         JudgerRunner({"*": [wrong_count]}).judge(*batch(2))
     with pytest.raises(TypeError, match="judger 'not_a_number' returned '1.0' \\(str\\)"):
         JudgerRunner({"*": [not_a_number]}).judge(*batch(2))
-    with pytest.raises(TypeError, match="judger 'a_boolean' returned True"):
-        JudgerRunner({"*": [a_boolean]}).judge(*batch(2))
+    # (in its worker process the tensor became a list: only plain values travel back)
+    with pytest.raises(TypeError, match="judger 'a_vector_per_sample' returned \\[1.0, 2.0\\] \\(list\\)"):
+        JudgerRunner({"*": [a_vector_per_sample]}).judge(*batch(2))
+    with pytest.raises(TypeError, match="judger 'a_complex_tensor' returned"):
+        JudgerRunner({"*": [a_complex_tensor]}).judge(*batch(2))
     with pytest.raises(TypeError, match="judger 'a_string' returned a str"):
         JudgerRunner({"*": [a_string]}).judge(*batch(2))
+    # what TRL's torch.tensor(rewards, dtype=torch.float32) takes: booleans, numpy scalars, 0-d arrays and tensors
+    assert JudgerRunner({"*": [booleans]}).judge(*batch(5)).rewards == [1.0, 0.0, 0.25, 0.5, 2.0]
     # numpy numbers are numbers
     assert JudgerRunner({"*": [numpy_rewards]}).judge(*batch(2)).rewards == [0.5, 0.5]
+
+
+def mutates_its_arguments(prompts, completions, extra_info, **kwargs):
+    for prompt, info in zip(prompts, extra_info):
+        prompt[0]["content"] = "MUTATED"
+        info["mutated"] = True
+    completions.clear()
+    return [1.0] * len(prompts)
+
+
+async def mutates_asynchronously(prompts, completions, extra_info, **kwargs):
+    return mutates_its_arguments(prompts, list(completions), extra_info)
+
+
+SEEN = []
+
+
+def observes(prompts, extra_info, **kwargs):
+    SEEN.append(([p[0]["content"] for p in prompts], [dict(i) for i in extra_info]))
+    return [0.0] * len(prompts)
+
+
+@pytest.mark.parametrize("mutator", [mutates_its_arguments, mutates_asynchronously])
+def test_a_judger_in_the_trainer_changes_neither_the_data_nor_what_others_see(mutator):
+    prompts = [[{"role": "user", "content": f"q{i}"}] for i in range(3)]
+    extra_info = [{"i": i} for i in range(3)]
+    completions = [f"c{i}" for i in range(3)]
+    runner = JudgerRunner({"*": [mutator, observes]}, isolation="thread")
+    SEEN.clear()
+    for _ in range(2):  # the second batch sees the data as it was
+        result = runner.judge(prompts, completions, [[1]] * 3, {"extra_info": extra_info})
+        assert result.rewards == [1.0] * 3
+    assert SEEN == [([f"q{i}" for i in range(3)], extra_info)] * 2
+    assert prompts == [[{"role": "user", "content": f"q{i}"}] for i in range(3)]
+    assert extra_info == [{"i": i} for i in range(3)] and completions == ["c0", "c1", "c2"]

@@ -19,6 +19,7 @@ class RewardServer:
 
     def __init__(self) -> None:
         self.requests: list[tuple[str, object]] = []
+        self.auth: list[str | None] = []  # each request's Authorization header
         self.release = threading.Event()
         self.lock = threading.Lock()
         server = self
@@ -31,11 +32,12 @@ class RewardServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with server.lock:
                     server.requests.append((self.path, body))
+                    server.auth.append(self.headers.get("Authorization"))
                     attempts = sum(1 for p, _ in server.requests if p == self.path)
                 if self.path == "/hang":
                     server.release.wait(20)
                     return self.reply(200, {"reward": 1.0})
-                if self.path == "/500":
+                if self.path.startswith("/500"):
                     return self.reply(500, {"error": "boom"})
                 if self.path == "/404":
                     return self.reply(404, {"error": "no such route"})
@@ -180,3 +182,30 @@ def test_bad_answers_and_unreachable_servers_fail_cleanly(server):
     assert gone.consume_failures() == 1
     with pytest.raises(ValueError, match="must start with http"):
         RemoteJudger("127.0.0.1:8000")
+
+
+def test_secrets_come_from_the_environment_and_stay_out_of_messages(server, caplog, monkeypatch):
+    monkeypatch.setenv("REWARD_API_AUTH", "Bearer HEADERSECRET")
+    url = server.url.replace("http://", "http://user:PASSWORD@") + "/500?api_key=QUERYSECRET&v=2"
+    spec = remote(server, "", max_retries=0, headers_from_env={"Authorization": "REWARD_API_AUTH"})
+    spec["init_args"]["url"] = url
+    runner = JudgerRunner({"*": [spec]})
+    with caplog.at_level(logging.WARNING):
+        result = runner.judge(PROMPTS, COMPLETIONS, IDS, COLUMNS)
+    assert result.per_judger["remote"] == [None] * 4 and server.auth == ["Bearer HEADERSECRET"] * 4
+    assert server.requests[0][0] == "/500?api_key=QUERYSECRET&v=2"  # the service still gets the query
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "HTTP 500" in text and "/500?api_key=***&v=***" in text
+    for secret in ("HEADERSECRET", "QUERYSECRET", "PASSWORD"):
+        assert secret not in text
+    assert "the user:password in its url will be saved" in text  # warned about, never shown
+
+
+def test_a_missing_secret_variable_and_a_saved_secret_header(server, caplog, monkeypatch):
+    monkeypatch.delenv("REWARD_API_AUTH", raising=False)
+    with pytest.raises(Exception, match="reads headers_from_env from REWARD_API_AUTH, which is not set"):
+        RemoteJudger(server.url + "/x", headers_from_env={"Authorization": "REWARD_API_AUTH"})
+    with caplog.at_level(logging.WARNING):
+        RemoteJudger(server.url + "/x", headers={"Authorization": "Bearer HEADERSECRET", "X-Trace": "1"})
+    warned = [r.getMessage() for r in caplog.records if "saved with the run's config" in r.getMessage()]
+    assert len(warned) == 1 and "Authorization" in warned[0] and "HEADERSECRET" not in warned[0]
