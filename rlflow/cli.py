@@ -31,6 +31,7 @@ import inspect
 import os
 import re
 import shutil
+import signal
 import sys
 import warnings
 from typing import Any
@@ -244,6 +245,13 @@ class RLFlowCLI(LightningCLI):
             if stop is None or stop.signum is None:
                 raise
             raise stop.stopped(self.trainer) from None
+        except SystemExit as exc:  # Lightning's exit(1) after a Ctrl-C outside training (GracefulStop's handlers)
+            if exc.code != 1 or not self.trainer.interrupted:
+                raise
+            signal.signal(signal.SIGINT, signal.default_int_handler)  # Lightning left it ignored
+            stopped = StoppedBySignal(signal.SIGINT, self.trainer.global_step, None, False)
+            stopped.args = (f"stopped by SIGINT outside a rollout step (exit code {stopped.exit_code})",)
+            raise stopped from None
         except Exception as exc:
             if isinstance(exc, DiskFullError) or not disk_full(exc):
                 raise

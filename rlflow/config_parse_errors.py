@@ -19,6 +19,8 @@ UNKNOWN_PATTERNS = (
 )
 PARSER_KEY = re.compile(r'Parser key "([\w.]+)":')
 EXPECTED = re.compile(r"Expected a <class '([\w.]+)'>\. Got value: (.*)")
+SUBTYPES = re.compile(r"Subtypes: \[(.*)\]")
+GIVEN = re.compile(r"Given value: (.*)")
 
 
 def config_files(argv: Sequence[str]) -> list[str]:
@@ -89,6 +91,11 @@ def parse_error_line(message: str, argv: Sequence[str], known_keys: Iterable[str
     key, typ, value = nested_key(message)
     if key and typ is not None:
         return f"{where(key, argv)}{key}: expected {typ.rsplit('.', 1)[-1]}, got {value}"
+    union, given = SUBTYPES.search(message), GIVEN.search(message)
+    if key and union and given:  # an Optional/Union setting: every subtype refused the value
+        names = re.findall(r"<class '([\w.]+)'>", union.group(1))
+        expected = " or ".join("null" if n == "NoneType" else n.rsplit(".", 1)[-1] for n in names) or union.group(1)
+        return f"{where(key, argv)}{key}: expected {expected}, got {given.group(1).strip()}"
     first = message.strip().splitlines()[0] if message.strip() else "invalid arguments"
     return f"{where(key, argv) if key else ''}{first}"
 

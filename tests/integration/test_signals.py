@@ -125,3 +125,22 @@ def test_a_second_signal_or_a_step_that_does_not_end_in_time_stops_at_once(
     assert torch.load(last, weights_only=True)["global_step"] == 1  # step 1's, untouched
     assert not list(last.parent.glob(".partial-*"))
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers  # put back
+
+
+class CtrlCWhileStarting(L.Callback):
+    """A Ctrl-C while the run is still being set up (before GracefulStop's handlers are installed)."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)  # the KeyboardInterrupt arrives here
+
+
+def test_ctrl_c_before_training_starts_is_an_interrupt_not_an_error(tiny_model, small_data, tmp_path, capsys):
+    handler = signal.getsignal(signal.SIGINT)
+    spec = '--trainer.callbacks+={"class_path": "tests.integration.test_signals.CtrlCWhileStarting"}'
+    code = main(run_args(tiny_model, small_data, tmp_path, spec, steps=2))
+    err = capsys.readouterr().err
+    assert code == 130, err
+    lines = [line for line in err.splitlines() if line.startswith("rlflow: ")]
+    assert lines == ["rlflow: stopped by SIGINT outside a rollout step (exit code 130)"], err
+    assert signal.getsignal(signal.SIGINT) is handler  # Ctrl-C works again in this process

@@ -30,6 +30,16 @@ def test_a_bad_value_on_the_command_line_is_one_line(capsys):
     assert lines == ["rlflow: error: command line: data.sampling.max_tokens: expected int, got abc"]
 
 
+def test_a_bad_value_of_an_optional_setting_names_what_it_takes(tmp_path, capsys):
+    code, lines = run(capsys, "--data.judging.timeout", "abc")
+    assert code == 1
+    assert lines == ["rlflow: error: command line: data.judging.timeout: expected float or null, got abc"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  judging:\n    max_failure_rate: lots\n")
+    code, lines = run(capsys, "--config", str(bad))
+    assert lines == [f"rlflow: error: {bad}, line 3: data.judging.max_failure_rate: expected float or null, got lots"]
+
+
 def test_a_bad_plugin_argument_names_its_init_args_key(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text("model:\n  loss:\n    class_path: bnpo\n    init_args:\n      kl_coef: x\n")
