@@ -17,6 +17,9 @@ UNKNOWN_PATTERNS = (
     re.compile(r"unrecognized arguments: --([\w.]+)"),
     re.compile(r"Key '([\w.]+)' is not expected"),
 )
+GROUP_OPTION = re.compile(r"Group '([\w.]+)' does not accept option '([\w.]+)'")
+NESTED_UNKNOWN = (re.compile(r"Option '([\w.]+)' is not accepted"), re.compile(r"Key '([\w.]+)' is not expected"))
+CLASS_PATH = re.compile(r"Problem with given class_path '([\w.]+)'")
 PARSER_KEY = re.compile(r'Parser key "([\w.]+)":')
 EXPECTED = re.compile(r"Expected a <class '([\w.]+)'>\. Got value: (.*)")
 SUBTYPES = re.compile(r"Subtypes: \[(.*)\]")
@@ -68,36 +71,119 @@ def where(key: str, argv: Sequence[str]) -> str:
     return ""
 
 
-def nested_key(message: str) -> tuple[str, str | None, str | None]:
-    """The full key a type error is about (a plugin's ``init_args`` key included), the expected type and the value."""
+def nested_class(message: str) -> Any:
+    """The class of a setting whose value jsonargparse built from a class (``Problem with given class_path``): a
+    plugin (``model.loss``) or a settings dataclass (``model.lora``); None if not named or not importable."""
+    import importlib
+
+    match = CLASS_PATH.search(message)
+    if match is None:
+        return None
+    module, _, name = match.group(1).rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def class_fields(cls: Any) -> list[str]:
+    """The settings ``cls`` takes, as jsonargparse reads them (a plugin's ``**kwargs`` followed to its bases)."""
+    import dataclasses
+    import inspect
+
+    try:
+        from jsonargparse import ArgumentParser
+
+        parser = ArgumentParser(exit_on_error=False)
+        parser.add_class_arguments(cls, fail_untyped=False)
+        return [a.dest for a in parser._actions if isinstance(a.dest, str) and a.dest not in ("help", "config")]
+    except Exception:  # noqa: BLE001 - only the did-you-mean depends on it
+        if dataclasses.is_dataclass(cls):
+            return [f.name for f in dataclasses.fields(cls) if f.init]
+        try:
+            return [n for n, p in inspect.signature(cls).parameters.items() if p.kind not in (p.VAR_KEYWORD,
+                                                                                                p.VAR_POSITIONAL)]
+        except (TypeError, ValueError):
+            return []
+
+
+def locate(keys: Sequence[str], argv: Sequence[str]) -> tuple[str, str]:
+    """The first of ``keys`` set on the command line, else in the last config file that sets one, with
+    :func:`where`'s place; ``(keys[0], "")`` if none is found."""
+    for key in keys:
+        if any(a == f"--{key}" or a.startswith(f"--{key}=") for a in argv):
+            return key, "command line: "
+    for path in reversed(config_files(argv)):
+        for key in keys:
+            line = key_line(path, key)
+            if line is not None:
+                return key, f"{path}, line {line}: "
+    return keys[0], ""
+
+
+def nested_place(parent: str, field: str, cls: Any, argv: Sequence[str]) -> tuple[str, str]:
+    """The full key of ``field`` inside the setting ``parent`` (a plugin's as ``parent.init_args.field``, a settings
+    dataclass's as ``parent.field``, or as the user wrote it) and where it is set: the key itself, else ``parent``
+    (a whole value on the command line: ``--model.lora '{rr: 8}'``)."""
+    import dataclasses
+
+    forms = [f"{parent}.{field}", f"{parent}.init_args.{field}"]
+    if cls is not None and not dataclasses.is_dataclass(cls):
+        forms.reverse()
+    key, place = locate(forms, argv)
+    return key, place or where(parent, argv)
+
+
+def nested_key(message: str, argv: Sequence[str] = ()) -> tuple[str, str, str | None, str | None]:
+    """The full key a type error is about (a plugin's ``init_args`` key included), where it is set, the expected
+    type and the value."""
     keys = PARSER_KEY.findall(message)
     key = keys[0] if keys else ""
+    place = where(key, argv) if key else ""
     if len(keys) > 1 and "class_path" in message:
-        key = f"{keys[0]}.init_args.{keys[-1]}"
+        key, place = nested_place(keys[0], keys[-1], nested_class(message), argv)
     expected = EXPECTED.findall(message)
     typ, value = expected[-1] if expected else (None, None)
-    return key, typ, value
+    return key, place, typ, value
+
+
+def unknown_line(key: str, place: str, known_keys: Iterable[str], prefix: str = "") -> str:
+    """``<place><key> is not a setting; did you mean <the closest of known_keys>?`` (``prefix`` + each known key:
+    the fields of a nested setting)."""
+    known = [prefix + k for k in known_keys]
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f"; did you mean {close[0]}?" if close else " (`rlflow fit --help` lists the settings)"
+    return f"{place}{key} is not a setting{hint}"
 
 
 def parse_error_line(message: str, argv: Sequence[str], known_keys: Iterable[str]) -> str:
     """One line for jsonargparse's error ``message`` about ``argv``; ``known_keys`` feed the did-you-mean."""
+    group = GROUP_OPTION.search(message)
+    if group:  # "Group 'data' does not accept option 'sampling.max_tokenz'": a key of a config file
+        key = f"{group.group(1)}.{group.group(2)}"
+        return unknown_line(key, where(key, argv), known_keys)
+    parents = PARSER_KEY.findall(message)
+    nested = next((m for m in (p.search(message) for p in NESTED_UNKNOWN) if m), None)
+    if parents and nested:  # an unknown field of a plugin's init_args or of a settings dataclass (model.lora)
+        cls = nested_class(message)
+        key, place = nested_place(parents[0], nested.group(1), cls, argv)
+        fields = class_fields(cls) if cls is not None else []
+        return unknown_line(key, place, fields, key[: len(key) - len(nested.group(1))])
     for pattern in UNKNOWN_PATTERNS:
         match = pattern.search(message)
         if match:
             key = match.group(1)
-            close = difflib.get_close_matches(key, list(known_keys), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else " (`rlflow fit --help` lists the settings)"
-            return f"{where(key, argv)}{key} is not a setting{hint}"
-    key, typ, value = nested_key(message)
+            return unknown_line(key, where(key, argv), known_keys)
+    key, place, typ, value = nested_key(message, argv)
     if key and typ is not None:
-        return f"{where(key, argv)}{key}: expected {typ.rsplit('.', 1)[-1]}, got {value}"
+        return f"{place}{key}: expected {typ.rsplit('.', 1)[-1]}, got {value}"
     union, given = SUBTYPES.search(message), GIVEN.search(message)
     if key and union and given:  # an Optional/Union setting: every subtype refused the value
         names = re.findall(r"<class '([\w.]+)'>", union.group(1))
         expected = " or ".join("null" if n == "NoneType" else n.rsplit(".", 1)[-1] for n in names) or union.group(1)
-        return f"{where(key, argv)}{key}: expected {expected}, got {given.group(1).strip()}"
+        return f"{place}{key}: expected {expected}, got {given.group(1).strip()}"
     first = message.strip().splitlines()[0] if message.strip() else "invalid arguments"
-    return f"{where(key, argv) if key else ''}{first}"
+    return f"{place}{first}"
 
 
 def parser_keys(parser: Any) -> list[str]:

@@ -324,8 +324,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             (dm, tokenize), mix = datamodule_from_files(args), False
         report = check_datamodule(dm, tokenize=tokenize, mix=mix)
-    except (ValueError, FileNotFoundError, DataError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, DataError) as exc:  # as rlflow fit says them (rlflow.cli.main)
+        print(f"rlflow: error: {exc}", file=sys.stderr)
         return 1
     print(format_report(report))
     return 0 if report.ok else 1

@@ -110,8 +110,14 @@ def check_row(row: Any, where: str) -> PromptRecord:
 
 
 def json_error(exc: json.JSONDecodeError) -> str:
-    """``invalid JSON at column N: <reason>`` (json's "Invalid control character at" ends where its position goes)."""
-    return f"invalid JSON at column {exc.colno}: {exc.msg.removesuffix(' at')}"
+    """``invalid JSON at column N: <reason>`` (json's "Invalid control character at" ends where its position goes);
+    ``invalid JSON at the end of the line`` (of the file, for a document of several lines) where the text stops
+    before the value does (a missing ``}``): json counts the line's own newline as the start of a next line."""
+    reason = exc.msg.removesuffix(" at")
+    text = exc.doc.rstrip() if isinstance(exc.doc, str) else ""
+    if text and exc.pos >= len(text):
+        return f"invalid JSON at the end of the {'file' if chr(10) in text else 'line'}: {reason}"
+    return f"invalid JSON at column {exc.colno}: {reason}"
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[str, PromptRecord | DataError]]:

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import sys
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,18 +106,57 @@ def read_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
     if not path.exists():
         raise FileNotFoundError(f"--ckpt_path {path} does not exist")
     if path.is_file():
-        return torch.load(path, map_location="cpu", weights_only=True)
+        checkpoint = load_file(path)
+        if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("state_dict"), dict):
+            raise ConfigError(f"--ckpt_path {path} is not a checkpoint of rlflow fit (it holds no state_dict)")
+        return checkpoint
     meta = path / "meta.pt"
     if not meta.is_file():
         raise ConfigError(f"--ckpt_path {path} is a folder but not a distributed checkpoint (no meta.pt in it)")
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    checkpoint = torch.load(meta, map_location="cpu", weights_only=True)
+    checkpoint = load_file(meta)
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(path, Path(tmp) / "joined.pt")
         checkpoint["state_dict"] = torch.load(Path(tmp) / "joined.pt", map_location="cpu",
                                               weights_only=True)["state_dict"]
     return checkpoint
+
+
+ZIP_MAGIC = b"PK\x03\x04"
+
+
+def load_file(path: Path) -> Any:
+    """``torch.load(weights_only=True)`` of the checkpoint file at ``path``; a ConfigError, one line naming the file,
+    where it is not a readable checkpoint: truncated (a zip archive without its end), not a checkpoint at all, or
+    corrupt. A whole checkpoint that holds more than tensors and plain values is refused as ``rlflow fit`` refuses
+    it (:mod:`rlflow.training.safe_load`), never with torch's advice to read it with ``weights_only=False``."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure to read the file is said in one line
+        if isinstance(exc, pickle.UnpicklingError) and "Unsupported global" in str(exc):
+            from rlflow.training.safe_load import _refusal
+
+            raise _refusal(path, exc) from exc
+        raise ConfigError(f"--ckpt_path {path} is not a readable rlflow checkpoint: {unreadable(path, exc)}") \
+            from exc
+
+
+def unreadable(path: Path, exc: BaseException) -> str:
+    """Why the file at ``path`` did not load (:func:`load_file`): truncated, not a checkpoint, or corrupt."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(ZIP_MAGIC))
+    except OSError as error:
+        return f"cannot open the file ({error.strerror or error})"
+    size = path.stat().st_size
+    if head == ZIP_MAGIC and not zipfile.is_zipfile(path):
+        return f"the file is truncated ({size} bytes of a zip archive without its end: an interrupted write or copy)"
+    if not zipfile.is_zipfile(path):
+        return f"the file is not a checkpoint ({size} bytes, not the zip archive torch.save writes)"
+    text = str(exc).split("WeightsUnpickler error:", 1)[-1]  # not torch's advice to load with weights_only=False
+    reason = (text.strip().splitlines() or [type(exc).__name__])[0].split(". ")[0][:160]
+    return f"the file is corrupt ({reason})"
 
 
 def policy_weights(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:

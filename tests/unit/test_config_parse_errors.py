@@ -61,3 +61,50 @@ def test_key_line_follows_nesting_and_the_fit_level(tmp_path):
     assert key_line(str(path), "data.sampling.max_tokens") == 5
     assert key_line(str(path), "data.a") == 3
     assert key_line(str(path), "data.b") is None
+
+
+def test_an_unknown_field_of_a_settings_dataclass_is_named_with_a_guess(tmp_path, capsys):
+    code, lines = run(capsys, "--model.lora", "{rr: 8}")
+    assert code == 1
+    assert lines == ["rlflow: error: command line: model.lora.rr is not a setting; did you mean model.lora.r?"]
+    bad = tmp_path / "lora.yaml"
+    bad.write_text("model:\n  lora:\n    rr: 8\n")
+    code, lines = run(capsys, "--config", str(bad))
+    assert lines == [f"rlflow: error: {bad}, line 3: model.lora.rr is not a setting; did you mean model.lora.r?"]
+
+
+def test_an_unknown_plugin_argument_is_named_where_it_is_set(tmp_path, capsys):
+    bad = tmp_path / "x.yaml"
+    bad.write_text("model:\n  loss:\n    class_path: bnpo\n    init_args:\n      epsilon_low: 0.2\n"
+                   "      epsilon_hgh: 0.3\n")
+    code, lines = run(capsys, "--config", str(bad))
+    assert code == 1
+    assert lines == [f"rlflow: error: {bad}, line 6: model.loss.init_args.epsilon_hgh is not a setting; "
+                     "did you mean model.loss.init_args.epsilon_high?"]
+    code, lines = run(capsys, "--model.loss.init_args.epsilon_hgh", "0.3")  # the demo config sets model.loss
+    assert lines == ["rlflow: error: command line: model.loss.init_args.epsilon_hgh is not a setting; "
+                     "did you mean model.loss.init_args.epsilon_high?"]
+
+
+def test_a_bad_value_of_a_settings_dataclass_field_has_no_init_args(capsys):
+    code, lines = run(capsys, "--model.lora.r", "abc")
+    assert code == 1
+    assert lines == ["rlflow: error: command line: model.lora.r: expected int, got abc"]
+
+
+def test_an_unknown_key_of_a_group_in_a_config_file_keeps_its_group(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  sampling:\n    max_tokenz: 3\n")
+    code, lines = run(capsys, "--config", str(bad))
+    assert code == 1
+    assert lines == [f"rlflow: error: {bad}, line 3: data.sampling.max_tokenz is not a setting; "
+                     "did you mean data.sampling.max_tokens?"]
+
+
+def test_a_nested_key_is_not_expected_message_names_the_full_key():
+    message = ("Parser key \"model.loss\":\n  Does not validate against any of the Union subtypes\n  Errors:\n"
+               "    - Expected a <class 'str'>\n    - Problem with given class_path 'rlflow.losses.clipped.BNPOLoss':\n"
+               "        Key 'epsilon_hgh' is not expected\n")
+    line = parse_error_line(message, ["fit", "--model.loss.init_args.epsilon_hgh", "0.3"], [])
+    assert line == ("command line: model.loss.init_args.epsilon_hgh is not a setting; "
+                    "did you mean model.loss.init_args.epsilon_high?")
