@@ -257,11 +257,16 @@ def _bounded(text: _Text, limit: int | None) -> _Text:
     return _Text(converted(text.text, limit).text, None if text.error is None else converted(text.error, limit).text)
 
 
+def truncate(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, with a line saying how many were cut."""
+    if len(text) <= limit:
+        return text
+    return text[:limit] + f"\n... [truncated {len(text) - limit} characters]"
+
+
 def converted(value: Any, limit: int | None) -> _Text:
     """``value`` as the text of a tool message, cut to ``limit`` characters (the rest cut, saying how much:
-    :func:`rlflow.tools.sandbox.truncate`; None: not cut), or why it cannot be turned into text. Never raises."""
-    from rlflow.tools.sandbox import truncate  # the sandbox module imports this one
-
+    :func:`truncate`; None: not cut), or why it cannot be turned into text. Never raises."""
     try:
         text = result_text(value)
         return _Text(text if limit is None else truncate(text, limit))

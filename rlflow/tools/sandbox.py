@@ -59,7 +59,7 @@ import threading
 
 from rlflow.config_checks import at_least, check_values, greater_than
 from rlflow.config_error import ConfigError
-from rlflow.tools.base import time_left
+from rlflow.tools.base import time_left, truncate
 
 log = logging.getLogger(__name__)
 
@@ -102,12 +102,6 @@ _warned = False
 
 class SandboxUnavailable(RuntimeError):
     """The sandbox cannot start on this machine (the message says why)."""
-
-
-def truncate(text: str, limit: int) -> str:
-    if len(text) <= limit:
-        return text
-    return text[:limit] + f"\n... [truncated {len(text) - limit} characters]"
 
 
 def _ancestors(path: str) -> list[str]:
