@@ -43,6 +43,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rlflow import registry
+from rlflow.config_checks import check_batch_split
 from rlflow.config_error import ConfigError
 from rlflow.config_moves import check_argv
 from rlflow.config_parse_errors import parse_error_line, parser_keys, raise_errors
@@ -229,6 +230,10 @@ class RLFlowCLI(LightningCLI):
         pipelining = getattr(self.datamodule, "pipeline_settings", None)
         if pipelining is not None and pipelining.partial_rollouts:
             check_partial_ranks(self.trainer.world_size)  # before any rank starts
+        update = getattr(getattr(self.model, "settings", None), "update", None)
+        if update is not None and hasattr(self.datamodule, "global_batch_size"):
+            check_batch_split(self.datamodule.global_batch_size, self.datamodule.prompt_repeat_k,
+                              update.optimizer_steps, self.trainer.world_size)
         for directory, key in written_dirs(self.trainer):
             check_writable(directory, key)
         config = yaml.safe_load(self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False))

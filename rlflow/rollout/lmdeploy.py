@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import importlib.util
 import json
 import os
 import queue
@@ -50,7 +51,7 @@ from typing import Any
 
 import torch
 
-from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams
+from rlflow.rollout.base import Completion, Progress, RolloutBackend, SamplingParams, UnsupportedModelError
 from rlflow.rollout.hf import trim_at_stop
 from rlflow.rollout.requests import DecodeRequest, RequestSource
 
@@ -315,8 +316,22 @@ class LMDeployRollout(RolloutBackend):
         return not self.server_urls
 
     def bind(self, model: Any, tokenizer: Any) -> None:
+        problem = self.colocated_problem()
+        if problem is not None:  # before the first rollout step: one line, not a traceback mid-step
+            raise UnsupportedModelError("lmdeploy", problem)
         super().bind(model, tokenizer)
         self.weights_current = False  # a new policy object: push before the first rollout
+
+    def colocated_problem(self) -> str | None:
+        """Why this machine cannot start a colocated lmdeploy engine (no CUDA GPU, lmdeploy not installed), or None
+        (also None with ``server_urls``: the engines run elsewhere)."""
+        if not self.colocated:
+            return None
+        if not torch.cuda.is_available():
+            return "its engine runs on a CUDA GPU and none is visible"
+        if shutil.which("lmdeploy") is None and importlib.util.find_spec("lmdeploy") is None:
+            return "lmdeploy is not installed (pip install 'rlflow[lmdeploy]')"
+        return None
 
     def sync_weights(self) -> None:
         """Called after every optimizer step: the engine's weights are now stale; the next rollout pushes them."""

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 import yaml
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import SaveConfigCallback
@@ -217,8 +218,11 @@ class StepSummary(L.Callback):
         m = getattr(pl_module, "last_metrics", None) or {}
         samples = _samples(pl_module)
         threshold = getattr(trainer.datamodule, "eval_pass_threshold", 1.0)
-        accuracy = sum(s["reward"] >= threshold for s in samples) / len(samples) if samples else float("nan")
-        pl_module.log("train/accuracy", accuracy, on_step=True, on_epoch=False, batch_size=max(len(samples), 1))
+        counts = torch.tensor([sum(s["reward"] >= threshold for s in samples), len(samples)], dtype=torch.float64,
+                              device=pl_module.device)
+        passed, total = trainer.strategy.reduce(counts, reduce_op="sum").tolist()  # every rank's samples
+        accuracy = passed / total if total else float("nan")
+        pl_module.log("train/accuracy", accuracy, on_step=True, on_epoch=False, batch_size=max(int(total), 1))
         if not self.enabled or not trainer.is_global_zero:
             return
         total = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else "?"

@@ -33,3 +33,30 @@ def test_prompts_with_images_are_not_rolled_out_multi_turn():
     with pytest.raises(ConfigError, match=r"^prompts with images are not rolled out multi-turn: data.multiturn.tools, "
                                           r"data.multiturn.environment and .* without the images; unset them"):
         check_multiturn_images(images=True, multiturn=True)
+
+
+def test_the_batch_split_over_ranks_and_optimizer_steps_is_checked_before_anything_starts():
+    from rlflow.config_checks import check_batch_split
+
+    check_batch_split(4, 4, 16, 1)  # one completion per optimizer step at most
+    check_batch_split(4, 4, 8, 2)
+    with pytest.raises(ConfigError, match=r"^data.global_batch_size=3 must be a multiple of the 2 ranks"):
+        check_batch_split(3, 4, 1, 2)
+    with pytest.raises(ConfigError, match=r"^model.update.optimizer_steps=17 needs at least one completion per "
+                                          r"optimizer step, and a rollout step gives 16 \(data.global_batch_size=4 x "
+                                          r"data.prompt_repeat_k=4\); lower it to at most 16$"):
+        check_batch_split(4, 4, 17, 1)
+    with pytest.raises(ConfigError, match=r"gives 8 \(data.global_batch_size=4 / 2 ranks x data.prompt_repeat_k=4\)"):
+        check_batch_split(4, 4, 9, 2)
+
+
+def test_fit_refuses_more_optimizer_steps_than_completions_in_one_line(tiny_model, tiny_data, tmp_path, capsys):
+    from rlflow.cli import main
+    from tests.helpers.fit import fit_args
+
+    code = main(fit_args(tiny_model, tiny_data, tmp_path, "--model.update.optimizer_steps=17"))
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlflow: ")]
+    assert code == 1 and lines == ["rlflow: error: model.update.optimizer_steps=17 needs at least one completion per "
+                                   "optimizer step, and a rollout step gives 16 (data.global_batch_size=4 x "
+                                   "data.prompt_repeat_k=4); lower it to at most 16"]
+    assert not list(tmp_path.rglob("*.ckpt"))  # refused before anything ran

@@ -288,6 +288,7 @@ def gated_lmdeploy_rollout(fake_server, wait: float):
         return x
 
     backend = LMDeployRollout(sleep_level=1, max_concurrency=4)  # colocated: sleeps between rollouts
+    backend.colocated_problem = lambda: None  # as on a GPU machine with lmdeploy
     backend.bind(torch.nn.Linear(2, 2), tok)
     backend.url, backend.weights_current = fake_server.url, True  # the server "started", the weights pushed
     backend.weights_awake = backend.kv_awake = False  # asleep since the last rollout
@@ -389,3 +390,19 @@ def test_real_engine_samples_syncs_and_matches_trainer_logprobs(tiny_model):
         assert all(abs(lp - uniform) < 1e-2 for c in after for lp in c.logprobs)
     finally:
         backend.close()
+
+
+def test_a_colocated_engine_this_machine_cannot_start_is_refused_when_bound(monkeypatch):
+    from rlflow.rollout.base import UnsupportedModelError
+
+    backend = LMDeployRollout()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UnsupportedModelError, match="the lmdeploy rollout backend cannot run this model: its engine "
+                                                    "runs on a CUDA GPU and none is visible; use data.rollout=auto"):
+        backend.bind(torch.nn.Linear(2, 2), tokenizer=None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(UnsupportedModelError, match=r"lmdeploy is not installed \(pip install 'rlflow\[lmdeploy\]'\)"):
+        backend.bind(torch.nn.Linear(2, 2), tokenizer=None)
+    LMDeployRollout(server_url="http://127.0.0.1:9").bind(torch.nn.Linear(2, 2), tokenizer=None)  # engines elsewhere

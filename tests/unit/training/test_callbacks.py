@@ -55,3 +55,22 @@ def test_tables_add_the_columns_judgers_logged_after_the_built_in_ones():
     later = {**row, "answer_parsed": "[2]"}
     assert table_columns(SAMPLE_COLUMNS, [row, later]) == [*SAMPLE_COLUMNS, "solution", "gold_parsed", "answer_parsed"]
     assert table_columns(EVAL_SAMPLE_COLUMNS, [{"trained_steps": 0, "rank": 0, "batch": 1}]) == EVAL_SAMPLE_COLUMNS
+
+
+def test_train_accuracy_counts_every_ranks_samples():
+    """Under data parallelism each rank holds its share of the step's samples: ``train/accuracy`` is over all of
+    them (here the other rank passed 1 of its 4), not rank zero's share alone."""
+    import torch
+
+    from rlflow.training.callbacks import StepSummary
+
+    other_rank = torch.tensor([1.0, 4.0], dtype=torch.float64)
+    logged = {}
+    strategy = SimpleNamespace(reduce=lambda t, reduce_op: t + other_rank if reduce_op == "sum" else None)
+    trainer = SimpleNamespace(strategy=strategy, datamodule=SimpleNamespace(eval_pass_threshold=1.0),
+                              is_global_zero=True)
+    samples = [{"reward": r} for r in (1.0, 1.0, 0.0, 0.5)]
+    module = SimpleNamespace(last_metrics={}, last_rollout=SimpleNamespace(samples=samples), device=torch.device("cpu"),
+                             log=lambda name, value, **kw: logged.update({name: (value, kw["batch_size"])}))
+    StepSummary(enabled=False).on_train_batch_end(trainer, module, None, None, 0)
+    assert logged["train/accuracy"] == (3 / 8, 8)
