@@ -274,7 +274,7 @@ class RolloutDataModule(L.LightningDataModule):
         if stage == "fit" and self.sampler is None:
             self.judges.check_rows(self.train_prompts.load(tokenizer, self.processor), "train")
             if self.global_batch_size % self.world_size:
-                raise ValueError(f"data.global_batch_size={self.global_batch_size} must be a multiple of the "
+                raise ConfigError(f"data.global_batch_size={self.global_batch_size} must be a multiple of the "
                                  f"{self.world_size} ranks")
             self.sampler = self.train_prompts.sampler(self.global_batch_size, self.seed, self.filtering.skip_solved)
         if stage in ("fit", "validate") and self.eval_prompts.sources and not self.eval_records:
@@ -353,9 +353,13 @@ class RolloutDataModule(L.LightningDataModule):
         return self.backend is None or self.backend.reads_policy_weights
 
     def sync_weights(self) -> None:
-        if self.pipeline is not None:  # pipelined: weights reach the generator between its jobs
-            return
-        if self.backend is not None:
+        """After every optimizer step: the trainer's backend (and a split rollout's, the same engine) drops what it
+        kept of the old weights, pipelined or not, since evaluation and the pipeline's generations in this process
+        run on it. A pipelined run's generator process still gets the weights between its jobs
+        (:meth:`RolloutPipeline.sync_weights <rlflow.rollout.pipeline.RolloutPipeline.sync_weights>`)."""
+        if self.pipeline is not None:
+            self.pipeline.sync_weights()
+        elif self.backend is not None:
             self.backend.sync_weights()
 
     def minibatches(self, num: int) -> list[list[Experience]]:

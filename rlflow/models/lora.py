@@ -17,11 +17,14 @@ this module only wires them into rlflow:
   ``AutoModelForCausalLM``);
 * **rollout engines without adapters** get the deltas folded in: the ``engine`` backend's fused decoder reads
   each LoRA projection's effective weight (:func:`linear_weights`, PEFT's ``get_delta_weight``), and lmdeploy
-  receives merged tensors (:func:`merge_lora_tensors`).
+  receives merged tensors (:func:`merge_lora_tensors`), as does the generator process of a pipelined or split
+  rollout (:func:`rlflow.rollout.process.copy_weights`).
 
 Simplifications: one adapter (PEFT's ``default``); the fused decoder and the merged push fold plain LoRA on
 ``nn.Linear`` only (DoRA and other variants, or LoRA on embeddings/LM head, make the engine decode through the
-model's forward, and the lmdeploy push refuses them with a clear error).
+model's forward, and the lmdeploy push refuses them with a clear error; :func:`merge_problem` says why before the
+run starts its generator process: ``data.pipeline.split_rollout`` goes off with the reason logged and
+``data.pipeline.max_staleness > 0`` is refused in one line).
 """
 
 from __future__ import annotations
@@ -230,6 +233,24 @@ def linear_weights(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor 
     return weight, base.bias
 
 
+def lora_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """``model``'s PEFT LoRA layers by module name (none without PEFT installed)."""
+    types = lora_layer_types()
+    return {name: m for name, m in model.named_modules() if isinstance(m, types)} if types else {}
+
+
+def merge_problem(model: torch.nn.Module) -> str | None:
+    """Why :func:`merge_lora_tensors` cannot merge ``model``'s LoRA layers into plain weights, naming the first
+    layer it cannot (``the LoRA layer NAME: WHY``), or None (no LoRA layers, or all plain LoRA on ``nn.Linear``).
+    What needs the merged weights asks it before any of its slow work: the lmdeploy push, the generator process of
+    a pipelined or split rollout (:mod:`rlflow.rollout.pipeline`, :mod:`rlflow.rollout.split`)."""
+    for name, layer in lora_layers(model).items():
+        problem = fold_problem(layer)
+        if problem:
+            return f"the LoRA layer {name}: {problem}"
+    return None
+
+
 def merge_lora_tensors(
     model: torch.nn.Module, named: Iterable[tuple[str, torch.Tensor]]
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -241,15 +262,13 @@ def merge_lora_tensors(
     in float32 and cast to ``W``'s dtype (``tests/test_lora.py`` checks it against ``merge_and_unload``). A
     model without LoRA layers passes through unchanged.
     """
-    types = lora_layer_types()
-    layers = {name: m for name, m in model.named_modules() if types and isinstance(m, types)} if types else {}
+    layers = lora_layers(model)
     if not layers:
         yield from named
         return
-    for name, layer in layers.items():
-        problem = fold_problem(layer)
-        if problem:
-            raise ValueError(f"cannot merge the LoRA layer {name} for the inference engine: {problem}")
+    problem = merge_problem(model)
+    if problem:
+        raise ValueError(f"cannot merge {problem} (the inference engine takes plain weights)")
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in named:
         parts = key.split(".")

@@ -24,7 +24,8 @@ every token, keeps finished rows in the batch until the longest one ends, and pa
   while training keeps float32: a decode step reads half the bytes and runs on the bf16 units (AMX on recent
   Xeons, tensor cores on GPUs). The behaviour log-probs are then the bf16 model's. The fused decoder (its weight
   copies, in whatever dtype) is kept across rollout calls while every parameter keeps its storage, in-place
-  version counter and LoRA switches, and dropped by :meth:`EngineRollout.sync_weights` after an optimizer step;
+  version counter and LoRA switches, and dropped by :meth:`EngineRollout.sync_weights` after every optimizer step
+  (which a fused optimizer kernel takes without moving the version counters);
 * samples (:mod:`rlflow.rollout.sampling`) with temperature / top-k / top-p and returns ``log_softmax(logits /
   temperature)`` of each taken token (before truncation, as :class:`~rlflow.rollout.base.Completion` specifies),
   stopping exactly at the first stop token (kept) or at ``max_tokens``; each row's uniform for its ``t``-th token is a
@@ -212,7 +213,12 @@ class EngineRollout(CallKeys, RolloutBackend):
 
     def sync_weights(self) -> None:
         """The weights changed: the next rollout copies them again. The fused decoder's copies are dropped now,
-        unless CUDA graphs were captured over them: then the next rollout copies the new weights into them."""
+        unless CUDA graphs were captured over them: then the next rollout copies the new weights into them.
+
+        Whoever changes the weights must call it (the trainer after every optimizer step, pipelined or not; the
+        generator process before every job): the kept decoder's key cannot see every change, since a fused
+        optimizer kernel (``torch.optim.AdamW(fused=True)``) updates the parameters in place without moving their
+        version counters."""
         self._stale = True
         if self._graphed is None:
             self._kept_decoder = None

@@ -20,7 +20,8 @@ generator's half arrives at once at the end and is judged then. Nothing is in fl
 checkpoints and resume are those of the plain loop.
 
 Simplifications: the ``engine`` backend only, one process without FSDP2 (even on one rank), a policy on a CPU
-(elsewhere the run goes on without the split and says why, :func:`split_problem` and the data module); two shares
+whose LoRA adapters (``model.lora``) merge into plain weights (not DoRA) (elsewhere the run goes on without the
+split and says why, :func:`split_problem` and the data module); two shares
 split by prompt count (the first ``ceil(n / 2)`` prompts stay in the trainer); the generator idles while the
 trainer trains (nothing else to do on-policy); multi-turn rollouts are not split.
 """
@@ -121,8 +122,11 @@ def split_problem(threads: int, world_size: int, sharded: bool, device: str, bac
     """Why a run cannot share its rollouts with a generator process of ``threads`` torch threads (None: it can).
     The split keeps the run within the trainer's torch threads, so it needs more than ``threads`` of them; one
     process (``world_size`` 1) without FSDP2 (``sharded``); the trainer on the CPU (``device``); and, once known,
-    the ``engine`` backend (``data.rollout: auto`` picks ``hf`` for models the engine does not run) on a CPU policy.
-    Without ``backend`` (the data module's ``setup``, before the policy exists) only the run's own settings count."""
+    the ``engine`` backend (``data.rollout: auto`` picks ``hf`` for models the engine does not run) on a CPU policy
+    whose LoRA adapters, if any, merge into the generator's plain copy (not DoRA:
+    :func:`~rlflow.models.lora.merge_problem`). Without ``backend`` (the data module's ``setup``, before the policy
+    exists) only the run's own settings count."""
+    from rlflow.models.lora import merge_problem
     from rlflow.rollout.engine import EngineRollout
 
     if torch.get_num_threads() <= threads:
@@ -142,4 +146,8 @@ def split_problem(threads: int, world_size: int, sharded: bool, device: str, bac
     if policy_device.type != "cpu":
         return f"the policy is on {policy_device} (the split decodes on CPU cores; on GPUs the lmdeploy backend " \
                "generates)"
+    unmerged = merge_problem(backend.model)
+    if unmerged:
+        return f"the generator process decodes a merged copy of the policy, and model.lora cannot be merged " \
+               f"({unmerged})"
     return None
