@@ -110,6 +110,17 @@ class StepsRichProgressBar(RichProgressBar):
     """Lightning's rich progress bar, labelled "Epoch N" where a run bounded by ``trainer.max_steps`` (rlflow's
     usual way) has ``max_epochs = -1``, which the parent class labels "Epoch N/-2"."""
 
+    @property
+    def total_train_batches(self) -> int | float:
+        """The epoch's batches in the counter's units: Lightning sizes a ``max_steps`` run's bar by the steps left,
+        while the counter starts at the batches of the epoch already run, which a resumed run has (``4/1``); here
+        the total is those batches plus the steps left."""
+        trainer = self.trainer
+        if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.ready
+            return min(trainer.num_training_batches, done + trainer.max_steps - trainer.global_step)
+        return super().total_train_batches
+
     def _get_train_description(self, current_epoch: int) -> str:
         description = super()._get_train_description(current_epoch)
         max_epochs = self.trainer.max_epochs

@@ -74,3 +74,19 @@ def test_train_accuracy_counts_every_ranks_samples():
                              log=lambda name, value, **kw: logged.update({name: (value, kw["batch_size"])}))
     StepSummary(enabled=False).on_train_batch_end(trainer, module, None, None, 0)
     assert logged["train/accuracy"] == (3 / 8, 8)
+
+
+@pytest.mark.parametrize("global_step, done, batches, total", [(0, 0, 100, 4), (2, 2, 100, 4), (3, 3, 100, 4),
+                                                               (2, 2, 3, 3), (6, 0, 100, 2)])
+def test_the_bar_total_counts_the_batches_of_the_epoch_already_run(global_step, done, batches, total):
+    """A ``max_steps`` run resumed mid-epoch: the bar's counter starts at the epoch's batches already run, so its
+    total is those plus the steps left (``4/4`` at the end of a resumed 4-step run, not Lightning's ``4/1``)."""
+    from rlflow.training.callbacks import StepsRichProgressBar
+
+    progress = SimpleNamespace(current=SimpleNamespace(ready=done))
+    trainer = SimpleNamespace(max_epochs=-1, max_steps=8 if global_step == 6 else 4, global_step=global_step,
+                              num_training_batches=batches,
+                              fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)))
+    bar = StepsRichProgressBar()
+    bar._trainer = trainer
+    assert bar.total_train_batches == total
