@@ -49,7 +49,7 @@ from typing import Any
 
 from rlflow import registry
 from rlflow.config_error import ConfigError
-from rlflow.isolation import Isolated, Outcome, WorkerCrashed, WorkerError, portable
+from rlflow.isolation import Isolated, Outcome, WorkerCrashed, WorkerError, _awaited, _cut, _type_name, portable
 from rlflow.judgers.runner import ISOLATIONS, _Call, _in_daemon_thread, _serve, is_async, is_rlflows
 
 GROUP = "rlflow.tools"
@@ -89,10 +89,6 @@ def _tool_in_thread(fn: Callable[..., Any], deadline: float | None, limit: int |
     awaitable it handed back (awaited on the runner's loop)."""
     out = _until(deadline, fn, **arguments)
     return out if inspect.isawaitable(out) else converted(out, limit)
-
-
-async def _awaited(awaitable: Any) -> Any:
-    return await awaitable
 
 
 @dataclass
@@ -220,24 +216,12 @@ def result_text(value: Any) -> str:
     return text if type(text) is str else str.__str__(text)
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit] + "..."
-
-
 def _safe_str(value: Any) -> str:
     """``str(value)`` or, where that fails, a placeholder: for messages about hostile values."""
     try:
         return result_text(value)
     except BaseException:  # noqa: BLE001 - its __str__ raised, whatever it raised
         return "<unprintable>"
-
-
-def _type_name(value: Any) -> str:
-    try:
-        return str.__str__(type(value).__name__)
-    except BaseException:  # noqa: BLE001 - a metaclass's __name__
-        return "object"
 
 
 def _from_worker(value: Any, limit: int | None) -> _Text:
@@ -272,7 +256,7 @@ def converted(value: Any, limit: int | None) -> _Text:
         return _Text(text if limit is None else truncate(text, limit))
     except BaseException as exc:  # noqa: BLE001 - SystemExit from a __str__ too: the call's failure, not the run's
         return _Text("", f"a {_type_name(value)} that cannot be turned into text "
-                         f"({_type_name(exc)}: {_one_line(_safe_str(exc))})")
+                         f"({_type_name(exc)}: {_cut(_safe_str(exc), 300)})")
 
 
 class ToolRunner:
