@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlflow import registry
-from rlflow.isolation import Isolated, Outcome, Recorded, close_all, portable, warm_up
+from rlflow.isolation import Isolated, Outcome, Recorded, _one_line, close_all, portable, warm_up
 from rlflow.judgers.context import JudgerLogs, RunState, accepted_keywords, before_training, plain, select_keywords
 from rlflow.judgers.function import FunctionJudger
 
@@ -124,9 +124,9 @@ class JudgerError(registry.PluginError):
 
 
 def one_line(exc: BaseException) -> str:
-    """``Type: message`` of an exception, on one line."""
-    text = " ".join(str(exc).split())
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    """``Type: message`` of an exception, on one line; never raises (a judger in the trainer may raise an exception
+    whose ``__str__`` raises): :func:`rlflow.isolation._one_line`."""
+    return _one_line(exc)
 
 
 @dataclass
@@ -719,12 +719,12 @@ class JudgerRunner:
 
     def report_failure(self, name: str, exc: BaseException, n: int) -> None:
         if name in self.failed_once:
-            log.debug("judger %r failed again on %d sample(s): %s", name, n, exc)
+            log.debug("judger %r failed again on %d sample(s): %s", name, n, one_line(exc))
             return
         self.failed_once.add(name)
         log.warning(
             "judger %r failed on %d sample(s); they get no reward from it (counted in judger/failures, "
-            "logged once per judger): %s: %s", name, n, type(exc).__name__, exc, exc_info=exc,
+            "logged once per judger): %s", name, n, one_line(exc), exc_info=exc,
         )
 
     def own_failures(self, name: str) -> tuple[list[int], int]:

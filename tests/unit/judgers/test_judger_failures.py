@@ -120,3 +120,19 @@ def test_the_wait_for_a_batch_is_bounded_even_if_the_event_loop_is_stuck(monkeyp
     assert result.judgers["ok"].failed == 2 and "event loop did not answer" in result.judgers["ok"].error
     assert runner.judge(*batch(2)).rewards == [1.0, 1.0]  # the next batch gets a fresh loop
     stuck.close()
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no message for you")
+
+
+def raises_unprintable(completions, **kwargs):
+    raise Unprintable()
+
+
+def test_an_exception_whose_message_cannot_be_read_is_a_failure_in_the_trainer_too():
+    runner = JudgerRunner({"*": [raises_unprintable, ok]}, isolation="thread")
+    result = runner.judge(*batch(2))
+    assert result.rewards == [1.0, 1.0] and result.judgers["raises_unprintable"].failed == 2
+    assert result.judgers["raises_unprintable"].error == "Unprintable (its message could not be read: RuntimeError)"
