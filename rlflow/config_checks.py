@@ -19,7 +19,7 @@ from rlflow.config_error import ConfigError
 from rlflow.models.model_path import check_model_path
 
 __all__ = ["ConfigError", "SettingsGroup", "check_batch_split", "check_data_args", "check_multiturn_images",
-           "check_values"]
+           "check_rank_share", "check_values"]
 
 
 Rule = Callable[[str, Any], None]
@@ -169,12 +169,18 @@ class SettingsGroup:
         raise ConfigError(f"{cls.key} must be a mapping of {cls.__name__} fields, got {type(value).__name__}")
 
 
-def check_batch_split(global_batch_size: int, k: int, optimizer_steps: int, world_size: int) -> None:
-    """Before any rank starts: each rank samples an equal share of a rollout step's prompts, and each rank's
-    completions fill ``optimizer_steps`` mini-batches (one optimizer step each). One ConfigError line otherwise."""
+def check_rank_share(global_batch_size: int, world_size: int) -> None:
+    """Each of ``world_size`` ranks samples an equal share of a rollout step's prompts (one ConfigError line
+    otherwise)."""
     if global_batch_size % world_size:
         raise ConfigError(f"data.global_batch_size={global_batch_size} must be a multiple of the {world_size} ranks "
                           "(trainer.devices x trainer.num_nodes)")
+
+
+def check_batch_split(global_batch_size: int, k: int, optimizer_steps: int, world_size: int) -> None:
+    """Before any rank starts: each rank samples an equal share of a rollout step's prompts, and each rank's
+    completions fill ``optimizer_steps`` mini-batches (one optimizer step each). One ConfigError line otherwise."""
+    check_rank_share(global_batch_size, world_size)
     per_rank = global_batch_size // world_size * k
     if optimizer_steps > per_rank:
         ranks = f" / {world_size} ranks" if world_size > 1 else ""

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 
 from rlflow import registry
 from rlflow.advantages.base import AdvantageEstimator
-from rlflow.config_checks import check_data_args, check_multiturn_images
+from rlflow.config_checks import check_data_args, check_multiturn_images, check_rank_share
 from rlflow.config_error import ConfigError
 from rlflow.data.dataset import PromptRecord
 from rlflow.data.dynamic_sampling import DynamicSampling
@@ -273,9 +273,7 @@ class RolloutDataModule(L.LightningDataModule):
         tokenizer = self.load_tokenizer()
         if stage == "fit" and self.sampler is None:
             self.judges.check_rows(self.train_prompts.load(tokenizer, self.processor), "train")
-            if self.global_batch_size % self.world_size:
-                raise ConfigError(f"data.global_batch_size={self.global_batch_size} must be a multiple of the "
-                                 f"{self.world_size} ranks")
+            check_rank_share(self.global_batch_size, self.world_size)  # `rlflow fit` checked it before starting
             self.sampler = self.train_prompts.sampler(self.global_batch_size, self.seed, self.filtering.skip_solved)
         if stage in ("fit", "validate") and self.eval_prompts.sources and not self.eval_records:
             self.judges.check_rows(self.eval_prompts.load(tokenizer, self.processor), "eval")
