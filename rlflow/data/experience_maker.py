@@ -117,7 +117,7 @@ def merge_logged_metrics(metrics: dict[str, float], logged: dict[str, float], wa
         if taken and f"metric:{name}" not in warned:
             warned.add(f"metric:{name}")
             warn(f"a judger's log_metric({name!r}, ...) is not logged: {name!r} is "
-                 + ("a logger's own column" if name in LOGGER_COLUMNS else "one of rlflow's metrics")
+                 + ("a logger's own column" if name in LOGGER_COLUMNS else "a metric of the rollout step")
                  + "; give it another name")
         if not taken:
             metrics[name] = mean

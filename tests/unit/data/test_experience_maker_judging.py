@@ -60,7 +60,7 @@ def test_taken_metric_names_and_a_judger_scoring_nothing_are_warned_about_once(
             assert "step" not in out.metrics and out.metrics["reward"] == float(step)
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert sum("log_metric('step', ...) is not logged: 'step' is a logger's own column" in w for w in warnings) == 1
-    assert sum("log_metric('reward', ...) is not logged: 'reward' is one of rlflow's metrics" in w
+    assert sum("log_metric('reward', ...) is not logged: 'reward' is a metric of the rollout step" in w
                for w in warnings) == 1
     assert sum("rollout step 1: judger 'abstains' returned no reward (None or NaN) for any of its 16 samples" in w
                for w in warnings) == 1
