@@ -43,6 +43,7 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from rlflow import registry
+from rlflow.commands import LIGHTNING_COMMANDS
 from rlflow.config_checks import check_batch_split
 from rlflow.config_error import ConfigError
 from rlflow.config_moves import check_argv
@@ -174,13 +175,14 @@ class RLFlowCLI(LightningCLI):
         # the settings groups' field docstrings (litgpt's style) are what --help shows for each option
         argv = sys.argv[1:] if kwargs.get("args") is None else kwargs["args"]
         set_parsing_settings(docstring_parse_attribute_docstrings=asks_for_help(argv))
-        self.requested = argv[0] if isinstance(argv, list) and argv and argv[0] in LightningCLI.subcommands() else None
+        self.requested = argv[0] if isinstance(argv, list) and argv and argv[0] in LIGHTNING_COMMANDS else None
         super().__init__(*args, **kwargs)
 
     def subcommands(self) -> dict[str, set[str]]:  # type: ignore[override]
-        """Lightning's subcommands, or only the one the command line starts with (``rlflow fit ...``): each
-        subcommand's parser takes every settings class, and the others would be built for nothing."""
-        every = LightningCLI.subcommands()
+        """Lightning's ``fit`` and ``validate`` (:data:`rlflow.commands.LIGHTNING_COMMANDS`), or only the one the
+        command line starts with (``rlflow fit ...``): each subcommand's parser takes every settings class, and the
+        others would be built for nothing."""
+        every = {name: skip for name, skip in LightningCLI.subcommands().items() if name in LIGHTNING_COMMANDS}
         return every if self.requested is None else {self.requested: every[self.requested]}
 
     def add_arguments_to_parser(self, parser) -> None:

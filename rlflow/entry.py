@@ -13,6 +13,8 @@ from __future__ import annotations
 import gc
 import sys
 
+from rlflow.commands import LIGHTNING_COMMANDS, USAGE
+
 
 def script() -> int:
     """The console script (and ``python -m rlflow``): :func:`main`, then a quick exit. Everything still alive is
@@ -27,7 +29,14 @@ def script() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] == "plugins":
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE, file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
+    if args[0] not in ("plugins", "data", "config", "export", *LIGHTNING_COMMANDS) and not args[0].startswith("-"):
+        print(f"rlflow: error: {args[0]!r} is not a command; the commands are fit, validate, data check, plugins, "
+              "export and config from-trl (rlflow --help)", file=sys.stderr)
+        return 2
+    if args[0] == "plugins":
         from rlflow.plugins_cmd import main as plugins_main
 
         return plugins_main(args[1:])

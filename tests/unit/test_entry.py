@@ -27,3 +27,34 @@ def test_the_script_freezes_the_heap_after_the_command_whatever_it_returns_or_ra
     else:
         assert entry.script() == 3
     assert calls == ["main", "freeze"]
+
+
+def test_help_lists_every_command_that_main_dispatches(capsys):
+    assert entry.main(["--help"]) == 0
+    out = capsys.readouterr().out
+    listed = [line.split()[0] for line in out.splitlines() if line.startswith("  ") and not line.startswith("   ")]
+    assert listed == ["fit", "validate", "data", "plugins", "export", "config"]
+    assert "Lightning Trainer" not in out
+
+
+def test_no_command_prints_the_commands_and_exits_2(capsys):
+    assert entry.main([]) == 2
+    assert "commands:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["test", "predict", "fti"])
+def test_a_command_rlflow_does_not_run_is_one_line_naming_the_commands(capsys, command):
+    assert entry.main([command, "--config", "configs/demo_cpu.yaml"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert f"{command!r} is not a command" in err and "fit, validate" in err
+
+
+def test_lightning_runs_only_fit_and_validate():
+    from rlflow.cli import RLFlowCLI
+
+    cli = RLFlowCLI.__new__(RLFlowCLI)
+    cli.requested = None
+    assert set(cli.subcommands()) == {"fit", "validate"}
+    cli.requested = "validate"
+    assert set(cli.subcommands()) == {"validate"}
