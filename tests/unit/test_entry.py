@@ -49,12 +49,3 @@ def test_a_command_rlflow_does_not_run_is_one_line_naming_the_commands(capsys, c
     assert err.count("\n") == 0
     assert f"{command!r} is not a command" in err and "fit, validate" in err
 
-
-def test_lightning_runs_only_fit_and_validate():
-    from rlflow.cli import RLFlowCLI
-
-    cli = RLFlowCLI.__new__(RLFlowCLI)
-    cli.requested = None
-    assert set(cli.subcommands()) == {"fit", "validate"}
-    cli.requested = "validate"
-    assert set(cli.subcommands()) == {"validate"}
