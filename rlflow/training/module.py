@@ -122,6 +122,19 @@ def build_correction(settings: RolloutCorrectionSettings, loss_fn: Any) -> Rollo
     return correction
 
 
+#: What every rollout step logs besides the loss's and the updates' metrics (:meth:`GRPOModule.training_step`).
+STEP_METRICS = ("num_tokens", "train/skipped_steps", "lr", "step_time")
+
+
+def warn_taken_names(rollout_metrics: dict[str, float], training_names: list[str], warned: set[str]) -> None:
+    """Warn, once per name and run, about a rollout-step metric (a judger's ``log_metric``: rlflow's own rollout
+    metrics are named apart) that a training metric of the same name replaces in the logs."""
+    for name in sorted(set(rollout_metrics) & set(training_names) - warned):
+        warned.add(name)
+        warn(f"a judger's log_metric({name!r}, ...) is not logged: {name!r} is a training metric; give it another "
+             "name")
+
+
 def loss_tokens(loss_fn: Any, experiences: list[Experience]) -> int:
     """Completion tokens the loss trains on (without truncated completions where the loss masks them)."""
     skip = getattr(loss_fn, "mask_truncated_completions", False)
@@ -438,6 +451,7 @@ class GRPOModule(L.LightningModule):
         self.router_aux = 0.0  # the MoE load-balancing loss's weight, set when the policy is loaded
         self.correction_in_forward = False  # pipelined, one update per rollout step: IS weights from its forward
         self.updater = PolicyUpdate()
+        self.warned_names: set[str] = set()  # judgers' metric names a training metric replaces, warned about
 
     # --------------------------------------------------------------------------------------------- models
     @property
@@ -622,20 +636,21 @@ class GRPOModule(L.LightningModule):
         # 1. generate k completions per prompt with the current weights, judge them, compute group advantages
         with full_weights(self.policy if self.experience.reads_policy_weights else None):
             rollout = self.experience.make_experience(batch, policy_version=self.policy_version, step=self.global_step)
-        metrics = dict(rollout.metrics)
         minibatches = self.experience.minibatches(update.optimizer_steps)
         everything = [e for mb in minibatches for e in mb]
         # 2. the old and reference log-probs, fixed before any update
-        self.fix_logprobs(everything, metrics)
+        trained: dict[str, float] = {}
+        self.fix_logprobs(everything, trained)
         # 3. num_iterations passes (GRPO's mu) over optimizer_steps mini-batches, one optimizer step each
         rollout_step = self.global_step
         sums = self.updater.run(self, minibatches)
         self.maybe_sync_reference(rollout_step + 1)
-        metrics.update(self.updater.correction_metrics(self.correction))
+        trained.update(self.updater.correction_metrics(self.correction))
         # 4. metrics: global values under data parallelism; "loss" is each rank's share, so it adds up
         n = len(minibatches) * update.num_iterations
-        metrics.update({key: value / n for key, value in sums.items()})
-        metrics = reduce_metrics(metrics, samples_per_rank=len(everything), sum_keys={"loss"})
+        trained.update({key: value / n for key, value in sums.items()})
+        warn_taken_names(rollout.metrics, [*trained, *STEP_METRICS], self.warned_names)
+        metrics = reduce_metrics({**rollout.metrics, **trained}, samples_per_rank=len(everything), sum_keys={"loss"})
         self.num_tokens += metrics.pop("num_prompt_tokens") + metrics.pop("num_completion_tokens")
         metrics["num_tokens"] = self.num_tokens
         metrics["train/skipped_steps"] = float(self.skipped_steps)
