@@ -373,6 +373,8 @@ class RolloutDataModule(L.LightningDataModule):
     def evaluate(self, batch: list[PromptRecord], step: int, batch_idx: int) -> dict[str, Any]:
         """Generate and judge one evaluation batch (:meth:`ExperienceMaker.evaluate`)."""
         assert self.maker is not None, "bind() the policy first"
+        if self.pipeline is not None:
+            self.pipeline.weights_for_evaluation()
         return self.maker.evaluate(batch, step, batch_idx, self.all_cores())
 
     def any_rank_short(self, short: bool) -> bool:

@@ -148,6 +148,7 @@ class RolloutPipeline:
         self.lends_cores = False  # the backward and evaluation take the generator's cores (all_cores)
         self.generator: GeneratorProcess | ThreadGenerator | None = None
         self.in_flight: Job | None = None
+        self.server_behind = False  # a server backend lacks updates the trainer made since its last push
         self.ready: JobResult | None = None  # collected early (a checkpoint) or loaded from one
         self.waited = 0.0  # seconds the trainer blocked on the generator since the last rollout step
 
@@ -284,6 +285,21 @@ class RolloutPipeline:
         it now: it is synced by ``load_weights`` between jobs instead, never under a job."""
         if self.backend is not None and self.backend.reads_policy_weights:
             self.backend.sync_weights()
+        self.server_behind = isinstance(self.generator, ThreadGenerator)
+
+    def weights_for_evaluation(self) -> None:
+        """Before evaluation in the trainer: a server backend, shared with the :class:`ThreadGenerator`, is given
+        the weights of the updates since the pipeline last pushed them (:meth:`take`), after the job running on it
+        ends (its completions are kept for their step, as generated). Without this, evaluation after an update
+        would decode the weights before it, or (lmdeploy, which pushes stale weights itself before a call) replace
+        the weights under the running job. Every rank calls it (a sharded policy's weights are gathered)."""
+        if not isinstance(self.generator, ThreadGenerator) or self.backend is None:
+            return
+        if self.in_flight is None and not self.server_behind:
+            return
+        self._collect()
+        self.generator.load_weights(self.backend.model)
+        self.server_behind = False
 
     def _submit(self, job: Job) -> None:
         self.generator.submit(job)

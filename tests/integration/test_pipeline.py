@@ -321,9 +321,12 @@ class OwnWeightsEngine(EngineRollout):
     def __init__(self) -> None:
         super().__init__(seed=0)
 
-    def bind(self, model, tokenizer):
+    own = None
+
+    def bind(self, model, tokenizer):  # bound again before evaluation: the server keeps what it holds
         self.policy = model
-        self.own = copy.deepcopy(model).eval()
+        if self.own is None:
+            self.own = copy.deepcopy(model).eval()
         super().bind(self.own, tokenizer)
 
     def push_weights(self):

@@ -9,6 +9,7 @@ moment (snapshotted when the engine was called), not against anything the run co
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from rlflow.cli import cli_main
 from rlflow.rollout.base import SamplingParams
 from rlflow.rollout.engine import EngineRollout
 from tests.helpers.resume_helpers import run_args
+from tests.integration.test_pipeline import OwnWeightsEngine
 
 pytestmark = pytest.mark.slow
 
@@ -46,21 +48,22 @@ def assert_sampled_from(model, prompts, groups) -> None:
             assert torch.allclose(torch.tensor(c.logprobs), expected, atol=2e-4), (expected - torch.tensor(c.logprobs))
 
 
-@pytest.fixture(scope="module")
-def evaluated(tiny_model, small_data, tmp_path_factory):
-    """A 2-step pipelined fit evaluating after each step; the trainer's engine calls during evaluation, each with
-    the policy's weights at the time."""
-    root = tmp_path_factory.mktemp("pipelined_eval")
+def evaluate_pipelined(tiny_model, small_data, root, *extra):
+    """A 2-step pipelined fit evaluating after each step; the trainer's engine calls during evaluation (on the
+    trainer's thread: a server backend's training jobs run on the pipeline's), each with the weights it decoded
+    and the policy's at the time."""
     args = run_args(tiny_model, small_data, root, "--data.pipeline.max_staleness=1", "--evaluate_every_n_steps=1",
-                    f"--data.eval_data_path={small_data / 'val.jsonl'}", "--data.eval.temperature=1.0", steps=2)
+                    f"--data.eval_data_path={small_data / 'val.jsonl'}", "--data.eval.temperature=1.0", *extra,
+                    steps=2)
     cli = cli_main(args[1:], run=False)
     calls = []
     generate = EngineRollout.generate
 
     def recording(backend, prompts, params, n=1, progress=None):
         groups = generate(backend, prompts, params, n, progress)
-        if cli.trainer.validating:
-            calls.append((copy.deepcopy(backend.model.state_dict()), cli.model.policy_version, prompts, groups))
+        if cli.trainer.validating and threading.current_thread() is threading.main_thread():
+            calls.append((copy.deepcopy(backend.model.state_dict()), cli.model.policy_version, prompts, groups,
+                          copy.deepcopy(cli.model.policy.state_dict())))
         return groups
 
     threads = torch.get_num_threads()
@@ -74,11 +77,16 @@ def evaluated(tiny_model, small_data, tmp_path_factory):
     return cli, calls
 
 
+@pytest.fixture(scope="module")
+def evaluated(tiny_model, small_data, tmp_path_factory):
+    return evaluate_pipelined(tiny_model, small_data, tmp_path_factory.mktemp("pipelined_eval"))
+
+
 def test_evaluation_in_a_pipelined_run_decodes_the_current_weights(evaluated, tiny_model):
     cli, calls = evaluated
     assert isinstance(cli.datamodule.backend, EngineRollout) and cli.datamodule.pipeline is not None
-    assert [version for _, version, _, _ in calls] == [1, 2]  # after each rollout step's optimizer step
-    for weights, _, prompts, groups in calls:
+    assert [version for _, version, _, _, _ in calls] == [1, 2]  # after each rollout step's optimizer step
+    for weights, _, prompts, groups, _ in calls:
         assert_sampled_from(model_at(tiny_model, weights), prompts, groups)
 
 
@@ -92,3 +100,17 @@ def test_generations_in_the_trainer_after_updates_decode_the_current_weights(eva
     result = pipeline._generate_here(cli.model.policy_version, 5, prompts, params, 2)
     final = model_at(tiny_model, cli.model.policy.state_dict())
     assert_sampled_from(final, prompts, result.completions())
+
+
+def test_evaluation_on_a_server_shared_with_the_pipelines_thread_decodes_the_current_weights(
+        tiny_model, small_data, tmp_path):
+    """A backend with weights of its own (an inference server, as lmdeploy's): the pipeline pushes the updates to
+    it before evaluation, after the job running on it ends, instead of evaluating the weights of the last push."""
+    cli, calls = evaluate_pipelined(tiny_model, small_data, tmp_path,
+                                    '--data.rollout={"class_path": "tests.integration.test_pipeline.OwnWeightsEngine"}')
+    assert isinstance(cli.datamodule.backend, OwnWeightsEngine)
+    assert sorted({version for _, version, _, _, _ in calls}) == [1, 2]
+    for decoded, _, prompts, groups, policy in calls:
+        assert all(torch.equal(decoded[name], policy[name]) for name in policy)
+        assert_sampled_from(model_at(tiny_model, policy), prompts, groups)
+    assert cli.model.trained_versions == [(0, 0), (1, 0)]  # the job evaluation waited for trained at its step
