@@ -73,11 +73,44 @@ def _keep_records(batch: list[PromptRecord]) -> list[PromptRecord]:
     return list(batch)
 
 
+
+def multiturn_parts(multiturn: MultiTurnSettings, chat_template_kwargs: dict[str, Any] | None
+                    ) -> tuple[list[Any], dict[str, Any]]:
+    """``data.multiturn``'s tools (loaded) and the arguments of its :class:`MultiTurn` (built with the tokenizer).
+    The prompts are rendered with the tools' schemas, as the multi-turn messages are: the returned
+    ``chat_template_kwargs`` carry them."""
+    from rlflow.environments.trl_factory import EnvironmentFactory
+    from rlflow.rollout.multiturn import tool_schemas
+    from rlflow.tools.base import load_tools
+
+    tools = load_tools(multiturn.tools)
+    factory = None if multiturn.environment_factory is None else EnvironmentFactory(multiturn.environment_factory,
+                                                                                     tools)
+    schemas = tool_schemas(tools, factory)
+    if schemas:
+        chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": schemas}
+    return tools, dict(parser=multiturn.parser, environment=multiturn.environment, max_turns=multiturn.max_turns,
+                       tool_timeout=multiturn.tool_timeout, tool_isolation=multiturn.tool_isolation,
+                       max_tool_output=multiturn.max_tool_output, chat_template_kwargs=chat_template_kwargs,
+                       environment_factory=factory)
+
+
+def split_rollout_setting(pipelining: PipelineSettings, multiturn: bool) -> bool:
+    """``data.pipeline.split_rollout`` as this run can use it: off, with the reason logged, where the generator
+    process generates ahead (``max_staleness``) or rollouts are multi-turn."""
+    if not pipelining.split_rollout or not (pipelining.max_staleness or multiturn):
+        return pipelining.split_rollout
+    why = f"data.pipeline.max_staleness={pipelining.max_staleness}: the generator process generates ahead instead" \
+        if pipelining.max_staleness else "multi-turn rollouts (data.multiturn) are not split"
+    info(f"data.pipeline.split_rollout is off for this run: {why}")
+    return False
+
+
 class RolloutDataModule(L.LightningDataModule):
     """Wraps the prompt sets and, through its :class:`~rlflow.data.experience_maker.ExperienceMaker`, the rollout
     backend, the judge panel, the advantage estimator and the replay buffer."""
 
-    def __init__(  # size: its length is the documented settings, one line each
+    def __init__(  # size: 50 of its lines are the documented settings (signature and docstring)
         self,
         train_data_path: str | dict[str, Any] | list[str | dict[str, Any]],
         eval_data_path: str | dict[str, Any] | list[str | dict[str, Any]] | None = None,
@@ -139,21 +172,8 @@ class RolloutDataModule(L.LightningDataModule):
         if not train_sources:
             raise ConfigError("data.train_data_path is empty")
         eval_sources = parse_sources(eval_data_path, "data.eval_data_path")
-        from rlflow.environments.trl_factory import EnvironmentFactory
-        from rlflow.rollout.multiturn import tool_schemas
-        from rlflow.tools.base import load_tools
-
-        self.tools = load_tools(multiturn.tools)
-        factory = None if multiturn.environment_factory is None else EnvironmentFactory(multiturn.environment_factory,
-                                                                                         self.tools)
-        chat_template_kwargs = prompts.chat_template_kwargs
-        schemas = tool_schemas(self.tools, factory)
-        if schemas:  # the prompts are rendered with the tools' schemas, as the multi-turn messages are
-            chat_template_kwargs = {**(chat_template_kwargs or {}), "tools": schemas}
-        self.multiturn_args = dict(parser=multiturn.parser, environment=multiturn.environment,
-                                   max_turns=multiturn.max_turns, tool_timeout=multiturn.tool_timeout,
-                                   tool_isolation=multiturn.tool_isolation, max_tool_output=multiturn.max_tool_output,
-                                   chat_template_kwargs=chat_template_kwargs, environment_factory=factory)
+        self.tools, self.multiturn_args = multiturn_parts(multiturn, prompts.chat_template_kwargs)
+        chat_template_kwargs = self.multiturn_args["chat_template_kwargs"]
         self.multiturn: MultiTurn | None = None  # built with the tokenizer
         if multiturn.enabled:  # a wrong parser/environment/max_turns fails before any model loads
             MultiTurn(None, self.tools, **self.multiturn_args)
@@ -192,12 +212,7 @@ class RolloutDataModule(L.LightningDataModule):
         self.eval_pass_threshold = eval_.pass_threshold  # also train/accuracy's bar (rlflow.training.callbacks)
         self.seed = seed
         self.max_staleness = pipelining.max_staleness
-        split_rollout = pipelining.split_rollout
-        if split_rollout and (pipelining.max_staleness or multiturn.enabled):
-            why = f"data.pipeline.max_staleness={pipelining.max_staleness}: the generator process generates ahead " \
-                "instead" if pipelining.max_staleness else "multi-turn rollouts (data.multiturn) are not split"
-            info(f"data.pipeline.split_rollout is off for this run: {why}")
-            split_rollout = False
+        split_rollout = split_rollout_setting(pipelining, multiturn.enabled)
         self.split_rollout, self.generator_threads = split_rollout, pipelining.generator_threads
         self.split: SplitRollout | None = None  # data.pipeline.split_rollout: the backend of fit's rollouts (bind)
         self._split_generator: GeneratorProcess | None = None  # started in setup("fit"), attached in bind

@@ -29,6 +29,7 @@ from typing import Any
 
 from rlflow.data.dataset import DataError, PromptFormat, PromptRecord, check_row, collect, iter_jsonl, json_error
 from rlflow.data.locations import Location, load_hub, looks_like_hub_id, parse_location, saved_dict_split
+from rlflow.demo.builds import missing_hint
 
 COLUMNAR = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 TEXT = (".jsonl", ".json")
@@ -143,7 +144,7 @@ def resolve(path: str | Path | Location) -> tuple[str, list[Path]]:
             raise DataError(f"{text}: no file matches this pattern")
         return "files", files
     if not p.exists():
-        hint = f"; a hub dataset is written hf://{text}" if looks_like_hub_id(text) else ""
+        hint = f"; a hub dataset is written hf://{text}" if looks_like_hub_id(text) else missing_hint(text)
         raise DataError(f"{p}: data file not found{hint}")
     if p.is_file():
         if split is not None:

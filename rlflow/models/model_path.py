@@ -26,12 +26,9 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from rlflow.config_error import ConfigError
+from rlflow.demo.builds import build_command
 
 PROBE_SECONDS = 1.5
-BUILD_DEMO = (
-    "build the demo model with 'python tools/make_tiny_model.py --out checkpoints/tiny-qwen3 "
-    "--data-out checkpoints/arith' (or 'bash tools/demo.sh')"
-)
 _TRUE = ("1", "true", "yes", "on")
 _PROXIES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
@@ -90,18 +87,22 @@ def check_model_path(path: str, key: str) -> None:
     """Raise a ConfigError naming ``key`` unless ``path`` is a local directory or a hub id that can be loaded."""
     if Path(path).expanduser().exists():
         return
+    command = build_command(path)  # a shipped config's checkpoints/..., which also reads as a hub id
+    if command is not None:
+        raise ConfigError(f"{key} {path!r} does not exist; build it with '{command}'")
     if looks_local(path):
-        raise ConfigError(f"{key} {path!r} does not exist; {BUILD_DEMO}, or point it at a Hugging Face model directory")
+        raise ConfigError(f"{key} {path!r} does not exist; point it at a Hugging Face model directory (with "
+                          "config.json) or a hub id")
     if in_hf_cache(path):
         return
     if offline():
         raise ConfigError(
             f"{key} {path!r} is not a local directory and not in the Hugging Face cache, and HF_HUB_OFFLINE is set; "
-            f"{BUILD_DEMO}, or download the model first"
+            "download the model first, or point it at a local model directory"
         )
     if any(os.environ.get(name) for name in _PROXIES) or hub_reachable():
         return
     raise ConfigError(
         f"{key} {path!r} is not a local directory and the Hugging Face hub cannot be reached to download it; "
-        f"{BUILD_DEMO}, or point it at a local model directory"
+        "point it at a local model directory"
     )

@@ -34,7 +34,8 @@ def test_first_component_on_disk_means_local_without_asking_the_hub(tmp_path, mo
     monkeypatch.chdir(tmp_path)
     (tmp_path / "checkpoints").mkdir()
     monkeypatch.setattr(model_path, "hub_reachable", no_probe)
-    with pytest.raises(ConfigError, match=r"model.model_path 'checkpoints/tiny-qwen3' does not exist; build the demo"):
+    with pytest.raises(ConfigError, match=r"model.model_path 'checkpoints/tiny-qwen3' does not exist; build it with "
+                                          r"'python tools/make_tiny_model.py --out checkpoints/tiny-qwen3"):
         check_model_path("checkpoints/tiny-qwen3", "model.model_path")
 
 
@@ -71,3 +72,10 @@ def test_hub_probe_gives_up_within_its_timeout():
     assert model_path.hub_reachable("https://rlflow-unreachable.invalid:1", timeout=0.5) is False
     assert time.perf_counter() - start < 2.0
 
+
+
+@pytest.mark.parametrize("path", ["/data/my-model", "./models/qwen", "~/my/model"])
+def test_a_missing_model_of_the_users_own_is_not_sent_to_the_demo_builds(path):
+    with pytest.raises(ConfigError) as err:
+        check_model_path(path, "model.model_path")
+    assert "tools/" not in str(err.value) and "Hugging Face model directory" in str(err.value)
