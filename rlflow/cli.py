@@ -34,6 +34,7 @@ import shutil
 import signal
 import sys
 import warnings
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -240,7 +241,10 @@ class RLFlowCLI(LightningCLI):
             check_writable(directory, key)
         config = yaml.safe_load(self._parser(self.subcommand).dump(self.config[self.subcommand], skip_none=False))
         self.model.resume.config = config
-        return choose_checkpoint(ckpt_path, self.trainer, config, named)
+        resumed = choose_checkpoint(ckpt_path, self.trainer, config, named)
+        inputs = [getattr(p, "absolute", str(p)) for p in self.config[self.subcommand].get("config") or []]
+        check_run_files(self.trainer, inputs, resumed is not None)
+        return resumed
 
     def _run_subcommand(self, subcommand: str) -> None:
         """Lightning's stop on a signal (``SIGTERMException``, exit code 0) as :class:`StoppedBySignal`; a full
@@ -327,6 +331,33 @@ def written_dirs(trainer: Any) -> list[tuple[str, str]]:
     if callback is not None:
         dirs.append((str(checkpoint_dir(trainer)), "checkpoint.dirpath" if callback.dirpath else key))
     return dirs
+
+
+#: What ``fit`` writes into its log directory (``trainer.log_dir``), besides checkpoints.
+RUN_FILES = ("config.yaml", "trajectories.jsonl", "eval_trajectories.jsonl", "hf", "hf_adapter")
+
+
+def check_run_files(trainer: Any, config_inputs: list[str], resuming: bool) -> None:
+    """Without a logger, ``fit`` writes its run files (:data:`RUN_FILES`) into ``trainer.default_root_dir`` itself,
+    by default the working directory: refused in one line where one of them is already there and this run does
+    not resume the run that wrote it, and always where ``config.yaml`` there is a ``--config`` file of this run
+    (it would be overwritten). With a logger, each run has a version folder of its own."""
+    if trainer.loggers or trainer.global_rank != 0:
+        return
+    folder = Path(trainer.default_root_dir).resolve()
+    config_file = folder / "config.yaml"
+    if config_file.exists() and str(config_file) in {str(Path(p).resolve()) for p in config_inputs}:
+        found = [config_file.name + " (this run's --config, which the run's resolved config would overwrite)"]
+    elif resuming:
+        return
+    else:
+        found = [name for name in RUN_FILES if (folder / name).exists()]
+    if found:
+        raise ConfigError(
+            f"trainer.logger is off, so this run writes config.yaml, trajectories.jsonl and hf/ into "
+            f"trainer.default_root_dir ({folder}), which already has {', '.join(found)}; set "
+            "--trainer.default_root_dir to a folder of its own, or keep a logger (each run then gets a version "
+            "folder)")
 
 
 def stop_timeout() -> float | None:
