@@ -11,6 +11,7 @@ process (:mod:`rlflow.rollout.prestart`), so that its imports overlap Lightning'
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 from rlflow.commands import LIGHTNING_COMMANDS, USAGE
@@ -21,10 +22,20 @@ def script() -> int:
     frozen out of the garbage collector first (``gc.freeze``): the interpreter's last collection would otherwise
     walk every object torch, transformers and Lightning created, after the command has done its work. Exit handlers
     still run (loggers, W&B, the generator process's stop)."""
+    add_working_directory()
     try:
         return main()
     finally:
         gc.freeze()
+
+
+def add_working_directory() -> None:
+    """Let import paths in a config (``my_rewards:accuracy``, a tool, an environment) name modules in the working
+    directory, as ``python -m rlflow`` does: the console script's ``sys.path`` starts at its own folder instead. The
+    directory goes last, so a file there never hides an installed package."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
 
 
 def main(argv: list[str] | None = None) -> int:

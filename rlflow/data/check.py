@@ -28,6 +28,7 @@ from rlflow.data.dataset import DataError, PromptRecord
 from rlflow.data.images import has_images
 from rlflow.data.sources import DataSource, iter_records
 from rlflow.models.vision import image_prompt_length
+from rlflow.registry import PluginError
 
 MAX_SHOWN = 10
 PROBE_ROWS = 4
@@ -324,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             (dm, tokenize), mix = datamodule_from_files(args), False
         report = check_datamodule(dm, tokenize=tokenize, mix=mix)
-    except (ValueError, FileNotFoundError, DataError) as exc:  # as rlflow fit says them (rlflow.cli.main)
+    except (ValueError, FileNotFoundError, DataError, PluginError, TypeError) as exc:  # as rlflow fit says them
         print(f"rlflow: error: {exc}", file=sys.stderr)
         return 1
     print(format_report(report))

@@ -56,6 +56,7 @@ from rlflow import registry
 from rlflow.isolation import Isolated, Outcome, Recorded, _one_line, close_all, portable, warm_up
 from rlflow.judgers.context import JudgerLogs, RunState, accepted_keywords, before_training, plain, select_keywords
 from rlflow.judgers.function import FunctionJudger
+from rlflow.log import info
 
 GROUP = "rlflow.judgers"
 log = logging.getLogger(__name__)
@@ -75,6 +76,19 @@ _abandoned_threads: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 def abandoned_threads() -> int:
     """Judger threads abandoned after their timeout that are still running (in this process)."""
     return sum(thread.is_alive() for thread in list(_abandoned_threads))
+
+
+def distinct_name(name: str, taken: dict[str, Any]) -> str:
+    """``name``, or where another judger has it (one plugin twice with different ``init_args``) ``name_2``,
+    ``name_3``, ... (as ``rlflow config from-trl`` names a reward function listed twice), said in one line."""
+    if name not in taken:
+        return name
+    number = 2
+    while f"{name}_{number}" in taken:
+        number += 1
+    info(f"data.judging.judgers: a second judger named {name!r} is {name}_{number} in the metrics and "
+         "data.judging.weights")
+    return f"{name}_{number}"
 
 
 def judger_name(spec: Any, judger: Any) -> str:
@@ -478,13 +492,7 @@ class JudgerRunner:
                     judger = registry.build(GROUP, build_spec, **(defaults or {}))
                     if not callable(judger):
                         raise TypeError(f"judger {spec!r} built a {type(judger).__name__}, which is not callable")
-                    name = judger_name(spec, judger)
-                    if name in self.judgers:
-                        other = next(o for o, known in built if known == name)
-                        raise ValueError(
-                            f"two different judgers are both named {name!r} ({other!r} and {spec!r}); "
-                            "give one a distinct name with a 'name' key next to its class_path"
-                        )
+                    name = distinct_name(judger_name(spec, judger), self.judgers)
                     self.judgers[name] = judger
                     built.append((spec, name))
                 names.append(name)

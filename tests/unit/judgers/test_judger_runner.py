@@ -68,16 +68,19 @@ def test_weighted_routed_none_skipping_against_hand_computed_rewards():
     assert CALLS["j3"]["data_source"] == ["c"]
 
 
-def test_one_spec_on_two_routes_is_one_judger_and_names_must_be_unique():
+def test_one_spec_on_two_routes_is_one_judger_and_a_second_name_gets_a_number(caplog):
     runner = JudgerRunner({"a": "gsm8k", "b": ["gsm8k"]})
     assert list(runner.judgers) == ["gsm8k"] and runner.routes == {"a": ["gsm8k"], "b": ["gsm8k"]}
-    with pytest.raises(ValueError, match="both named 'reward_len'.*'name' key"):
-        JudgerRunner({"a": "tests.helpers.reward_helpers:reward_len",
-                      "b": {"class_path": "function",
-                            "init_args": {"path": "tests.helpers.reward_helpers:reward_len"}}})
-    named = JudgerRunner({"a": "tests.helpers.reward_helpers:reward_len",
-                          "b": {"class_path": "function",
-                                "init_args": {"path": "tests.helpers.reward_helpers:reward_len"}, "name": "len2"}})
+    length = "tests.helpers.reward_helpers:reward_len"
+    twice = [{"class_path": "function", "init_args": {"path": length, "factory_kwargs": None, "rename": {"x": "y"}}},
+             {"class_path": "function", "init_args": {"path": length, "rename": {"x": "z"}}}]
+    with caplog.at_level("INFO", logger="rlflow"):
+        runner = JudgerRunner({"a": length, "b": twice}, reward_weights={"reward_len_3": 0.5})
+    assert list(runner.judgers) == ["reward_len", "reward_len_2", "reward_len_3"]
+    assert runner.routes == {"a": ["reward_len"], "b": ["reward_len_2", "reward_len_3"]}
+    assert runner.weights == {"reward_len": 1.0, "reward_len_2": 1.0, "reward_len_3": 0.5}
+    assert "a second judger named 'reward_len' is reward_len_2" in caplog.text
+    named = JudgerRunner({"a": length, "b": {"class_path": "function", "init_args": {"path": length, "name": "len2"}}})
     assert sorted(named.judgers) == ["len2", "reward_len"]
 
 
