@@ -396,7 +396,7 @@ def function_judger_help(argv: list[str]) -> None:
     doc = inspect.cleandoc(obj.__doc__ or "(no docstring)")
     print(f"{name}: a function judger ({obj.__module__}.{getattr(obj, '__qualname__', obj)}{inspect.signature(obj)})"
           f"\n\n{doc}\n\nIt takes no options: list it in data.judging.judgers by name (or as {{class_path: function, "
-          f"init_args: {{path: ...}}}} to rename columns, see docs/plugins.md). It is called with TRL's reward "
+          f"init_args: {{path: ...}}}} to rename columns, see docs/judgers.md). It is called with TRL's reward "
           f"function arguments (prompts, completions, completion_ids and the data's columns) and returns one "
           f"float or None per completion.")
     raise SystemExit(0)
@@ -437,11 +437,15 @@ def cli_main(args: list[str] | None = None, run: bool = True, cli_class: type[RL
 
 #: The option each plugin base class is the type of (``str | PolicyLoss`` ...), to name it in errors.
 PLUGIN_OPTIONS = {
+    "rlflow.judgers.base.Judger": "data.judging.judgers",
     "rlflow.losses.base.PolicyLoss": "model.loss",
     "rlflow.advantages.base.AdvantageEstimator": "data.advantage",
     "rlflow.rollout.base.RolloutBackend": "data.rollout",
 }
 ROLLOUT_GROUP = "rlflow.rollout"
+#: jsonargparse's own lines in a union error (what each subtype expects), not a plugin's message.
+JSONARGPARSE_LINES = ("Expected a <class", "Does not validate against any", "Not a valid subclass of",
+                      "Subclass types expect", "a class path (str)", "a dict with", "a dict without")
 
 
 def plugin_argument_error(exc: BaseException) -> str | None:
@@ -453,12 +457,12 @@ def plugin_argument_error(exc: BaseException) -> str | None:
         return None
     # the plugin's own messages, at any depth of nested unions (a judger inside data.judging.judgers' mapping)
     listed = [m.group(1) for line in text.splitlines() if (m := re.match(r"^\s+- (.*)$", line))]
-    reasons = [r for r in listed if not r.startswith(("Expected a <class", "Does not validate against any"))] or [
+    reasons = [r for r in listed if not r.startswith(JSONARGPARSE_LINES)] or [
         line[4:] for line in text.splitlines()
         if line.startswith("  - ") and not line.startswith("  - Expected a <class 'str'>")]
     if not reasons:
         return None
-    bases = re.findall(r"<class '([\w.]+)'>", text.splitlines()[1] if len(text.splitlines()) > 1 else "")
+    bases = re.findall(r"(rlflow\.[\w.]+)", text.splitlines()[1] if len(text.splitlines()) > 1 else "")
     option = next((PLUGIN_OPTIONS[b] for b in bases if b in PLUGIN_OPTIONS), "a plugin option")
     plugin = re.search(r"class_path='([\w.]+)'", text)
     return f"{option}" + (f" ({plugin.group(1)})" if plugin else "") + f": {'; '.join(reasons)}"

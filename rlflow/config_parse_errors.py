@@ -22,6 +22,9 @@ NESTED_UNKNOWN = (re.compile(r"Option '([\w.]+)' is not accepted"), re.compile(r
 CLASS_PATH = re.compile(r"Problem with given class_path '([\w.]+)'")
 PARSER_KEY = re.compile(r'Parser key "([\w.]+)":')
 EXPECTED = re.compile(r"Expected a <class '([\w.]+)'>\. Got value: (.*)")
+LITERAL = re.compile(r"Expected a typing\.Literal\[(.*)\]\. Got value: (.*)")
+REQUIRED = re.compile(r"the following arguments are required: ([\w., ]+)")
+IMPORT_PROBLEM = re.compile(r"Problem with given class_path '([\w.:]+)':\s*\n?\s*((?!Parser key)[^\n]+)")
 SUBTYPES = re.compile(r"Subtypes: \[(.*)\]")
 GIVEN = re.compile(r"Given value: (.*)")
 
@@ -144,6 +147,11 @@ def nested_key(message: str, argv: Sequence[str] = ()) -> tuple[str, str, str | 
         key, place = nested_place(keys[0], keys[-1], nested_class(message), argv)
     expected = EXPECTED.findall(message)
     typ, value = expected[-1] if expected else (None, None)
+    if typ is not None:
+        typ = typ.rsplit(".", 1)[-1]
+    elif literal := LITERAL.findall(message):  # a plugin's Literal option: its choices
+        choices, value = literal[-1]
+        typ = "one of " + ", ".join(c.strip().strip("'\"") for c in choices.split(","))
     return key, place, typ, value
 
 
@@ -176,7 +184,14 @@ def parse_error_line(message: str, argv: Sequence[str], known_keys: Iterable[str
             return unknown_line(key, where(key, argv), known_keys)
     key, place, typ, value = nested_key(message, argv)
     if key and typ is not None:
-        return f"{place}{key}: expected {typ.rsplit('.', 1)[-1]}, got {value}"
+        return f"{place}{key}: expected {typ}, got {value}"
+    required, problem = REQUIRED.search(message), IMPORT_PROBLEM.search(message)
+    if key and required and "class_path" in message:  # a plugin's argument without a default, not given
+        plugin = CLASS_PATH.search(message)
+        names = ", ".join(f"init_args.{n.strip()}" for n in required.group(1).split(","))
+        return f"{place}{key}: {plugin.group(1) if plugin else 'the plugin'} needs {names}"
+    if key and problem:  # a class_path that does not import, or that is not a plugin of this option
+        return f"{place}{key}: class_path {problem.group(1)!r}: {problem.group(2).strip()}"
     union, given = SUBTYPES.search(message), GIVEN.search(message)
     if key and union and given:  # an Optional/Union setting: every subtype refused the value
         names = re.findall(r"<class '([\w.]+)'>", union.group(1))

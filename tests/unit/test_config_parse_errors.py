@@ -108,3 +108,40 @@ def test_a_nested_key_is_not_expected_message_names_the_full_key():
     line = parse_error_line(message, ["fit", "--model.loss.init_args.epsilon_hgh", "0.3"], [])
     assert line == ("command line: model.loss.init_args.epsilon_hgh is not a setting; "
                     "did you mean model.loss.init_args.epsilon_high?")
+
+
+def test_a_plugin_option_out_of_its_choices_lists_them(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  rollout:\n    class_path: engine\n    init_args: {dtype: cube}\n")
+    code, lines = run(capsys, "--config", str(bad))
+    assert code == 1
+    assert lines == [f"rlflow: error: {bad}, line 4: data.rollout.init_args.dtype: expected one of model, float32, "
+                     "bfloat16, float16, auto, got cube"]
+
+
+def test_a_plugin_argument_without_a_default_that_is_not_given_is_named(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text('data:\n  judging:\n    judgers:\n      "*": {class_path: remote}\n')
+    code, lines = run(capsys, "--config", str(bad), "--trainer.max_steps=1")
+    assert code == 1
+    assert lines == [f"rlflow: error: {bad}, line 3: data.judging.judgers: rlflow.judgers.remote.RemoteJudger needs "
+                     "init_args.url"]
+
+
+def test_a_class_path_that_does_not_import_says_why(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  loss:\n    class_path: nosuchpkg.Loss\n")
+    code, lines = run(capsys, "--config", str(bad))
+    assert code == 1
+    assert lines == [f"rlflow: error: {bad}, line 2: model.loss: class_path 'nosuchpkg.Loss': No module named "
+                     "'nosuchpkg'"]
+
+
+def test_a_judgers_own_refusal_in_a_list_is_its_message_alone(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text('data:\n  judging:\n    judgers:\n      "*": [gsm8k, {class_path: remote, init_args: '
+                   '{url: "http://x", max_retries: -1}}]\n')
+    code, lines = run(capsys, "--config", str(bad), "--trainer.max_steps=1")
+    assert code == 1
+    assert lines == ["rlflow: error: data.judging.judgers (rlflow.judgers.remote.RemoteJudger): remote judger: "
+                     "timeout > 0, max_retries >= 0, backoff >= 0 and max_concurrency >= 1 are required"]
