@@ -90,17 +90,22 @@ LOGGER_ALIASES = {
 
 
 def expand_logger_aliases(args: list[str]) -> list[str]:
-    """``--trainer.logger wandb`` (or ``=wandb``, ``csv``, ``tensorboard``) -> the logger's class path."""
+    """``--trainer.logger wandb`` (or ``=wandb``, ``csv``, ``tensorboard``) -> the logger's class path. ``csv`` and
+    ``tensorboard`` also get ``save_dir .`` (their constructors have no default; a later ``--trainer.logger.save_dir``
+    wins), which :meth:`RLFlowCLI.before_instantiate_classes` reads as ``trainer.default_root_dir``."""
     out, i = [], 0
     while i < len(args):
-        arg = args[i]
+        arg, alias = args[i], None
         if arg == "--trainer.logger" and i + 1 < len(args) and args[i + 1].lower() in LOGGER_ALIASES:
-            out += [arg, LOGGER_ALIASES[args[i + 1].lower()]]
-            i += 2
-            continue
-        if arg.startswith("--trainer.logger=") and arg.split("=", 1)[1].lower() in LOGGER_ALIASES:
-            arg = "--trainer.logger=" + LOGGER_ALIASES[arg.split("=", 1)[1].lower()]
-        out.append(arg)
+            alias, i = args[i + 1].lower(), i + 1
+        elif arg.startswith("--trainer.logger=") and arg.split("=", 1)[1].lower() in LOGGER_ALIASES:
+            alias = arg.split("=", 1)[1].lower()
+        if alias is None:
+            out.append(arg)
+        else:
+            out.append(f"--trainer.logger={LOGGER_ALIASES[alias]}")
+            if alias != "wandb":
+                out.append("--trainer.logger.save_dir=.")
         i += 1
     return out
 
@@ -306,6 +311,9 @@ class RLFlowCLI(LightningCLI):
             trainer["val_check_interval"] = every  # counted in training batches = rollout steps...
             trainer["check_val_every_n_epoch"] = None  # ...across epoch boundaries
         logger = trainer.get("logger")
+        if getattr(logger, "class_path", None) in (LOGGER_ALIASES["csv"], LOGGER_ALIASES["tensorboard"]):
+            if logger.init_args.get("save_dir") == ".":  # the short names' (expand_logger_aliases)
+                logger.init_args["save_dir"] = trainer.get("default_root_dir") or os.getcwd()
         if getattr(logger, "class_path", None) == LOGGER_ALIASES["wandb"]:
             init = logger.init_args
             if init.get("save_dir") in (None, "."):  # keep W&B files (and trajectories) under the run's root dir

@@ -25,6 +25,10 @@ def script() -> int:
     add_working_directory()
     try:
         return main()
+    except BrokenPipeError:  # the reader went away (rlflow plugins | head): stop quietly, as other commands do
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # Python's own flush at exit would raise again
+        return 141
     finally:
         gc.freeze()
 

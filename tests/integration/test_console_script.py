@@ -38,3 +38,11 @@ def test_a_module_that_is_nowhere_is_one_line(tiny_model, tiny_data, tmp_path):
     assert out.stderr.strip().splitlines() == [
         "rlflow: error: could not import module 'my_rewardz' for 'my_rewardz:fn': ModuleNotFoundError: No module "
         "named 'my_rewardz'"]
+
+
+def test_a_reader_that_stops_early_ends_the_command_quietly(tmp_path):
+    env = rlflow_env()
+    out = subprocess.run(f"'{SCRIPT}' plugins | head -1", shell=True, cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.stdout.startswith("rlflow.")
+    assert "Traceback" not in out.stderr and "BrokenPipeError" not in out.stderr, out.stderr

@@ -120,13 +120,18 @@ def test_wandb_offline_records_metrics_config_and_sample_tables(tiny_model, tiny
         assert [row[col[name]] for row in table["data"]] == [r[name] for r in eval_rows], name
 
 
-def test_tensorboard_logger_still_works(tiny_model, tiny_data, tmp_path):
-    pytest.importorskip("tensorboard")
-    args = [a for a in fit_args(tiny_model, tiny_data, tmp_path, steps=1) if not a.startswith("--trainer.logger")]
-    cli = cli_main([*args, "--trainer.logger=tensorboard", f"--trainer.logger.save_dir={tmp_path}",
-                    "--model.export_hf=false"])
+@pytest.mark.parametrize("alias", ["tensorboard", "csv"])
+def test_the_csv_and_tensorboard_short_names_work_as_documented(tiny_model, tiny_data, tmp_path, monkeypatch, alias):
+    """``--trainer.logger csv`` alone (docs/monitoring.md): its files under ``./lightning_logs/version_N``."""
+    if alias == "tensorboard":
+        pytest.importorskip("tensorboard")
+    monkeypatch.chdir(tmp_path)
+    args = [a for a in fit_args(tiny_model, tiny_data, tmp_path, steps=1)
+            if not a.startswith(("--trainer.logger", "--trainer.default_root_dir"))]
+    cli = cli_main([*args, f"--trainer.logger={alias}", "--model.export_hf=false"])
     log_dir = Path(cli.trainer.log_dir)
-    assert list(log_dir.glob("events.out.tfevents.*"))
+    assert log_dir == tmp_path / "lightning_logs" / "version_0"
+    assert list(log_dir.glob("events.out.tfevents.*" if alias == "tensorboard" else "metrics.csv"))
     assert "prompt_repeat_k: 4" in (log_dir / "hparams.yaml").read_text()  # the resolved config reached the logger
 
 

@@ -13,9 +13,12 @@ pytestmark = pytest.mark.slow
 
 
 def test_logger_short_names_expand():
-    assert expand_logger_aliases(["fit", "--trainer.logger", "wandb", "--trainer.logger=CSV"]) == [
-        "fit", "--trainer.logger", "lightning.pytorch.loggers.WandbLogger",
-        "--trainer.logger=lightning.pytorch.loggers.CSVLogger"]
+    assert expand_logger_aliases(["fit", "--trainer.logger", "wandb", "--trainer.logger=CSV", "-c", "x.yaml",
+                                  "--trainer.logger", "tensorboard", "--trainer.logger.save_dir", "tb"]) == [
+        "fit", "--trainer.logger=lightning.pytorch.loggers.WandbLogger",
+        "--trainer.logger=lightning.pytorch.loggers.CSVLogger", "--trainer.logger.save_dir=.", "-c", "x.yaml",
+        "--trainer.logger=lightning.pytorch.loggers.TensorBoardLogger", "--trainer.logger.save_dir=.",
+        "--trainer.logger.save_dir", "tb"]
     assert expand_logger_aliases(["--trainer.logger=MyLogger"]) == ["--trainer.logger=MyLogger"]
 
 
