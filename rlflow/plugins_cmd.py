@@ -31,7 +31,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in sorted(plugins):
             info = plugins[name]
             line = f"  {name:<{width}}  {info.distribution} {info.version}  ({info.value})"
-            if args.check:
+            why = registry.conflict(group, name)
+            if why is not None:
+                line += f"\n    CONFLICT: {why}"
+                status = 1
+            elif args.check:
                 try:
                     registry.load(group, name)
                     line += "  ok"

@@ -73,6 +73,7 @@ class PluginInfo:
 _lock = threading.Lock()
 _cache: dict[str, dict[str, PluginInfo]] = {}
 _loaded: dict[tuple[str, str], Any] = {}
+_conflicts: dict[str, dict[str, str]] = {}  # group -> name -> why two distributions make it unusable
 
 
 def _check_group(group: str) -> str:
@@ -94,12 +95,13 @@ def discover(group: str) -> dict[str, PluginInfo]:
             version = dist.version if dist is not None else "?"
             info = PluginInfo(group, ep.name, ep.value, dist_name, version, ep)
             if ep.name in found and (found[ep.name].distribution, found[ep.name].value) != (dist_name, ep.value):
-                other = found[ep.name]
-                raise PluginError(
+                other = found[ep.name]  # an error where the name is used; the group's other plugins still work
+                _conflicts.setdefault(group, {})[ep.name] = (
                     f"two distributions claim the {group} plugin {ep.name!r}: "
                     f"{other.distribution} {other.version} ({other.value}) and {dist_name} {version} ({ep.value}); "
-                    "uninstall one of them"
+                    "uninstall one of them, or name the one you mean by its import path"
                 )
+                continue
             found[ep.name] = info
         _cache[group] = found
         return found
@@ -110,10 +112,31 @@ def available(group: str) -> list[str]:
     return sorted(discover(group))
 
 
+def conflict(group: str, name: str) -> str | None:
+    """Why ``name`` cannot be used in ``group`` (two distributions register it), or None."""
+    discover(group)
+    return _conflicts.get(group, {}).get(name)
+
+
+def misplaced(group: str, name: str) -> list[tuple[str, str]]:
+    """``(entry-point group, distribution)`` of each registration of ``name`` in an ``rlflow...`` group that rlflow
+    does not read (``rlflow.judger`` for ``rlflow.judgers``, say)."""
+    out = []
+    for other in sorted(entry_points().groups):
+        if other.startswith("rlflow") and other not in GROUPS:
+            for ep in entry_points(group=other):
+                if ep.name == name:
+                    dist = getattr(ep, "dist", None)
+                    out.append((other, dist.metadata["Name"] if dist is not None else "<unknown>"))
+    return out
+
+
 def _unknown(group: str, name: str) -> PluginError:
     names = ", ".join(available(group)) or "(none)"
+    elsewhere = "".join(f"; {dist} registers {name!r} in the entry-point group {other!r}, which rlflow does not "
+                        f"read: the group is {group!r}" for other, dist in misplaced(group, name))
     return PluginError(
-        f"unknown {group} plugin {name!r}; available: {names} "
+        f"unknown {group} plugin {name!r}{elsewhere}; available: {names} "
         "(or give an import path 'package.module:attribute'; `rlflow plugins` lists what is installed)"
     )
 
@@ -126,6 +149,9 @@ def looks_like_path(name: str) -> bool:
 def load(group: str, name: str) -> Any:
     """Import and return the object (usually a class or function) registered as ``name`` in ``group``."""
     plugins = discover(group)
+    why = conflict(group, name)
+    if why is not None:
+        raise PluginError(why)
     if name not in plugins:
         raise _unknown(group, name)
     key = (group, name)
@@ -250,6 +276,7 @@ def clear_cache() -> None:
     with _lock:
         _cache.clear()
         _loaded.clear()
+        _conflicts.clear()
 
 
 # ------------------------------------------------------------------------------------ typed plugin arguments

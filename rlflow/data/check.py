@@ -27,6 +27,7 @@ from typing import Any
 from rlflow.data.dataset import DataError, PromptRecord
 from rlflow.data.images import has_images
 from rlflow.data.sources import DataSource, iter_records
+from rlflow.judgers.panel import column_hint
 from rlflow.models.vision import image_prompt_length
 from rlflow.registry import PluginError
 
@@ -128,8 +129,7 @@ def judgeable(report: SourceReport, runner: Any, where: str, item: PromptRecord)
     ]
     if missing:
         report.unjudgeable += 1
-        report.error(f"{where}: {'; '.join(missing)}, which the row lacks (XTuner rows carry "
-                     "reward_model.ground_truth)")
+        report.error(f"{where}: {'; '.join(missing)}, which the row lacks{column_hint(missing)}")
         return None
     return names
 

@@ -35,7 +35,9 @@ class RunState:
     makes ``steps_per_generation``; a curriculum on ``global_step / max_steps`` reads the same either way.
     ``epoch`` is the fraction of passes over the prompts made so far (``global_step`` over the rollout steps of an
     epoch), ``num_train_epochs`` the passes the run makes. ``log_history`` stays empty (the metrics go to the
-    loggers, not to the state).
+    loggers, not to the state). TrainerState's other fields are there with its defaults, so that a reward function
+    reading one runs: they describe a ``transformers.Trainer``'s bookkeeping (logging, saving, hyper-parameter
+    search), which rlflow does not have.
     """
 
     global_step: int = 0
@@ -45,6 +47,29 @@ class RunState:
     is_world_process_zero: bool = True
     is_local_process_zero: bool = True
     log_history: list[dict[str, float]] = field(default_factory=list)
+    logging_steps: int = 500
+    eval_steps: int = 500
+    save_steps: int = 500
+    train_batch_size: int | None = None
+    num_input_tokens_seen: int = 0
+    total_flos: float = 0.0
+    best_metric: float | None = None
+    best_global_step: int | None = None
+    best_model_checkpoint: str | None = None
+    is_hyper_param_search: bool = False
+    trial_name: str | None = None
+    trial_params: dict[str, Any] | None = None
+    stateful_callbacks: dict[str, Any] = field(default_factory=dict)
+
+
+def metric_value(name: Any, value: Any) -> float:
+    """``log_metric(name, value)``'s value as a float (a number, a bool, a 0-d tensor or array), or a ValueError that
+    says which call gave what."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"log_metric({str(name)!r}, ...) needs a number, got {type(value).__name__} "
+                         f"{str(value)[:40]!r}") from None
 
 
 def before_training() -> RunState:
@@ -141,7 +166,7 @@ class JudgerLogs:
                     logged[i] = value
 
         def log_metric(name: str, value: float) -> None:
-            value = float(value)
+            value = metric_value(name, value)
             with self._lock:
                 if not self._closed:
                     self.metrics.setdefault(str(name), []).append(value)

@@ -21,6 +21,13 @@ from rlflow.judgers.runner import JudgeResult, JudgerRunner, merge_results
 log = logging.getLogger(__name__)
 
 
+
+def column_hint(missing: list[str]) -> str:
+    """How a missing judger column is usually given, for lines ``judger 'x' needs column 'c'``."""
+    if any(line.endswith("column 'ground_truth'") for line in missing):
+        return " (XTuner's rows carry it as reward_model.ground_truth; TRL's datasets often call it solution or answer)"
+    return " (a column of another name is passed on by the function judger's rename: {<its name>: <the data's>})"
+
 class SourceJudgers:
     """Judges batches mixing sources: each source's rows go to its own judgers, the rest to ``data.judging.judgers``.
 
@@ -142,10 +149,7 @@ class JudgePanel:
                            if record.columns.get(col) is None]
                 if not missing:
                     continue
-                problem = (
-                    f"{record.source}: {'; '.join(missing)}, "
-                    "which the row lacks (XTuner rows carry reward_model.ground_truth)"
-                )
+                problem = f"{record.source}: {'; '.join(missing)}, which the row lacks{column_hint(missing)}"
             count += 1
             if len(problems) < 10:
                 problems.append(problem)

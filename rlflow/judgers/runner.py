@@ -54,7 +54,15 @@ from typing import Any
 
 from rlflow import registry
 from rlflow.isolation import Isolated, Outcome, Recorded, _one_line, close_all, portable, warm_up
-from rlflow.judgers.context import JudgerLogs, RunState, accepted_keywords, before_training, plain, select_keywords
+from rlflow.judgers.context import (
+    JudgerLogs,
+    RunState,
+    accepted_keywords,
+    before_training,
+    metric_value,
+    plain,
+    select_keywords,
+)
 from rlflow.judgers.function import FunctionJudger
 from rlflow.log import info
 
@@ -370,7 +378,7 @@ def _checked_extra(n: int, column: str, values: Any) -> tuple[str, list[Any]]:
 
 
 def _checked_metric(name: str, value: float) -> tuple[str, float]:
-    return str(name), float(value)
+    return str(name), metric_value(name, value)
 
 
 def worker_keywords(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from importlib.metadata import version
+from types import SimpleNamespace
 
 import pytest
 
@@ -46,7 +47,9 @@ def fake_group(monkeypatch, *eps: FakeEntryPoint) -> list[str]:
     """Make the registry see only ``eps``; returns a list that records every entry-point scan."""
     scans: list[str] = []
 
-    def entry_points(group):
+    def entry_points(group=None):
+        if group is None:  # every group (registry.misplaced)
+            return SimpleNamespace(groups={ep.group for ep in eps})
         scans.append(group)
         return [ep for ep in eps if ep.group == group]
 
@@ -86,15 +89,27 @@ def test_broken_plugin_names_its_distribution_and_chains_the_exception(monkeypat
     assert info.value.__cause__ is cause
 
 
-def test_two_distributions_claiming_one_name_is_an_error_naming_both(monkeypatch):
+def test_two_distributions_claiming_one_name_make_that_name_an_error_naming_both(monkeypatch):
     fake_group(
         monkeypatch,
         FakeEntryPoint("countdown", "pkg_a.cd:Judge", FakeDistribution("pkg-a", "1.0"), object),
         FakeEntryPoint("countdown", "pkg_b.cd:Judge", FakeDistribution("pkg-b", "2.0"), object),
+        FakeEntryPoint("exact", "pkg_c:Exact", FakeDistribution("pkg-c", "1.0"), int),
     )
     with pytest.raises(registry.PluginError) as info:
-        registry.available(GROUP)
+        registry.load(GROUP, "countdown")
     assert "pkg-a 1.0" in str(info.value) and "pkg-b 2.0" in str(info.value) and "'countdown'" in str(info.value)
+    assert registry.load(GROUP, "exact") is int  # the group's other plugins are not affected
+    assert registry.available(GROUP) == ["countdown", "exact"]
+
+
+def test_a_plugin_in_a_misspelt_group_is_pointed_at(monkeypatch):
+    wrong = FakeEntryPoint("wg", "pkg:J", FakeDistribution("pkg-wg", "1.0"), object)
+    wrong.group = "rlflow.judger"
+    fake_group(monkeypatch, wrong)
+    with pytest.raises(registry.PluginError, match="pkg-wg registers 'wg' in the entry-point group 'rlflow.judger', "
+                                                   f"which rlflow does not read: the group is '{GROUP}'"):
+        registry.load(GROUP, "wg")
 
 
 def test_one_distribution_seen_twice_is_not_a_conflict(monkeypatch):
@@ -164,7 +179,7 @@ def test_rlflow_plugins_reports_conflicts_and_broken_plugins(monkeypatch, capsys
         FakeEntryPoint("x", "b:X", FakeDistribution("dist-b", "1"), object),
     )
     assert plugins_cmd.main(["--group", GROUP]) == 1
-    assert "ERROR" in capsys.readouterr().out
+    assert "CONFLICT: two distributions claim" in capsys.readouterr().out
 
 
 def test_rlflow_plugins_is_dispatched_by_the_rlflow_command(capsys):

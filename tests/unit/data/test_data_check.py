@@ -10,6 +10,7 @@ import pytest
 
 from rlflow.data.check import percentile
 from rlflow.entry import main
+from rlflow.judgers.base import Judger
 
 
 def picky(prompts, completions, completion_ids=None, solution=None, **_):
@@ -128,3 +129,25 @@ def test_a_judger_that_hangs_times_out_under_data_judger_timeout(tiny_model, tin
     out = capsys.readouterr().out
     assert rc == 1
     assert "judger 'stuck' fails on rows of val: JudgerTimeout" in out and "data.judging.timeout=0.5" in out
+
+
+def test_the_missing_column_hint_fits_the_column(tiny_model, tmp_path, capsys):
+    from rlflow.judgers.panel import column_hint
+
+    assert "reward_model.ground_truth" in column_hint(["judger 'gsm8k' needs column 'ground_truth'"])
+    other = column_hint(["judger 'trl' needs column 'solution'"])
+    assert "ground_truth" not in other and "rename" in other
+    path = write_jsonl(tmp_path / "d.jsonl", [row("abcd")])
+    rc = main(["data", "check", str(path), "--tokenizer", str(tiny_model),
+               "--judgers", '{"*": "tests.unit.data.test_data_check:NeedsSolution"}'])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert f"{path}:1: judger 'needs_solution' needs column 'solution', which the row lacks{other}" in out
+
+
+class NeedsSolution(Judger):
+    name = "needs_solution"
+    required_columns = ("solution",)
+
+    def __call__(self, completions, **kwargs):
+        return [0.0] * len(completions)

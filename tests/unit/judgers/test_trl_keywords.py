@@ -73,7 +73,9 @@ def test_a_log_extra_of_the_wrong_length_or_a_non_number_metric_fails_that_judge
     result = JudgerRunner({"*": [short_extra, text_metric]}).judge(*batch())
     assert result.judgers["short_extra"].failed == 4 and "got 1 values for the call's 4" in \
         result.judgers["short_extra"].error
-    assert result.judgers["text_metric"].failed == 4 and result.judgers["text_metric"].error.startswith("ValueError")
+    assert result.judgers["text_metric"].failed == 4
+    assert result.judgers["text_metric"].error.startswith("ValueError: log_metric('m', ...) needs a number, got str "
+                                                          "'high'")
 
 
 def test_log_extra_values_that_are_not_json_are_kept_as_text():
@@ -130,3 +132,16 @@ def test_run_state_fills_trl_fields(max_steps, max_epochs, per_epoch, expected):
     assert (state.max_steps, state.num_train_epochs) == expected
     assert state.global_step == 3 and state.epoch == 3 / per_epoch
     assert not state.is_world_process_zero and state.is_local_process_zero
+
+
+def test_trainer_state_has_every_field_of_transformers_trainer_state():
+    """A TRL reward function may read any TrainerState field (``state.logging_steps``, ``state.best_metric``...)."""
+    import dataclasses
+
+    transformers = pytest.importorskip("transformers")
+    theirs = {f.name: f for f in dataclasses.fields(transformers.TrainerState)}
+    ours = {f.name: f for f in dataclasses.fields(RunState)}
+    assert set(theirs) <= set(ours), sorted(set(theirs) - set(ours))
+    reference, state = transformers.TrainerState(), RunState()
+    for name in set(theirs) - {"log_history", "global_step", "max_steps", "epoch", "num_train_epochs"}:
+        assert getattr(state, name) == getattr(reference, name), name  # its defaults, where rlflow has no value
