@@ -11,6 +11,21 @@ import argparse
 from rlflow import registry
 
 
+def check_usable(group: str, obj: object) -> None:
+    """What ``rlflow fit`` also checks of a plugin before using it: a tool function's JSON schema (type hints and
+    a docstring with an ``Args:`` section); a PluginError saying why not."""
+    import inspect
+
+    if group == "rlflow.tools" and inspect.isfunction(obj):
+        from rlflow.config_error import ConfigError
+        from rlflow.tools.base import tool_schema
+
+        try:
+            tool_schema(obj)
+        except ConfigError as exc:
+            raise registry.PluginError(str(exc).removeprefix("data.multiturn.tools: ")) from exc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlflow plugins", description=__doc__.split("\n")[0])
     parser.add_argument("--group", choices=registry.GROUPS, help="show one group only")
@@ -37,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
                 status = 1
             elif args.check:
                 try:
-                    registry.load(group, name)
+                    check_usable(group, registry.load(group, name))
                     line += "  ok"
                 except registry.PluginError as exc:
                     line += f"\n    BROKEN: {exc}"

@@ -276,3 +276,27 @@ def test_a_module_exiting_as_it_imports_is_a_plugin_error_naming_it(tmp_path, mo
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(registry.PluginError, match="could not import module 'exits_on_import'.*SystemExit: 9"):
         registry.import_path("exits_on_import:reward")
+
+
+def test_rlflow_plugins_check_builds_a_tool_functions_schema(monkeypatch, capsys):
+    def nodoc(x):
+        return x
+
+    def documented(x: int) -> int:
+        """Doubles x.
+
+        Args:
+            x: a number
+        """
+        return 2 * x
+
+    dist = FakeDistribution("tool-dist", "1")
+    tools = [FakeEntryPoint("nodoc", "t:nodoc", dist, nodoc), FakeEntryPoint("documented", "t:documented", dist,
+                                                                             documented)]
+    for ep in tools:
+        ep.group = "rlflow.tools"
+    fake_group(monkeypatch, *tools)
+    assert plugins_cmd.main(["--group", "rlflow.tools", "--check"]) == 1
+    out = capsys.readouterr().out
+    assert "BROKEN: cannot build the JSON schema of tool 'nodoc'" in out
+    assert "documented  tool-dist 1  (t:documented)  ok" in out
