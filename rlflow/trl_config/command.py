@@ -21,7 +21,7 @@ import yaml
 
 from rlflow.config_error import ConfigError
 from rlflow.trl_config.fields import FIELDS
-from rlflow.trl_config.run import NotConverted, TrlRun, coerce
+from rlflow.trl_config.run import NotConverted, RefusedByTRL, TrlRun, coerce
 
 #: The output's top-level keys, in this order (others after them).
 SECTIONS = ("seed_everything", "trainer", "checkpoint", "samples", "evaluate_every_n_steps", "model", "data")
@@ -159,6 +159,8 @@ def convert(given: dict[str, Any], processes: int = 1, where: Any = lambda name:
         except NotConverted as exc:
             skipped.setdefault(str(exc), []).append(name)
             continue
+        except RefusedByTRL as exc:  # TRL would not start either
+            raise ConfigError(f"{where(name)}: {exc}") from None
         except (TypeError, ValueError, ArithmeticError, AttributeError, KeyError) as exc:
             raise ConfigError(f"{where(name)}: {name}={run[name]!r}: {exc}") from None
         for key, value in out.items():

@@ -19,6 +19,10 @@ class NotConverted(Exception):
     """A value with no mechanical rlflow counterpart; the message says why (a comment at the top of the output)."""
 
 
+class RefusedByTRL(ValueError):
+    """Values TRL itself refuses to run with: the conversion stops with one line (:func:`convert` names the file)."""
+
+
 def _number(value: Any, kind: type) -> Any:
     if isinstance(value, str):
         try:
@@ -87,10 +91,10 @@ class TrlRun:
         steps, completions = self["steps_per_generation"], self["generation_batch_size"]
         per_step = self["per_device_train_batch_size"] * self.processes
         if steps is not None and completions is not None:
-            raise NotConverted("generation_batch_size and steps_per_generation are both set, which TRL refuses")
+            raise RefusedByTRL("generation_batch_size and steps_per_generation are both set, which TRL refuses")
         if completions is not None:
             if completions % per_step:
-                raise NotConverted(f"generation_batch_size={completions} is not a multiple of "
+                raise RefusedByTRL(f"generation_batch_size={completions} is not a multiple of "
                                    f"per_device_train_batch_size x processes = {per_step}, which TRL refuses")
             return completions // per_step
         return steps if steps is not None else self["gradient_accumulation_steps"]
@@ -100,7 +104,7 @@ class TrlRun:
         completions = self["per_device_train_batch_size"] * self.processes * self.steps_per_generation()
         k = self["num_generations"]
         if completions % k:
-            raise NotConverted(f"the generation batch of {completions} completions is not a multiple of "
+            raise RefusedByTRL(f"the generation batch of {completions} completions is not a multiple of "
                                f"num_generations={k}, which TRL refuses")
         return completions // k
 

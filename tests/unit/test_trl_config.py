@@ -180,7 +180,11 @@ def test_batches_and_steps():
     reasons = skipped(steps_per_generation=1, gradient_accumulation_steps=4)
     assert "straddle" in reasons["steps_per_generation"] and "trainer.max_steps" not in converted(
         steps_per_generation=1, gradient_accumulation_steps=4, max_steps=10)
-    assert "not a multiple of num_generations" in skipped(per_device_train_batch_size=6)["num_generations"]
+    for refused, words in (({"per_device_train_batch_size": 6}, "not a multiple of num_generations"),
+                           ({"generation_batch_size": 20}, "generation_batch_size=20 is not a multiple"),
+                           ({"generation_batch_size": 16, "steps_per_generation": 2}, "both set")):
+        with pytest.raises(ConfigError, match=f"^the TRL config: .*{words}.*which TRL refuses"):
+            convert(refused)  # TRL does not start with these: no config that would train on other batches
     assert converted(max_steps=-1, num_train_epochs=2.0)["trainer.max_epochs"] == 2
     assert "whole epochs" in skipped(num_train_epochs=1.5)["num_train_epochs"]
 
@@ -410,3 +414,12 @@ def test_a_converted_config_is_a_valid_rlflow_fit_config(tmp_path, capsys):
                                                       "soft_overlong_punishment_reward": 0.2}
     assert resolved["model"]["rollout_correction"] == {"mode": "sequence_mask", "cap": 3.0, "min": 0.1}
     assert resolved["evaluate_every_n_steps"] == 5 and resolved["data"]["eval"]["k"] == 2
+
+
+def test_batches_trl_refuses_stop_the_conversion_naming_file_and_line(tmp_path, capsys):
+    path = write(tmp_path, "model_name_or_path: m\nnum_generations: 3\nper_device_train_batch_size: 8\n")
+    assert main(["from-trl", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (f"rlflow: error: {path}:2: the generation batch of 8 completions is not a "
+                                    "multiple of num_generations=3, which TRL refuses")
