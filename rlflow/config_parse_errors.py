@@ -63,6 +63,40 @@ def key_line(path: str, key: str) -> int | None:
     return None
 
 
+def nested_line(path: str, parent: str, field: str) -> int | None:
+    """The 1-based line of ``field`` under an ``init_args`` anywhere inside the setting ``parent`` of the YAML file
+    at ``path`` (a judger in ``data.judging.judgers``' routes and lists), or None."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            node = yaml.compose(f)
+    except (OSError, yaml.YAMLError):
+        return None
+    for parts in (parent.split("."), ["fit", *parent.split(".")]):
+        current = node
+        for part in parts:
+            found = next((v for k, v in current.value if k.value == part), None) \
+                if isinstance(current, yaml.MappingNode) else None
+            if found is None:
+                break
+            current = found
+        else:
+            stack = [current]
+            while stack:
+                item = stack.pop()
+                if isinstance(item, yaml.MappingNode):
+                    for k, v in item.value:
+                        if k.value == "init_args" and isinstance(v, yaml.MappingNode):
+                            hit = next((fk for fk, _ in v.value if fk.value == field), None)
+                            if hit is not None:
+                                return hit.start_mark.line + 1
+                        stack.append(v)
+                elif isinstance(item, yaml.SequenceNode):
+                    stack.extend(item.value)
+    return None
+
+
 def where(key: str, argv: Sequence[str]) -> str:
     """``"command line: "`` or ``"x.yaml, line 3: "`` for the last place that sets ``key``; ``""`` if not found."""
     if any(a == f"--{key}" or a.startswith(f"--{key}=") for a in argv):
@@ -134,6 +168,11 @@ def nested_place(parent: str, field: str, cls: Any, argv: Sequence[str]) -> tupl
     if cls is not None and not dataclasses.is_dataclass(cls):
         forms.reverse()
     key, place = locate(forms, argv)
+    if not place and not any(a == f"--{parent}" or a.startswith(f"--{parent}=") for a in argv):
+        for path in reversed(config_files(argv)):  # deeper: a plugin inside a mapping or list of plugins
+            line = nested_line(path, parent, field)
+            if line is not None:
+                return f"{parent}.init_args.{field}", f"{path}, line {line}: "
     return key, place or where(parent, argv)
 
 

@@ -145,3 +145,13 @@ def test_a_judgers_own_refusal_in_a_list_is_its_message_alone(tmp_path, capsys):
     assert code == 1
     assert lines == ["rlflow: error: data.judging.judgers (rlflow.judgers.remote.RemoteJudger): remote judger: "
                      "timeout > 0, max_retries >= 0, backoff >= 0 and max_concurrency >= 1 are required"]
+
+
+def test_a_judger_argument_inside_routes_and_lists_is_found_on_its_own_line(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text('data:\n  judging:\n    judgers:\n      "*":\n        - gsm8k\n        - class_path: overlong\n'
+                   '          init_args:\n            penalty_factor: lots\n')
+    code, lines = run(capsys, "--config", str(bad))
+    assert code == 1
+    assert lines == [f"rlflow: error: {bad}, line 8: data.judging.judgers.init_args.penalty_factor: expected float, "
+                     "got lots"]
