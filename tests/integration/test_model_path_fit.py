@@ -33,6 +33,7 @@ def test_missing_demo_model_fails_fast_through_the_cli(tiny_model, tiny_data, tm
     err = capsys.readouterr().err
     assert code == 1 and elapsed < 10.0, (elapsed, err)  # the hub's retries took ~50 s
     line = next(line for line in err.splitlines() if line.startswith("rlflow: error:"))
-    assert "model.model_path 'checkpoints/tiny-qwen3'" in line and BUILD in line and "bash tools/demo.sh" in line
+    assert line == (f"rlflow: error: model.model_path 'checkpoints/tiny-qwen3' does not exist; build it with "
+                    f"'{BUILD}'")
     assert "Traceback" not in err
 
