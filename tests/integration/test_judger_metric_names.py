@@ -29,7 +29,8 @@ def test_a_judger_metric_named_like_a_training_metric_is_warned_about_and_not_lo
     judgers = {"*": ["gsm8k", "tests.integration.test_judger_metric_names:logs_training_names"]}
     with caplog.at_level("WARNING"):
         cli = cli_main(fit_args(tiny_model, tiny_data, tmp_path, f"--data.judging.judgers={json.dumps(judgers)}",
-                                "--summary.enabled=false", "--model.export_hf=false", steps=2))
+                                "--summary.enabled=false", "--model.export_hf=false",
+                                "--data.judging.isolation=thread", steps=2))
     with open(Path(cli.trainer.log_dir) / "metrics.csv") as f:
         rows = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
     assert len(rows) == 2
