@@ -202,6 +202,39 @@ def _mapping_from_text(group: str, text: str) -> Any:
         raise PluginError(f"the {group} plugin {text!r} is neither a name nor a valid mapping: {exc}") from exc
 
 
+def refused_plugin(group: str, mapping: dict[str, Any]) -> str | None:
+    """Why the parser refused a mapping of ``group``'s plugins given as text on the command line
+    (``--data.judging.judgers '{"*": {"class_path": ..., "init_args": {...}}}'``, which reaches :func:`build` as
+    its text when one plugin in it does not validate): the first plugin's error, as jsonargparse reports it for
+    that plugin alone (``data.judging.judgers['*'].init_args.timeout: expected float, got abc``); None if every
+    plugin in it validates."""
+    import importlib
+    import json
+
+    from jsonargparse import ArgumentParser
+
+    from rlflow.config_parse_errors import parse_error_line
+
+    if group not in PLUGIN_BASES:
+        return None
+    module, _, name = PLUGIN_BASES[group].rpartition(".")
+    base = getattr(importlib.import_module(module), name)
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--plugin", type=base)
+    for key, specs in mapping.items():
+        for spec in specs if isinstance(specs, list) else [specs]:
+            if not isinstance(spec, dict):
+                continue
+            try:
+                parser.parse_args(["--plugin", json.dumps(spec)])
+            except Exception as exc:  # noqa: BLE001 - jsonargparse's parse errors, reported as one line
+                option = "data.judging.judgers" if group == "rlflow.judgers" else group
+                line = parse_error_line(str(exc), [], []).replace("plugin.", f"{option}[{key!r}].")
+                return f"command line: {option}[{key!r}]{line.removeprefix('plugin')}" if line.startswith(
+                    "plugin:") else f"command line: {line}"
+    return None
+
+
 def resolve_spec(group: str, spec: str | dict) -> tuple[Any, dict[str, Any]]:
     """The plugin object (class or function) a name, import path or ``{"class_path", "init_args"}`` mapping names
     (mapping text already read), and its ``init_args``; PluginError when it cannot be found or is malformed."""
@@ -253,6 +286,10 @@ def build(group: str, spec: Any, **defaults: Any) -> Any:
         raise PluginError(f"no {group} plugin given; available: {', '.join(available(group)) or '(none)'}")
     if isinstance(spec, str) and spec.lstrip().startswith("{"):
         spec = _mapping_from_text(group, spec)
+        if isinstance(spec, dict) and "class_path" not in spec:  # a mapping of plugins the parser refused
+            problem = refused_plugin(group, spec)
+            if problem is not None:
+                raise PluginError(problem)
     if not isinstance(spec, (str, dict)):
         return spec
     target, init_args = resolve_spec(group, spec)

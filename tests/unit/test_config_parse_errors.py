@@ -155,3 +155,17 @@ def test_a_judger_argument_inside_routes_and_lists_is_found_on_its_own_line(tmp_
     assert code == 1
     assert lines == [f"rlflow: error: {bad}, line 8: data.judging.judgers.init_args.penalty_factor: expected float, "
                      "got lots"]
+
+
+def test_a_judger_mapping_on_the_command_line_names_the_refused_judger(capsys):
+    cases = [
+        ('{"*": {"class_path": "remote", "init_args": {"url": "http://x", "timeout": "abc"}}}',
+         "command line: data.judging.judgers['*'].init_args.timeout: expected float, got abc"),
+        ('{"a": "gsm8k", "*": [{"class_path": "remote", "init_args": {"urll": "http://x"}}]}',
+         "command line: data.judging.judgers['*'].init_args.urll is not a setting; did you mean "
+         "data.judging.judgers['*'].init_args.url?"),
+    ]
+    for value, expected in cases:
+        code, lines = run(capsys, "--data.judging.judgers", value, "--trainer.max_steps=1")
+        assert code == 1
+        assert lines == [f"rlflow: error: {expected}"]
