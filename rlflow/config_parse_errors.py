@@ -40,8 +40,9 @@ def config_files(argv: Sequence[str]) -> list[str]:
     return files
 
 
-def key_line(path: str, key: str) -> int | None:
-    """The 1-based line of the dotted ``key`` in the YAML file at ``path`` (also under a ``fit:`` level), or None."""
+def _find(path: str, key: str) -> tuple[Any, int] | None:
+    """The YAML node of the dotted ``key`` in the file at ``path`` (also under a ``fit:`` level) and its 1-based
+    line; None where the file does not set it or cannot be read."""
     import yaml
 
     try:
@@ -59,8 +60,14 @@ def key_line(path: str, key: str) -> int | None:
                 break
             line, current = found[0].start_mark.line + 1, found[1]
         else:
-            return line
+            return current, line
     return None
+
+
+def key_line(path: str, key: str) -> int | None:
+    """The 1-based line of the dotted ``key`` in the YAML file at ``path`` (also under a ``fit:`` level), or None."""
+    found = _find(path, key)
+    return found[1] if found is not None else None
 
 
 def nested_line(path: str, parent: str, field: str) -> int | None:
@@ -68,32 +75,19 @@ def nested_line(path: str, parent: str, field: str) -> int | None:
     at ``path`` (a judger in ``data.judging.judgers``' routes and lists), or None."""
     import yaml
 
-    try:
-        with open(path, encoding="utf-8") as f:
-            node = yaml.compose(f)
-    except (OSError, yaml.YAMLError):
-        return None
-    for parts in (parent.split("."), ["fit", *parent.split(".")]):
-        current = node
-        for part in parts:
-            found = next((v for k, v in current.value if k.value == part), None) \
-                if isinstance(current, yaml.MappingNode) else None
-            if found is None:
-                break
-            current = found
-        else:
-            stack = [current]
-            while stack:
-                item = stack.pop()
-                if isinstance(item, yaml.MappingNode):
-                    for k, v in item.value:
-                        if k.value == "init_args" and isinstance(v, yaml.MappingNode):
-                            hit = next((fk for fk, _ in v.value if fk.value == field), None)
-                            if hit is not None:
-                                return hit.start_mark.line + 1
-                        stack.append(v)
-                elif isinstance(item, yaml.SequenceNode):
-                    stack.extend(item.value)
+    found = _find(path, parent)
+    stack = [found[0]] if found is not None else []
+    while stack:
+        item = stack.pop()
+        if isinstance(item, yaml.MappingNode):
+            for k, v in item.value:
+                if k.value == "init_args" and isinstance(v, yaml.MappingNode):
+                    hit = next((fk for fk, _ in v.value if fk.value == field), None)
+                    if hit is not None:
+                        return hit.start_mark.line + 1
+                stack.append(v)
+        elif isinstance(item, yaml.SequenceNode):
+            stack.extend(item.value)
     return None
 
 

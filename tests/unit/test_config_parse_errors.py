@@ -3,6 +3,8 @@ naming the file and line (or the command line), the full key, and for an unknown
 
 from __future__ import annotations
 
+import pytest
+
 from rlflow.cli import main
 from rlflow.config_parse_errors import key_line, parse_error_line
 
@@ -110,51 +112,37 @@ def test_a_nested_key_is_not_expected_message_names_the_full_key():
                     "did you mean model.loss.init_args.epsilon_high?")
 
 
-def test_a_plugin_option_out_of_its_choices_lists_them(tmp_path, capsys):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("data:\n  rollout:\n    class_path: engine\n    init_args: {dtype: cube}\n")
-    code, lines = run(capsys, "--config", str(bad))
-    assert code == 1
-    assert lines == [f"rlflow: error: {bad}, line 4: data.rollout.init_args.dtype: expected one of model, float32, "
-                     "bfloat16, float16, auto, got cube"]
+PLUGIN_CASES = {
+    "an option outside its choices lists them": (
+        "data:\n  rollout:\n    class_path: engine\n    init_args: {dtype: cube}\n",
+        "{bad}, line 4: data.rollout.init_args.dtype: expected one of model, float32, bfloat16, float16, auto, got "
+        "cube"),
+    "an argument without a default that is not given is named": (
+        'data:\n  judging:\n    judgers:\n      "*": {class_path: remote}\n',
+        "{bad}, line 3: data.judging.judgers: rlflow.judgers.remote.RemoteJudger needs init_args.url"),
+    "a class_path that does not import says why": (
+        "model:\n  loss:\n    class_path: nosuchpkg.Loss\n",
+        "{bad}, line 2: model.loss: class_path 'nosuchpkg.Loss': No module named 'nosuchpkg'"),
+    "a judger's own refusal in a list is its message alone": (
+        'data:\n  judging:\n    judgers:\n      "*": [gsm8k, {class_path: remote, init_args: {url: "http://x", '
+        'max_retries: -1}}]\n',
+        "data.judging.judgers (rlflow.judgers.remote.RemoteJudger): remote judger: timeout > 0, max_retries >= 0, "
+        "backoff >= 0 and max_concurrency >= 1 are required"),
+    "a judger's argument inside routes and lists is found on its own line": (
+        'data:\n  judging:\n    judgers:\n      "*":\n        - gsm8k\n        - class_path: overlong\n'
+        "          init_args:\n            penalty_factor: lots\n",
+        "{bad}, line 8: data.judging.judgers.init_args.penalty_factor: expected float, got lots"),
+}
 
 
-def test_a_plugin_argument_without_a_default_that_is_not_given_is_named(tmp_path, capsys):
+@pytest.mark.parametrize("case", PLUGIN_CASES)
+def test_a_plugin_setting_the_parser_refuses_is_one_line_saying_what_is_wrong(tmp_path, capsys, case):
+    text, expected = PLUGIN_CASES[case]
     bad = tmp_path / "bad.yaml"
-    bad.write_text('data:\n  judging:\n    judgers:\n      "*": {class_path: remote}\n')
+    bad.write_text(text)
     code, lines = run(capsys, "--config", str(bad), "--trainer.max_steps=1")
     assert code == 1
-    assert lines == [f"rlflow: error: {bad}, line 3: data.judging.judgers: rlflow.judgers.remote.RemoteJudger needs "
-                     "init_args.url"]
-
-
-def test_a_class_path_that_does_not_import_says_why(tmp_path, capsys):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("model:\n  loss:\n    class_path: nosuchpkg.Loss\n")
-    code, lines = run(capsys, "--config", str(bad))
-    assert code == 1
-    assert lines == [f"rlflow: error: {bad}, line 2: model.loss: class_path 'nosuchpkg.Loss': No module named "
-                     "'nosuchpkg'"]
-
-
-def test_a_judgers_own_refusal_in_a_list_is_its_message_alone(tmp_path, capsys):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text('data:\n  judging:\n    judgers:\n      "*": [gsm8k, {class_path: remote, init_args: '
-                   '{url: "http://x", max_retries: -1}}]\n')
-    code, lines = run(capsys, "--config", str(bad), "--trainer.max_steps=1")
-    assert code == 1
-    assert lines == ["rlflow: error: data.judging.judgers (rlflow.judgers.remote.RemoteJudger): remote judger: "
-                     "timeout > 0, max_retries >= 0, backoff >= 0 and max_concurrency >= 1 are required"]
-
-
-def test_a_judger_argument_inside_routes_and_lists_is_found_on_its_own_line(tmp_path, capsys):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text('data:\n  judging:\n    judgers:\n      "*":\n        - gsm8k\n        - class_path: overlong\n'
-                   '          init_args:\n            penalty_factor: lots\n')
-    code, lines = run(capsys, "--config", str(bad))
-    assert code == 1
-    assert lines == [f"rlflow: error: {bad}, line 8: data.judging.judgers.init_args.penalty_factor: expected float, "
-                     "got lots"]
+    assert lines == [f"rlflow: error: {expected.format(bad=bad)}"]
 
 
 def test_a_judger_mapping_on_the_command_line_names_the_refused_judger(capsys):
