@@ -350,7 +350,7 @@ def check_run_files(trainer: Any, config_inputs: list[str], resuming: bool) -> N
     by default the working directory: refused in one line where one of them is already there and this run does
     not resume the run that wrote it, and always where ``config.yaml`` there is a ``--config`` file of this run
     (it would be overwritten). With a logger, each run has a version folder of its own."""
-    if trainer.loggers or trainer.global_rank != 0:
+    if trainer.loggers:  # every rank checks (read-only), so that all stop alike
         return
     folder = Path(trainer.default_root_dir).resolve()
     config_file = folder / "config.yaml"

@@ -36,10 +36,12 @@ def test_the_runs_own_config_file_is_never_overwritten_even_resuming(tmp_path, m
     check_run_files(trainer(tmp_path), [str(tmp_path / "other.yaml")], resuming=True)
 
 
-def test_with_a_logger_or_on_other_ranks_nothing_is_checked(tmp_path):
+def test_with_a_logger_nothing_is_checked_and_without_one_every_rank_stops_alike(tmp_path):
     (tmp_path / "config.yaml").write_text("x: 1\n")
     check_run_files(trainer(tmp_path, loggers=[object()]), [str(tmp_path / "config.yaml")], resuming=False)
-    check_run_files(trainer(tmp_path, rank=1), [str(tmp_path / "config.yaml")], resuming=False)
+    for rank in (0, 1):  # a rank that went on alone would wait for the others forever
+        with pytest.raises(ConfigError, match="this run's --config"):
+            check_run_files(trainer(tmp_path, rank=rank), [str(tmp_path / "config.yaml")], resuming=False)
 
 
 def test_fit_refuses_before_loading_anything_and_the_config_file_is_kept(tiny_model, tiny_data, tmp_path,
