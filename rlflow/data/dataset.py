@@ -49,6 +49,12 @@ def _type_name(value: Any) -> str:
     return type(value).__name__
 
 
+#: The keywords a judger call gets besides the data's columns (:mod:`rlflow.judgers.context`): a column of one of
+#: these names would replace the completions (or the run's state) a judger reads.
+RESERVED_COLUMNS = frozenset({"prompts", "completions", "completion_ids", "trainer_state", "log_extra",
+                              "log_metric", "environments", "env_reward"})
+
+
 def check_row(row: Any, where: str) -> PromptRecord:
     """Validate one parsed row and turn it into a :class:`PromptRecord`; raise DataError naming the field."""
     if not isinstance(row, dict):
@@ -92,6 +98,10 @@ def check_row(row: Any, where: str) -> PromptRecord:
                 f"{where}: field '{key}' must be a {'string' if kind is str else 'JSON object'}, "
                 f"got {_type_name(row[key])}"
             )
+    reserved = sorted(RESERVED_COLUMNS & set(row))
+    if reserved:
+        raise DataError(f"{where}: column {reserved[0]!r} is a keyword judgers are called with (TRL's reward "
+                        f"function contract), not a data column: rename it")
     columns = {key: value for key, value in row.items() if key != "prompt"}
     reward_model = row.get("reward_model") or {}
     if "ground_truth" in reward_model and "ground_truth" not in columns:

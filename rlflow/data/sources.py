@@ -33,7 +33,31 @@ from rlflow.demo.builds import missing_hint
 
 COLUMNAR = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 TEXT = (".jsonl", ".json")
+DATA_SUFFIXES = ".jsonl, .json, .parquet, .arrow, .csv"
+#: Files a hub download or ``save_to_disk`` keeps beside the data, never rows.
+METADATA = frozenset({"dataset_infos.json", "dataset_info.json", "state.json", "dataset_dict.json"})
 SHARD = re.compile(r"^(?P<split>[A-Za-z0-9_]+)-\d{5}-of-\d{5}")
+#: File stems that name a split on their own (``train.jsonl``, ``test.parquet``: tools/convert_gsm8k.py's layout).
+SPLIT_STEMS = frozenset({"train", "test", "validation", "valid", "val", "dev", "eval"})
+
+
+def suffix_of(path: Path) -> str:
+    """The data format's suffix of ``path`` (case-insensitive: ``.JSONL`` is ``.jsonl``)."""
+    return path.suffix.lower()
+
+
+def is_data_file(path: Path) -> bool:
+    return suffix_of(path) in (*TEXT, *COLUMNAR)
+
+
+def split_of(path: Path) -> str | None:
+    """The split a data file belongs to by its name: a hub shard's (``train-00000-of-00002.parquet``) or a stem
+    that is a split's name (``test.jsonl``); None for any other name."""
+    match = SHARD.match(path.name)
+    if match:
+        return match["split"]
+    stem = path.name[: -len(path.suffix)] if path.suffix else path.name
+    return stem.lower() if stem.lower() in SPLIT_STEMS else None
 
 
 @dataclass
@@ -139,14 +163,18 @@ def resolve(path: str | Path | Location) -> tuple[str, list[Path]]:
         if split is not None:
             raise DataError(f"{location.text}: split= picks a split of a folder or a hub dataset; a glob names its "
                             f"files itself (e.g. {text.rsplit('/', 1)[0]}/{split}-*)")
-        files = [Path(p) for p in sorted(glob.glob(text, recursive=True)) if Path(p).is_file()]
+        matched = [Path(p) for p in sorted(glob.glob(text, recursive=True)) if Path(p).is_file()]
+        files = [f for f in matched if is_data_file(f) and f.name not in METADATA]  # a README beside them: skipped
         if not files:
-            raise DataError(f"{text}: no file matches this pattern")
+            raise DataError(f"{text}: no {'data ' if matched else ''}file matches this pattern"
+                            + (f" ({DATA_SUFFIXES}; it matches {matched[0].name})" if matched else ""))
         return "files", files
     if not p.exists():
         hint = f"; a hub dataset is written hf://{text}" if looks_like_hub_id(text) else missing_hint(text)
         raise DataError(f"{p}: data file not found{hint}")
     if p.is_file():
+        if not is_data_file(p):
+            raise DataError(f"{p}: not a data file ({DATA_SUFFIXES}, by its name)")
         if split is not None:
             raise DataError(f"{location.text}: split= picks a split of a saved DatasetDict, a folder of shards or "
                             f"a hub dataset; {p} is a file")
@@ -165,26 +193,26 @@ def _shards(p: Path, location: Location) -> list[Path]:
     """The data files under folder ``p``: those of ``location.split`` if given, else all of one split."""
     files = sorted(  # hidden entries skipped: huggingface-cli keeps its own metadata under .cache/
         f for f in p.rglob("*")
-        if f.is_file() and f.suffix in (*TEXT, *COLUMNAR)
+        if f.is_file() and is_data_file(f) and f.name not in METADATA
         and not any(part.startswith(".") for part in f.relative_to(p).parts)
     )
     if not files:
         present = ", ".join(sorted(f.name for f in p.iterdir())[:10]) or "nothing"
         raise DataError(
-            f"{p}: no data files (.jsonl, .json, .parquet, .arrow, .csv) in this directory; it holds {present}"
+            f"{p}: no data files ({DATA_SUFFIXES}) in this directory; it holds {present}"
         )
-    splits = sorted({m["split"] for f in files if (m := SHARD.match(f.name))})
+    splits = sorted({split for f in files if (split := split_of(f)) is not None})
     if location.split is not None:
-        files = [f for f in files if (m := SHARD.match(f.name)) and m["split"] == location.split]
+        files = [f for f in files if split_of(f) == location.split]
         if not files:
-            raise DataError(f"{location.text}: no shards of split {location.split!r} in {p} (named "
-                            f"{location.split}-00000-of-0000N.parquet); its shards are of "
+            raise DataError(f"{location.text}: no files of split {location.split!r} in {p} (named "
+                            f"{location.split}-00000-of-0000N.parquet or {location.split}.jsonl); its files are of "
                             f"{', '.join(splits) or 'no split'}")
         return files
     if len(splits) > 1:
         split = "train" if "train" in splits else splits[-1]
-        raise DataError(f"{p}: holds shards of several splits ({', '.join(splits)}); name one with a glob, e.g. "
-                        f"{p}/**/{split}-*{files[0].suffix}, or as {location.with_split(split)}")
+        raise DataError(f"{p}: holds files of several splits ({', '.join(splits)}); name one with a glob, e.g. "
+                        f"{p}/**/{split}*{files[0].suffix}, or as {location.with_split(split)}")
     return files
 
 
@@ -220,9 +248,10 @@ def _iter_columnar(path: Path, streaming: bool) -> Iterator[tuple[str, PromptRec
     from datasets import load_dataset
 
     try:
-        rows = load_dataset(COLUMNAR[path.suffix], data_files=[str(path)], split="train", streaming=streaming)
+        rows = load_dataset(COLUMNAR[suffix_of(path)], data_files=[str(path)], split="train", streaming=streaming)
     except Exception as exc:
-        raise DataError(f"{path}: cannot read it as {COLUMNAR[path.suffix]}: {type(exc).__name__}: {exc}") from exc
+        raise DataError(f"{path}: cannot read it as {COLUMNAR[suffix_of(path)]}: {type(exc).__name__}: {exc}") \
+            from exc
     yield from _iter_rows(rows, str(path))
 
 
@@ -253,9 +282,9 @@ def iter_records(
         yield from _iter_rows(rows, name)
         return
     for f in files:
-        if f.suffix == ".jsonl":
+        if suffix_of(f) == ".jsonl":
             yield from iter_jsonl(f)
-        elif f.suffix == ".json":
+        elif suffix_of(f) == ".json":
             yield from _iter_json_array(f)
         else:
             yield from _iter_columnar(f, streaming)

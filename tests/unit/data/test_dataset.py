@@ -62,6 +62,10 @@ def test_reads_trl_rows_with_string_prompts_and_extra_columns(tmp_path):
         ('{"prompt": "a", "reward_model": {"ground_truth": []}}', "got an empty list"),
         ('{"prompt": "a", "extra_info": [1]}', "field 'extra_info' must be a JSON object"),
         ('{"prompt": "a\tb"}', "invalid JSON at column 14: Invalid control character"),
+        # a column named like a judger keyword would replace the sampled completions (or the run's state)
+        ('{"prompt": "a", "completions": "SECRET"}', "column 'completions' is a keyword judgers are called with"),
+        ('{"prompt": "a", "trainer_state": 1, "prompts": "P"}', "column 'prompts' is a keyword"),
+        ('{"prompt": "a", "completion_ids": [1]}', "column 'completion_ids' is a keyword"),
     ],
 )
 def test_bad_rows_name_file_line_and_field(tmp_path, line, field):

@@ -139,7 +139,7 @@ def test_saved_dataset_dicts_and_shard_folders_take_a_split(tmp_path):
     assert rows_of(read_source(f"{shards}?split=test")) == STANDARD[3:]
     with pytest.raises(DataError, match=rf"several splits \(test, train\); name one .* or as {shards}\?split=train$"):
         read_source(str(shards))
-    with pytest.raises(DataError, match=r"no shards of split 'dev' .* its shards are of test, train"):
+    with pytest.raises(DataError, match=r"no files of split 'dev' .* its files are of test, train"):
         read_source(f"{shards}?split=dev")
 
 

@@ -180,3 +180,24 @@ def test_datamodule_mixes_sources_with_their_own_limits(tiny_model, tmp_path):
     assert isinstance(dm.sampler, MixBatchSampler)
     batch = next(iter(dm.train_dataloader()))
     assert sorted(r.data_source for r in batch) == ["long", "long", "long", "short"]
+
+
+def test_a_folder_of_split_named_files_is_refused_or_split_and_stray_files_are_named(tmp_path):
+    """tools/convert_gsm8k.py writes train.jsonl and test.jsonl side by side: never read together as one set."""
+    rows = example_rows(6)
+    folder = tmp_path / "gsm8k"
+    folder.mkdir()
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:4]))
+    (folder / "TEST.JSONL").write_text("".join(json.dumps(r) + "\n" for r in rows[4:]))
+    (folder / "dataset_infos.json").write_text('{"default": {}}')  # a hub download's metadata: not rows
+    with pytest.raises(DataError, match=r"several splits \(test, train\); name one with a glob, e.g. .*/\*\*/train\*"):
+        read_source(str(folder))
+    assert len(read_source(f"{folder}?split=train")) == 4
+    assert len(read_source(f"{folder}?split=test")) == 2  # an upper-case suffix is a .jsonl file too
+    (tmp_path / "notes.md").write_text("# notes\n")
+    with pytest.raises(DataError, match=r"notes.md: not a data file \(.jsonl, .json, .parquet, .arrow, .csv"):
+        read_source(str(tmp_path / "notes.md"))
+    (folder / "README.md").write_text("# card\n")
+    assert len(read_source(str(folder / "train*"))) == 4  # a glob skips what is not data
+    with pytest.raises(DataError, match=r"no data file matches this pattern .*it matches README.md"):
+        read_source(str(folder / "README*"))
