@@ -90,7 +90,13 @@ class CheckReport:
 
     @property
     def ok(self) -> bool:
-        return all(s.ok for s in self.sources)
+        return all(s.ok for s in self.sources) and not self.too_few
+
+    @property
+    def too_few(self) -> bool:
+        """Fewer usable train prompts than one rollout step takes (``fit`` refuses that)."""
+        kept = sum(s.kept for s in self.sources if s.split == "train")
+        return self.batch_size > 0 and kept < self.batch_size
 
 
 def probe_judgers(report: SourceReport, runner: Any, probes: dict[str, list[PromptRecord]]) -> None:
@@ -249,6 +255,9 @@ def format_report(report: CheckReport) -> str:
     if not report.tokenized:
         lines.append("(no tokenizer: prompt lengths not measured; pass --tokenizer or use --config)")
     kept = {split: sum(s.kept for s in report.sources if s.split == split) for split in ("train", "eval")}
+    if report.too_few:
+        lines.append(f"{kept['train']} usable train prompts, fewer than data.global_batch_size={report.batch_size} "
+                     "(one rollout step's prompts): rlflow fit refuses to start")
     verdict = "OK" if report.ok else "FAILED"
     errors = sum(s.error_count for s in report.sources)
     lines.append(

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Sampler
 
+from rlflow.config_error import ConfigError
+
 
 class PromptBatchSampler(Sampler[list[int]]):
     """Yields lists of prompt indices, one list per rollout step."""
@@ -32,9 +34,8 @@ class PromptBatchSampler(Sampler[list[int]]):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if num_prompts < batch_size:
-            raise ValueError(
-                f"the dataset has {num_prompts} usable prompts, fewer than data.global_batch_size={batch_size}"
-            )
+            raise ConfigError(f"the dataset has {num_prompts} usable prompts, fewer than data.global_batch_size="
+                              f"{batch_size} (one rollout step's prompts); lower it or add rows")
         self.num_prompts = num_prompts
         self.batch_size = batch_size
         self.seed = seed

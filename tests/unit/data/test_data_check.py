@@ -151,3 +151,22 @@ class NeedsSolution(Judger):
 
     def __call__(self, completions, **kwargs):
         return [0.0] * len(completions)
+
+
+def test_fewer_usable_rows_than_a_step_fails_the_check_as_it_stops_fit(tiny_model, tiny_data, tmp_path, capsys):
+    few = write_jsonl(tmp_path / "few.jsonl", [row("1+1?"), row("2+2?"), row("3+3?")])
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model:\n  model_path: {tiny_model}\ndata:\n  global_batch_size: 4\n"
+                      f"  train_data_path: {few}\n")
+    assert main(["data", "check", "--config", str(config)]) == 1
+    out = capsys.readouterr().out
+    assert "3 usable train prompts, fewer than data.global_batch_size=4 (one rollout step's prompts)" in out
+    assert main(["data", "check", "--config", str(config), "--data.global_batch_size=3"]) == 0
+    capsys.readouterr()
+    from rlflow.cli import main as fit_main
+
+    code = fit_main(["fit", "--config", str(config), "--trainer.max_steps=1", "--trainer.accelerator=cpu",
+                     f"--trainer.default_root_dir={tmp_path / 'run'}", "--trainer.logger=false"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert "rlflow: error: the dataset has 3 usable prompts, fewer than data.global_batch_size=4" in err
