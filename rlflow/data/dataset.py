@@ -15,6 +15,7 @@ than jsonl (parquet, ``datasets`` saves, shard directories) lives in :mod:`rlflo
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -107,10 +108,13 @@ def check_row(row: Any, where: str) -> PromptRecord:
     if "ground_truth" in reward_model and "ground_truth" not in columns:
         truth = reward_model["ground_truth"]
         items = truth if isinstance(truth, list) else [truth]
-        bad = [t for t in items if not isinstance(t, (str, int, float)) or isinstance(t, bool)]
+        bad = [t for t in items if not isinstance(t, (str, int, float)) or isinstance(t, bool)
+               or (isinstance(t, float) and not math.isfinite(t))]
         if not items or bad:
             got = _type_name(truth) if not isinstance(truth, list) else (
                 f"a list holding {_type_name(bad[0])}" if bad else "an empty list")
+            if bad and isinstance(bad[0], float):
+                got = f"{bad[0]} (not a number a completion can state)"
             raise DataError(
                 f"{where}: field 'reward_model.ground_truth' must be a string, a number or a list of them "
                 f"(acceptable answers), got {got}"

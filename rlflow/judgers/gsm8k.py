@@ -51,4 +51,12 @@ class GSM8KJudger(Judger):
         if answer is None:
             return self.missing_score
         truths = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
-        return self.correct_score if answer in {str(t).strip() for t in truths} else self.format_score
+        return self.correct_score if answer in {truth_text(t) for t in truths} else self.format_score
+
+
+def truth_text(truth: Any) -> str:
+    """A ground truth as the answer it must equal: written as :func:`extract_answer` writes answers (no thousands
+    commas or ``$``), a whole float as an integer (``72.0`` from a pandas column is ``72``)."""
+    if isinstance(truth, float) and truth.is_integer():
+        return str(int(truth))
+    return str(truth).strip().replace(",", "").replace("$", "")

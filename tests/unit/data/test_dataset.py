@@ -60,6 +60,7 @@ def test_reads_trl_rows_with_string_prompts_and_extra_columns(tmp_path):
          "field 'reward_model.ground_truth' must be a string, a number or a list of them (acceptable answers), "
          "got a list holding"),
         ('{"prompt": "a", "reward_model": {"ground_truth": []}}', "got an empty list"),
+        ('{"prompt": "a", "reward_model": {"ground_truth": NaN}}', "got nan (not a number a completion can state)"),
         ('{"prompt": "a", "extra_info": [1]}', "field 'extra_info' must be a JSON object"),
         ('{"prompt": "a\tb"}', "invalid JSON at column 14: Invalid control character"),
         # a column named like a judger keyword would replace the sampled completions (or the run's state)

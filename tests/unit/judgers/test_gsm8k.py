@@ -43,6 +43,12 @@ def test_only_last_300_characters_are_searched():
         ("#### 10 then #### 72", "72", 1.0),
         ("#### 72 then #### 10", "72", 0.0),
         ("no answer", "72", 0.0),
+        # ground truths written the ways data tools write them: the number the completion states
+        ("#### 72", 72.0, 1.0),  # a pandas integer column with a missing value is float
+        ("#### 72", 72, 1.0),
+        ("#### 1,000", "1,000", 1.0),
+        ("#### 72", 72.5, 0.0),
+        ("#### 72", " 72 ", 1.0),
     ],
 )
 def test_scores(completion, truth, reward):
