@@ -74,6 +74,12 @@ def _keep_records(batch: list[PromptRecord]) -> list[PromptRecord]:
 
 
 
+#: A value of a data source mapping (``{path, weight, system_prompt, prompt_template, judgers, ...}``). Typed, not
+#: ``Any``: the config parser reads an ``Any`` string as YAML, which turned ``prompt_template: 'Question: {prompt}'``
+#: into a mapping.
+SourceValue = str | int | float | bool | dict | list | None
+
+
 def multiturn_parts(multiturn: MultiTurnSettings, chat_template_kwargs: dict[str, Any] | None
                     ) -> tuple[list[Any], dict[str, Any]]:
     """``data.multiturn``'s tools (loaded) and the arguments of its :class:`MultiTurn` (built with the tokenizer).
@@ -112,8 +118,8 @@ class RolloutDataModule(L.LightningDataModule):
 
     def __init__(  # size: 50 of its lines are the documented settings (signature and docstring)
         self,
-        train_data_path: str | dict[str, Any] | list[str | dict[str, Any]],
-        eval_data_path: str | dict[str, Any] | list[str | dict[str, Any]] | None = None,
+        train_data_path: str | dict[str, SourceValue] | list[str | dict[str, SourceValue]],
+        eval_data_path: str | dict[str, SourceValue] | list[str | dict[str, SourceValue]] | None = None,
         tokenizer_path: str | None = None,
         prompt_repeat_k: int = 8,
         global_batch_size: int = 16,

@@ -123,13 +123,20 @@ def parse_sources(spec: Any, what: str = "data.train_data_path") -> list[DataSou
             if unknown or "path" not in item:
                 problem = f"unknown key(s) {', '.join(unknown)}" if unknown else "no 'path'"
                 raise ValueError(f"{where}: {problem}; a source takes {', '.join(allowed)}")
-            source = DataSource(**{**item, "path": str(item["path"])})
+            for key in ("path", "name", "system_prompt", "prompt_template"):
+                if key in item and item[key] is not None and not isinstance(item[key], str):
+                    raise ValueError(f"{where}.{key} must be a string, got {type(item[key]).__name__} {item[key]!r}")
+            if item["path"] is None:
+                raise ValueError(f"{where}.path is empty")
+            source = DataSource(**item)
         else:
             raise ValueError(f"{where}: a source is a path or a mapping with 'path', got {type(item).__name__}")
-        if not isinstance(source.weight, (int, float)) or not math.isfinite(source.weight) or source.weight <= 0:
+        weight = source.weight
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
             raise ValueError(f"{where}.weight must be a positive number, got {source.weight!r}")
-        if source.max_prompt_length is not None and source.max_prompt_length < 1:
-            raise ValueError(f"{where}.max_prompt_length must be >= 1, got {source.max_prompt_length}")
+        limit = source.max_prompt_length
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"{where}.max_prompt_length must be a whole number >= 1, got {limit!r}")
         if source.prompt_template is not None:
             try:
                 PromptFormat(prompt_template=source.prompt_template)
@@ -147,6 +154,10 @@ def parse_sources(spec: Any, what: str = "data.train_data_path") -> list[DataSou
         if names.count(name) > 1:
             for j, s in enumerate(x for x in sources if x.name == name):
                 s.name = f"{name}.{j}"
+    taken = [s.name for s in sources]
+    clash = next((n for n in taken if taken.count(n) > 1), None)
+    if clash is not None:  # a numbered name that a source was given: the sources' shares would mix
+        raise ValueError(f"{what}: two sources are named {clash!r}; give them names of their own (name: ...)")
     return sources
 
 

@@ -201,3 +201,36 @@ def test_a_folder_of_split_named_files_is_refused_or_split_and_stray_files_are_n
     assert len(read_source(str(folder / "train*"))) == 4  # a glob skips what is not data
     with pytest.raises(DataError, match=r"no data file matches this pattern .*it matches README.md"):
         read_source(str(folder / "README*"))
+
+
+@pytest.mark.parametrize("item, message", [
+    ({"path": "a.jsonl", "system_prompt": 5}, r"data.train_data_path\[0\].system_prompt must be a string, got int 5"),
+    ({"path": "a.jsonl", "weight": True}, r"weight must be a positive number, got True"),
+    ({"path": "a.jsonl", "max_prompt_length": 2.5}, r"max_prompt_length must be a whole number >= 1, got 2.5"),
+    ({"path": None}, r"data.train_data_path\[0\].path is empty"),
+])
+def test_a_source_mappings_values_are_checked_by_type(item, message):
+    with pytest.raises(ValueError, match=message):
+        parse_sources([item])
+
+
+def test_a_given_name_that_numbering_also_makes_is_refused():
+    with pytest.raises(ValueError, match="two sources are named 'few.0'"):
+        parse_sources([{"path": "x/base.jsonl", "name": "few.0"}, "c/few.jsonl", "c2/few.jsonl"])
+
+
+def test_strings_with_colons_in_a_config_source_stay_strings(tiny_model, tmp_path, capsys):
+    """The config parser read values of a source mapping as YAML: 'Question: {prompt}' became a mapping."""
+    from rlflow.entry import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in example_rows(4)))
+    config = tmp_path / "c.yaml"
+    config.write_text(f"model:\n  model_path: {tiny_model}\ndata:\n  global_batch_size: 2\n  train_data_path:\n"
+                      f"    - {{path: {data}, prompt_template: 'Question: {{prompt}}', system_prompt: 'Note: brief'}}\n")
+    assert main(["data", "check", "--config", str(config)]) == 0, capsys.readouterr()
+    from rlflow.cli import cli_main
+
+    cli = cli_main(["--config", str(config), "--trainer.logger=false"], run=False)
+    source = cli.datamodule.train_prompts.sources[0]
+    assert (source.prompt_template, source.system_prompt) == ("Question: {prompt}", "Note: brief")
