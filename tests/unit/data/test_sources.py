@@ -227,7 +227,8 @@ def test_strings_with_colons_in_a_config_source_stay_strings(tiny_model, tmp_pat
     data.write_text("".join(json.dumps(r) + "\n" for r in example_rows(4)))
     config = tmp_path / "c.yaml"
     config.write_text(f"model:\n  model_path: {tiny_model}\ndata:\n  global_batch_size: 2\n  train_data_path:\n"
-                      f"    - {{path: {data}, prompt_template: 'Question: {{prompt}}', system_prompt: 'Note: brief'}}\n")
+                      f"    - {{path: {data}, prompt_template: 'Question: {{prompt}}',\n"
+                      "       system_prompt: 'Note: brief'}\n")
     assert main(["data", "check", "--config", str(config)]) == 0, capsys.readouterr()
     from rlflow.cli import cli_main
 
