@@ -123,6 +123,22 @@ def check_row(row: Any, where: str) -> PromptRecord:
     return PromptRecord(prompt=prompt, columns=columns, source=where)
 
 
+BOM = "\ufeff"  # a byte-order mark some editors write first
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    repeated = next((key for key in keys if keys.count(key) > 1), None)
+    if repeated is not None:  # json keeps the last silently: a row would train on half of what it says
+        raise DataError(f"key {repeated!r} appears twice in one object")
+    return dict(pairs)
+
+
+def load_json(text: str) -> Any:
+    """``json.loads`` that refuses an object with a key twice (a DataError without the place: the caller adds it)."""
+    return json.loads(text, object_pairs_hook=_unique_keys)
+
+
 def json_error(exc: json.JSONDecodeError) -> str:
     """``invalid JSON at column N: <reason>`` (json's "Invalid control character at" ends where its position goes);
     ``invalid JSON at the end of the line`` (of the file, for a document of several lines) where the text stops
@@ -152,13 +168,21 @@ def iter_jsonl(path: str | Path) -> Iterator[tuple[str, PromptRecord | DataError
                 continue
             where = f"{path}:{lineno}"
             try:
-                yield where, check_row(json.loads(raw.decode("utf-8")), where)
+                text = raw.decode("utf-8")
+                row = load_json(text[1:] if lineno == 1 and text.startswith(BOM) else text)
             except json.JSONDecodeError as exc:
                 yield where, DataError(f"{where}: {json_error(exc)}")
+                continue
             except DataError as exc:
-                yield where, exc
+                yield where, DataError(f"{where}: {exc}")
+                continue
             except UnicodeDecodeError as exc:
                 yield where, DataError(f"{where}: not UTF-8 text: {exc}")
+                continue
+            try:
+                yield where, check_row(row, where)
+            except DataError as exc:
+                yield where, exc
 
 
 def collect(path: str | Path, items: Iterable[tuple[str, PromptRecord | DataError]]) -> list[PromptRecord]:

@@ -27,7 +27,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from rlflow.data.dataset import DataError, PromptFormat, PromptRecord, check_row, collect, iter_jsonl, json_error
+from rlflow.data.dataset import (
+    BOM,
+    DataError,
+    PromptFormat,
+    PromptRecord,
+    check_row,
+    collect,
+    iter_jsonl,
+    json_error,
+    load_json,
+)
 from rlflow.data.locations import Location, load_hub, looks_like_hub_id, parse_location, saved_dict_split
 from rlflow.demo.builds import missing_hint
 
@@ -228,14 +238,20 @@ def _shards(p: Path, location: Location) -> list[Path]:
 
 
 def _iter_json_array(path: Path) -> Iterator[tuple[str, PromptRecord | DataError]]:
-    text = path.read_bytes()
-    if not text.lstrip().startswith(b"["):
+    text = path.read_bytes().removeprefix(BOM.encode())
+    first = text.lstrip()[:1]
+    if first == b"{" and b"\n" in text.strip() and not text.lstrip().splitlines()[0].rstrip().endswith(b"}"):
+        raise DataError(f"{path}: holds one JSON object over several lines; rlflow reads a JSON array of rows "
+                        "([{...}, {...}]) or JSON lines (one object per line)")
+    if first != b"[":
         yield from iter_jsonl(path)  # JSON lines under a .json name
         return
     try:
-        rows = json.loads(text.decode("utf-8"))
+        rows = load_json(text.decode("utf-8"))
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}:{exc.lineno}: {json_error(exc)}") from exc
+    except DataError as exc:
+        raise DataError(f"{path}: {exc}") from exc
     except UnicodeDecodeError as exc:
         raise DataError(f"{path}: not UTF-8 text: {exc}") from exc
     yield from _iter_rows(rows, str(path))

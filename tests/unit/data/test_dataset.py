@@ -128,3 +128,24 @@ def test_all_prompts_too_long_is_an_error(tiny_model, tmp_path):
     dm = RolloutDataModule(train_data_path=str(path), tokenizer_path=str(tiny_model), max_prompt_length=10)
     with pytest.raises(DataError, match="max_prompt_length=10"):
         dm.setup("fit")
+
+
+def test_a_byte_order_mark_duplicate_keys_and_a_pretty_printed_object(tmp_path):
+    from rlflow.data.sources import read_source
+
+    good = '{"prompt": "What is 1+1?", "reward_model": {"ground_truth": "2"}}'
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes("\ufeff".encode() + (good + "\n" + good + "\n").encode())
+    assert len(read_jsonl(bom)) == 2  # an editor's byte-order mark is not part of the first row
+    array = tmp_path / "rows.json"
+    array.write_bytes("\ufeff".encode() + f"[\n  {good},\n  {good}\n]\n".encode())
+    assert len(read_source(str(array))) == 2
+    twice = tmp_path / "twice.jsonl"
+    twice.write_text(good + '\n{"prompt": "first", "prompt": "second"}\n')
+    with pytest.raises(DataError, match=rf"{twice}:2: key 'prompt' appears twice in one object"):
+        read_jsonl(twice)
+    pretty = tmp_path / "one.json"
+    pretty.write_text(json.dumps(json.loads(good), indent=2))
+    with pytest.raises(DataError, match=r"one.json: holds one JSON object over several lines; rlflow reads a JSON "
+                                        r"array of rows"):
+        read_source(str(pretty))
