@@ -83,12 +83,16 @@ def check_row(row: Any, where: str) -> PromptRecord:
                 raise DataError(f"{where}: field 'prompt[{j}].role' must be one of {', '.join(ROLES)}, got {role!r}")
             if not isinstance(content, str):
                 raise DataError(f"{where}: field 'prompt[{j}].content' must be a string, got {_type_name(content)}")
-        if prompt[-1].get("role") == "assistant":
+        if prompt[-1].get("role") in ("assistant", "system"):
+            last = prompt[-1]["role"]
             raise DataError(
-                f"{where}: field 'prompt[{len(prompt) - 1}].role' is 'assistant': "
-                "a prompt must end with a user (or tool) "
-                "message for the policy to answer; drop the trailing assistant turn"
+                f"{where}: field 'prompt[{len(prompt) - 1}].role' is {last!r}: "
+                "a prompt must end with a user (or tool) message for the policy to answer"
+                + ("; drop the trailing assistant turn" if last == "assistant" else "")
             )
+        pictured = any(row.get(name) not in (None, [], ()) for name in ("images", "image"))  # an image may ask
+        if not pictured and not any(m["role"] in ("user", "tool") and m["content"].strip() for m in prompt):
+            raise DataError(f"{where}: field 'prompt' has no user message with text")
     else:
         raise DataError(
             f"{where}: field 'prompt' must be a string or a list of chat messages, got {_type_name(prompt)}"

@@ -67,6 +67,8 @@ def test_reads_trl_rows_with_string_prompts_and_extra_columns(tmp_path):
         ('{"prompt": "a", "completions": "SECRET"}', "column 'completions' is a keyword judgers are called with"),
         ('{"prompt": "a", "trainer_state": 1, "prompts": "P"}', "column 'prompts' is a keyword"),
         ('{"prompt": "a", "completion_ids": [1]}', "column 'completion_ids' is a keyword"),
+        ('{"prompt": [{"role": "system", "content": "be brief"}]}', "field 'prompt[0].role' is 'system': a prompt"),
+        ('{"prompt": [{"role": "user", "content": " "}]}', "field 'prompt' has no user message with text"),
     ],
 )
 def test_bad_rows_name_file_line_and_field(tmp_path, line, field):
