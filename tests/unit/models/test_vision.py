@@ -375,7 +375,7 @@ def test_the_shipped_vlm_config_checks_with_a_tiny_vlm(vlm_dir, squares, capsys)
 
     code = main(["check", "--config", str(ROOT / "configs" / "grpo_vlm_qwen2_5_vl_3b.yaml"),
                  f"--model.model_path={vlm_dir}", f"--data.train_data_path={squares}",
-                 f"--data.eval_data_path={squares}"])
+                 f"--data.eval_data_path={squares}", "--data.global_batch_size=4"])  # 4 rows: one step's worth
     out = capsys.readouterr().out
     assert code == 0, out
     assert "judgers: * -> math" in out and "max_prompt_length 1536" in out
