@@ -104,6 +104,40 @@ def emulated_bf16(precision: str, device: torch.device, policy_dtype: torch.dtyp
     return None
 
 
+def warn_plain_checkpoints(callbacks: list[Any]) -> None:
+    """Lightning's own ``ModelCheckpoint`` (a ``lightning.Trainer``'s default) saves at epoch ends, between rollout
+    steps' bookkeeping: a run resumed from it does not continue the same prompt order. ``rlflow fit`` puts
+    :class:`~rlflow.training.checkpointing.RLFlowCheckpoint` in its place; a script is told to."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from rlflow.training.checkpointing import RLFlowCheckpoint
+
+    if any(type(c) is ModelCheckpoint for c in callbacks) and not any(isinstance(c, RLFlowCheckpoint)
+                                                                        for c in callbacks):
+        warn("the trainer checkpoints with Lightning's ModelCheckpoint, whose checkpoints do not resume a GRPO run "
+             "exactly (the prompt order restarts); pass callbacks=[rlflow.training.checkpointing.RLFlowCheckpoint()]"
+             " (or enable_checkpointing=False)")
+
+
+def plain_plugin(plugin: Any) -> Any:
+    """A plugin argument as checkpoints hold it: a name or mapping as given, an object (the Python API's
+    ``loss=BNPOLoss(...)``) as ``{class_path, init_args}`` of its constructor arguments it keeps as attributes of
+    the same name. A checkpoint then holds plain values only, which ``torch.load(weights_only=True)`` reads."""
+    if plugin is None or isinstance(plugin, (str, dict)):
+        return plugin
+    cls = type(plugin)
+    try:
+        names = list(registry.init_defaults(cls)[0])  # **kwargs followed up the classes, as jsonargparse does
+    except (TypeError, ValueError):
+        names = []
+    kept = {n: getattr(plugin, n, plain_plugin) for n in names}  # the function itself: "no such attribute"
+    init_args = {n: value for n, value in kept.items() if isinstance(value, PLAIN)}
+    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args}
+
+
+PLAIN = (str, int, float, bool, type(None))
+
+
 def build_loss(loss: Any) -> Any:
     """The loss object of ``model.loss``: a short name, an import path, a ``class_path``/``init_args`` mapping, or
     an object (what jsonargparse instantiates), which is returned as it is. Its hyper-parameters are its own."""
@@ -427,7 +461,10 @@ class GRPOModule(L.LightningModule):
         if self.lora is not None:
             self.lora.peft_config()  # PEFT installed and the options valid: fail now, not after loading the model
         self.save_hyperparameters()
-        self.hparams.update(self.settings.hparams())  # plain data in checkpoints
+        plain = {**self.settings.hparams(), "loss": plain_plugin(self.hparams.get("loss", loss))}  # plain data in
+        # checkpoints and logs (rlflow fit's hparams hold the loss as its config mapping already)
+        self.hparams.update(plain)
+        self._hparams_initial.update(plain)
         self.automatic_optimization = False
         check_model_path(model_path, "model.model_path")  # before anything slow: a wrong path fails in a second
         if self.settings.reference.path is not None:
@@ -451,6 +488,7 @@ class GRPOModule(L.LightningModule):
         self.router_aux = 0.0  # the MoE load-balancing loss's weight, set when the policy is loaded
         self.correction_in_forward = False  # pipelined, one update per rollout step: IS weights from its forward
         self.updater = PolicyUpdate()
+        self.loaded_step: int | None = None  # the global step of the checkpoint whose weights were loaded
         self.warned_names: set[str] = set()  # judgers' metric names a training metric replaces, warned about
 
     # --------------------------------------------------------------------------------------------- models
@@ -506,6 +544,7 @@ class GRPOModule(L.LightningModule):
         if slow:
             warn(slow)
         self.experience.bind(self.policy, self.current_policy_version)
+        warn_plain_checkpoints(self.trainer.callbacks)
         self.check_pipelining(self.experience.max_staleness)
         update = self.settings.update
         if update.skip_zero_advantage:
@@ -688,7 +727,7 @@ class GRPOModule(L.LightningModule):
         """Generate and judge the batch's eval samples, add them to the eval metrics, and return their rows
         (``{"samples": [...]}``, which :class:`rlflow.training.callbacks.TrajectoryWriter` and ``SampleTable`` read)."""
         with full_weights(self.policy if self.experience.reads_policy_weights else None):
-            out = self.experience.evaluate(batch, step=self.global_step, batch_idx=batch_idx)
+            out = self.experience.evaluate(batch, step=self.trained_steps, batch_idx=batch_idx)
         self.eval_metrics.update(out["data_sources"], out["correct"], out["rewards"], out["lengths"], out.get("failed"),
                                  out.get("answers"))
         return {"samples": out.get("samples", [])}
@@ -720,7 +759,16 @@ class GRPOModule(L.LightningModule):
         self.resume.save(self, checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        self.loaded_step = int(checkpoint.get("global_step", 0))
         self.resume.load(self, checkpoint)
+
+    @property
+    def trained_steps(self) -> int:
+        """Rollout steps the policy has been trained: the trainer's count, or where ``rlflow validate --ckpt_path``
+        loaded only the weights (the trainer counts from 0), the checkpoint's. Evaluation seeds its sampling
+        with it, so the same weights get the same score in ``fit`` and in ``validate``."""
+        fitting = self._trainer is not None and self.trainer.state.fn == "fit"
+        return self.global_step if fitting or self.loaded_step is None else self.loaded_step
 
     def on_train_start(self) -> None:
         self.resume.on_train_start(self)

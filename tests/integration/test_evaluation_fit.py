@@ -190,3 +190,19 @@ def test_eval_trajectories_hold_every_eval_sample_and_agree_with_the_metrics(tin
         assert float(logged["eval/accuracy"]) == pytest.approx(sum(r["correct"] for r in mine) / len(mine))
     assert all(r["reward"] == float(any(ch.isdigit() for ch in r["completion"])) for r in rows)
     assert 0 < sum(r["reward"] for r in rows) < len(rows)  # both kinds of sample, so a mix-up would show
+
+
+def test_validate_from_a_checkpoint_scores_the_weights_as_the_fit_did(tiny_model, tiny_data, tmp_path):
+    """Sampled evaluation is seeded by the rollout steps trained: ``rlflow validate --ckpt_path`` loads only the
+    weights, and counted from 0 (another sample, another score, ``trained_steps`` 0 in the rows)."""
+    eval_args = [f"--data.eval_data_path={tiny_data / 'val.jsonl'}", "--data.eval.temperature=1.0",
+                 "--data.eval.k=2", "--data.eval.batch_size=8"]
+    fitted = cli_main(fit_args(tiny_model, tiny_data, tmp_path, "--evaluate_every_n_steps=2", "--model.export_hf=false",
+                               *eval_args, steps=2))
+    in_fit = float(fitted.trainer.callback_metrics["eval/accuracy"])
+    log_dir = Path(fitted.trainer.log_dir)
+    args = [a for a in fit_args(tiny_model, tiny_data, tmp_path / "validate", *eval_args)
+            if not a.startswith("--trainer.max_steps")]
+    validated = cli_main(["validate", *args[1:], f"--ckpt_path={log_dir / 'checkpoints' / 'last.ckpt'}"])
+    assert float(validated.trainer.callback_metrics["eval/accuracy"]) == in_fit
+    assert validated.model.trained_steps == 2

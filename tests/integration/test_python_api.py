@@ -34,3 +34,16 @@ def test_readme_python_api_trains(tiny_model, tiny_data, tmp_path, monkeypatch):
     assert all(0.0 <= float(r["reward"]) <= 1.0 for r in rows)
     trajectories = list(Path("runs/python_api").rglob("trajectories.jsonl"))
     assert trajectories and len(trajectories[0].read_text().splitlines()) == 3 * 16 * 8
+    # the checkpoint holds plain values only (the loss object as its class path and arguments), so torch's safe
+    # loader reads it, and a new module resumes from it
+    import torch
+
+    (last,) = Path("runs/python_api").rglob("last.ckpt")
+    state = torch.load(last, weights_only=True, map_location="cpu")
+    assert state["hyper_parameters"]["loss"] == {
+        "class_path": "rlflow.losses.clipped.BNPOLoss",
+        "init_args": {**state["hyper_parameters"]["loss"]["init_args"], "epsilon_high": 0.28}}
+    exec(compile(code.replace("max_steps=3", "max_steps=4").replace("trainer.fit(model, datamodule=data)",
+                              f"trainer.fit(model, datamodule=data, ckpt_path={str(last)!r})"), "README.md", "exec"),
+         scope)
+    assert scope["trainer"].global_step == 4
