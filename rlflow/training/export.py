@@ -198,7 +198,7 @@ def export_checkpoint(
 
     checkpoint = read_checkpoint(ckpt_path)
     hparams = grouped_hparams(checkpoint.get("hyper_parameters") or {})
-    model_path = model_path or hparams.get("model_path")
+    model_path = model_path or run_model_path(hparams.get("model_path"), ckpt_path)
     if not model_path:
         raise ConfigError(f"{ckpt_path}: the checkpoint's hyper-parameters name no model.model_path; pass "
                           "--model_path")
@@ -211,6 +211,25 @@ def export_checkpoint(
     models.policy.eval()
     export = PolicyExport(models.policy, text_processor(model_path), model_path, settings, models.peft)
     return export.write(Path(out), lora)
+
+
+def run_model_path(model_path: str | None, ckpt_path: str | Path) -> str | None:
+    """The run's ``model.model_path`` as this process can load it. A path relative to where the run was started
+    (``checkpoints/tiny-qwen3``) is looked for from here, then from each folder above the checkpoint (a run's
+    checkpoints lie under ``<where it started>/runs/...``); a local model is returned absolute, so that an
+    exported adapter names a base model that loads from anywhere on this machine. A hub id is returned as it is."""
+    if not model_path or Path(model_path).is_absolute():
+        return model_path
+    candidates = [Path(model_path), *(parent / model_path for parent in Path(ckpt_path).resolve().parents)]
+    found = next((c for c in candidates if (c / "config.json").is_file()), None)
+    if found is not None:
+        return str(found.resolve())
+    from rlflow.models.model_path import looks_local
+
+    if looks_local(model_path):
+        raise ConfigError(f"{ckpt_path}: its run's model.model_path {model_path!r} (relative to where the run "
+                          "started) is neither here nor above the checkpoint; pass --model_path")
+    return model_path  # owner/name: a hub id
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@ a traceback, never torch's advice to load it with ``weights_only=False``."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rlflow.training.export import main
@@ -53,3 +54,26 @@ def test_a_whole_file_without_a_state_dict_or_with_objects_is_refused(tmp_path, 
     assert lines[0].startswith(f"rlflow: error: --ckpt_path {path}: the checkpoint holds more than tensors and "
                                f"plain values (Unsupported global: GLOBAL {__name__}.Note was not an allowed global "
                                "by default.); rlflow reads checkpoints with torch.load(weights_only=True) only")
+
+
+def test_a_runs_relative_model_path_is_found_from_anywhere(tmp_path, monkeypatch):
+    """``rlflow export`` run from another folder than the run: the model named relative to where the run started
+    is found above the checkpoint, and returned absolute (an exported adapter's base model loads from anywhere)."""
+    from rlflow.config_error import ConfigError
+    from rlflow.training.export import run_model_path
+
+    start = tmp_path / "project"
+    (start / "checkpoints" / "model").mkdir(parents=True)
+    (start / "checkpoints" / "model" / "config.json").write_text("{}")
+    ckpt = start / "runs" / "demo" / "version_0" / "checkpoints" / "last.ckpt"
+    ckpt.parent.mkdir(parents=True)
+    ckpt.write_bytes(b"")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert run_model_path("checkpoints/model", ckpt) == str(start / "checkpoints" / "model")
+    assert run_model_path("Qwen/Qwen3-8B", ckpt) == "Qwen/Qwen3-8B"  # a hub id stays one
+    assert run_model_path("/abs/model", ckpt) == "/abs/model"
+    with pytest.raises(ConfigError, match=r"'./models/m' \(relative to where the run started\) is neither here "
+                                          r"nor above the checkpoint; pass --model_path"):
+        run_model_path("./models/m", ckpt)
