@@ -81,6 +81,9 @@ class PolicyExport:
     def write_adapter(self, out: Path, state_dict: dict[str, Any] | None = None, quiet: bool = False) -> Path:
         from rlflow.models.lora import export_adapter
 
+        base = str(Path(self.model_path).resolve()) if Path(self.model_path).is_dir() else self.model_path
+        for config in self.peft.peft_config.values():  # a relative path would load only from the run's folder
+            config.base_model_name_or_path = base
         export_adapter(self.peft, out, state_dict)
         self.processor.save_pretrained(out)
         if not quiet:

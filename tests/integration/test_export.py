@@ -4,6 +4,7 @@ the end-of-fit export (``model.export_hf``)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -123,5 +124,8 @@ def test_lora_export_of_a_checkpoint_matches_the_end_of_fit_export(tiny_model, t
     # one of the two alone, straight into --out
     assert main(["export", "--ckpt_path", str(last_ckpt(cli)), "--out", str(tmp_path / "a"), "--lora", "adapter"]) == 0
     assert (tmp_path / "a" / "adapter_config.json").exists() and not (tmp_path / "a" / "hf").exists()
+    for adapter in (tmp_path / "a", log_dir / "hf_adapter"):  # loads from anywhere: the base model's full path
+        config = json.loads((adapter / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == str(Path(tiny_model).resolve())
     assert main(["export", "--ckpt_path", str(last_ckpt(cli)), "--out", str(tmp_path / "m"), "--lora", "merged"]) == 0
     assert torch.allclose(AutoModelForCausalLM.from_pretrained(tmp_path / "m")(IDS).logits, live, atol=1e-4)
