@@ -292,7 +292,10 @@ class RLFlowCLI(LightningCLI):
             super().parse_arguments(parser, expand_logger_aliases(list(args)) if isinstance(args, list) else args)
         except ArgumentError as exc:
             named = argv if isinstance(argv, list) else []
-            raise ConfigError(parse_error_line(str(exc), named, parser_keys(parser))) from None
+            line = parse_error_line(str(exc), named, parser_keys(parser))
+            if line.endswith("model.model_path: expected str, got None"):  # no config given (rlflow validate --ckpt)
+                line += "; pass the run's --config (its config.yaml) or --model.model_path"
+            raise ConfigError(line) from None
 
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config

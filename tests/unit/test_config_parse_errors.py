@@ -157,3 +157,10 @@ def test_a_judger_mapping_on_the_command_line_names_the_refused_judger(capsys):
         code, lines = run(capsys, "--data.judging.judgers", value, "--trainer.max_steps=1")
         assert code == 1
         assert lines == [f"rlflow: error: {expected}"]
+
+
+def test_validate_without_a_config_says_what_it_needs(capsys):
+    assert main(["validate", "--ckpt_path", "runs/demo/version_0/checkpoints/last.ckpt"]) == 1
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlflow: error:")]
+    assert lines == ["rlflow: error: model.model_path: expected str, got None; pass the run's --config (its "
+                     "config.yaml) or --model.model_path"]
