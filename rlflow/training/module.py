@@ -138,6 +138,15 @@ def plain_plugin(plugin: Any) -> Any:
 PLAIN = (str, int, float, bool, type(None))
 
 
+def as_lists(value: Any) -> Any:
+    """``value`` with every tuple a list, at any depth (``yaml.safe_load`` reads no ``!!python/tuple``)."""
+    if isinstance(value, dict):
+        return {k: as_lists(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [as_lists(v) for v in value]
+    return value
+
+
 def build_loss(loss: Any) -> Any:
     """The loss object of ``model.loss``: a short name, an import path, a ``class_path``/``init_args`` mapping, or
     an object (what jsonargparse instantiates), which is returned as it is. Its hyper-parameters are its own."""
@@ -464,7 +473,7 @@ class GRPOModule(L.LightningModule):
         plain = {**self.settings.hparams(), "loss": plain_plugin(self.hparams.get("loss", loss))}  # plain data in
         # checkpoints and logs (rlflow fit's hparams hold the loss as its config mapping already)
         self.hparams.update(plain)
-        self._hparams_initial.update(plain)
+        self._hparams_initial.update(as_lists(plain))  # what loggers write (hparams.yaml): YAML without tags
         self.automatic_optimization = False
         check_model_path(model_path, "model.model_path")  # before anything slow: a wrong path fails in a second
         if self.settings.reference.path is not None:

@@ -38,6 +38,10 @@ def test_readme_python_api_trains(tiny_model, tiny_data, tmp_path, monkeypatch):
     # loader reads it, and a new module resumes from it
     import torch
 
+    import yaml
+
+    hparams = yaml.safe_load(next(Path("runs/python_api").rglob("hparams.yaml")).read_text())  # plain data too
+    assert hparams["optim"]["lr"] == 1e-4 and hparams["loss"]["class_path"] == "rlflow.losses.clipped.BNPOLoss"
     (last,) = Path("runs/python_api").rglob("last.ckpt")
     state = torch.load(last, weights_only=True, map_location="cpu")
     assert state["hyper_parameters"]["loss"] == {
