@@ -37,7 +37,6 @@ def test_readme_python_api_trains(tiny_model, tiny_data, tmp_path, monkeypatch):
     # the checkpoint holds plain values only (the loss object as its class path and arguments), so torch's safe
     # loader reads it, and a new module resumes from it
     import torch
-
     import yaml
 
     hparams = yaml.safe_load(next(Path("runs/python_api").rglob("hparams.yaml")).read_text())  # plain data too
