@@ -151,7 +151,10 @@ def json_error(exc: json.JSONDecodeError) -> str:
     text = exc.doc.rstrip() if isinstance(exc.doc, str) else ""
     if text and exc.pos >= len(text):
         return f"invalid JSON at the end of the {'file' if chr(10) in text else 'line'}: {reason}"
-    return f"invalid JSON at column {exc.colno}: {reason}"
+    hint = ""
+    if isinstance(exc.doc, str) and "\r" in exc.doc.rstrip("\r\n"):  # rows split by a lone CR: one line here
+        hint = " (the line holds a carriage return: rows must end with a newline, \\n or \\r\\n)"
+    return f"invalid JSON at column {exc.colno}: {reason}{hint}"
 
 
 def iter_jsonl(path: str | Path) -> Iterator[tuple[str, PromptRecord | DataError]]:

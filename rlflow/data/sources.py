@@ -40,6 +40,7 @@ from rlflow.data.dataset import (
 )
 from rlflow.data.locations import Location, load_hub, looks_like_hub_id, parse_location, saved_dict_split
 from rlflow.demo.builds import missing_hint
+from rlflow.log import warn
 
 COLUMNAR = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 TEXT = (".jsonl", ".json")
@@ -164,6 +165,10 @@ def parse_sources(spec: Any, what: str = "data.train_data_path") -> list[DataSou
         if names.count(name) > 1:
             for j, s in enumerate(x for x in sources if x.name == name):
                 s.name = f"{name}.{j}"
+    paths = [str(Path(s.path).expanduser().resolve()) if "://" not in s.path else s.path for s in sources]
+    for path in sorted({p for p in paths if paths.count(p) > 1}):  # allowed (a weight of 2), but rarely meant
+        warn(f"{what}: {path} is listed {paths.count(path)} times; each is read as a source of its own (a larger "
+             "weight gives one source a larger share)")
     taken = [s.name for s in sources]
     clash = next((n for n in taken if taken.count(n) > 1), None)
     if clash is not None:  # a numbered name that a source was given: the sources' shares would mix

@@ -151,3 +151,15 @@ def test_a_byte_order_mark_duplicate_keys_and_a_pretty_printed_object(tmp_path):
     with pytest.raises(DataError, match=r"one.json: holds one JSON object over several lines; rlflow reads a JSON "
                                         r"array of rows"):
         read_source(str(pretty))
+
+
+def test_rows_split_by_a_lone_carriage_return_are_named_as_such(tmp_path):
+    good = '{"prompt": "What is 1+1?", "reward_model": {"ground_truth": "2"}}'
+    path = tmp_path / "old_mac.jsonl"
+    path.write_bytes((good + "\r" + good + "\n").encode())
+    with pytest.raises(DataError, match=r"old_mac.jsonl:1: invalid JSON at column \d+: Extra data \(the line holds a "
+                                        r"carriage return: rows must end with a newline"):
+        read_jsonl(path)
+    crlf = tmp_path / "windows.jsonl"
+    crlf.write_bytes((good + "\r\n" + good + "\r\n").encode())
+    assert len(read_jsonl(crlf)) == 2

@@ -235,3 +235,11 @@ def test_strings_with_colons_in_a_config_source_stay_strings(tiny_model, tmp_pat
     cli = cli_main(["--config", str(config), "--trainer.logger=false"], run=False)
     source = cli.datamodule.train_prompts.sources[0]
     assert (source.prompt_template, source.system_prompt) == ("Question: {prompt}", "Note: brief")
+
+
+def test_a_file_listed_twice_is_warned_about(caplog):
+    with caplog.at_level("WARNING", logger="rlflow"):
+        sources = parse_sources(["x/base.jsonl", "./x/base.jsonl", "y/other.jsonl"])
+    assert [s.name for s in sources] == ["base.0", "base.1", "other"]
+    assert "base.jsonl is listed 2 times; each is read as a source of its own" in caplog.text
+    assert "other.jsonl" not in caplog.text
