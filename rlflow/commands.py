@@ -18,3 +18,6 @@ Each command's options: rlflow COMMAND --help. Guide: docs/index.md."""
 #: The commands Lightning's CLI runs (:mod:`rlflow.cli`); rlflow's module has no ``test_step`` or ``forward``, so
 #: Lightning's ``test`` and ``predict`` are not offered.
 LIGHTNING_COMMANDS = ("fit", "validate")
+
+#: Every command :func:`rlflow.entry.main` dispatches.
+COMMANDS = ("plugins", "data", "config", "export", *LIGHTNING_COMMANDS)

@@ -14,7 +14,7 @@ import gc
 import os
 import sys
 
-from rlflow.commands import LIGHTNING_COMMANDS, USAGE
+from rlflow.commands import COMMANDS, USAGE
 
 
 def script() -> int:
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help", "help"):
         print(USAGE, file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
-    if args[0] not in ("plugins", "data", "config", "export", *LIGHTNING_COMMANDS) and not args[0].startswith("-"):
+    if args[0] not in COMMANDS and not args[0].startswith("-"):
         print(f"rlflow: error: {args[0]!r} is not a command; the commands are fit, validate, data check, plugins, "
               "export and config from-trl (rlflow --help)", file=sys.stderr)
         return 2
