@@ -67,8 +67,7 @@ def split_of(path: Path) -> str | None:
     match = SHARD.match(path.name)
     if match:
         return match["split"]
-    stem = path.name[: -len(path.suffix)] if path.suffix else path.name
-    return stem.lower() if stem.lower() in SPLIT_STEMS else None
+    return path.stem.lower() if path.stem.lower() in SPLIT_STEMS else None
 
 
 @dataclass
