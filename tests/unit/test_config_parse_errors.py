@@ -17,29 +17,33 @@ def run(capsys, *extra: str) -> tuple[int, list[str]]:
     return code, [line for line in err.splitlines() if line.strip() and not line.startswith(("Seed set", "(set "))]
 
 
-def test_a_bad_key_in_a_config_file_is_one_line_naming_file_and_line(tmp_path, capsys):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("model:\n  optim:\n    lr: 1e-4\n  update:\n    packng: false\n")
-    code, lines = run(capsys, "--config", str(bad))
-    assert code == 1
-    assert lines == [f"rlflow: error: {bad}, line 5: model.update.packng is not a setting; "
-                     "did you mean model.update.packing?"]
-
-
 def test_a_bad_value_on_the_command_line_is_one_line(capsys):
     code, lines = run(capsys, "--data.sampling.max_tokens=abc")
     assert code == 1
     assert lines == ["rlflow: error: command line: data.sampling.max_tokens: expected int, got abc"]
 
 
-def test_a_bad_value_of_an_optional_setting_names_what_it_takes(tmp_path, capsys):
-    code, lines = run(capsys, "--data.judging.timeout", "abc")
+BOTH_PLACES = {
+    "a bad value of an optional setting names what it takes": (
+        ["--data.judging.timeout", "abc"], "data.judging.timeout: expected float or null, got abc",
+        "data:\n  judging:\n    max_failure_rate: lots\n",
+        "data.judging.max_failure_rate: expected float or null, got lots"),
+    "an unknown field of a settings dataclass is named with a guess": (
+        ["--model.lora", "{rr: 8}"], "model.lora.rr is not a setting; did you mean model.lora.r?",
+        "model:\n  lora:\n    rr: 8\n", "model.lora.rr is not a setting; did you mean model.lora.r?"),
+}
+
+
+@pytest.mark.parametrize("case", BOTH_PLACES)
+def test_a_bad_setting_is_one_line_on_the_command_line_and_in_a_file(tmp_path, capsys, case):
+    argv, on_command_line, text, in_file = BOTH_PLACES[case]
+    code, lines = run(capsys, *argv)
     assert code == 1
-    assert lines == ["rlflow: error: command line: data.judging.timeout: expected float or null, got abc"]
+    assert lines == [f"rlflow: error: command line: {on_command_line}"]
     bad = tmp_path / "bad.yaml"
-    bad.write_text("data:\n  judging:\n    max_failure_rate: lots\n")
+    bad.write_text(text)
     code, lines = run(capsys, "--config", str(bad))
-    assert lines == [f"rlflow: error: {bad}, line 3: data.judging.max_failure_rate: expected float or null, got lots"]
+    assert lines == [f"rlflow: error: {bad}, line 3: {in_file}"]
 
 
 def test_a_bad_plugin_argument_names_its_init_args_key(tmp_path):
@@ -65,16 +69,6 @@ def test_key_line_follows_nesting_and_the_fit_level(tmp_path):
     assert key_line(str(path), "data.b") is None
 
 
-def test_an_unknown_field_of_a_settings_dataclass_is_named_with_a_guess(tmp_path, capsys):
-    code, lines = run(capsys, "--model.lora", "{rr: 8}")
-    assert code == 1
-    assert lines == ["rlflow: error: command line: model.lora.rr is not a setting; did you mean model.lora.r?"]
-    bad = tmp_path / "lora.yaml"
-    bad.write_text("model:\n  lora:\n    rr: 8\n")
-    code, lines = run(capsys, "--config", str(bad))
-    assert lines == [f"rlflow: error: {bad}, line 3: model.lora.rr is not a setting; did you mean model.lora.r?"]
-
-
 def test_an_unknown_plugin_argument_is_named_where_it_is_set(tmp_path, capsys):
     bad = tmp_path / "x.yaml"
     bad.write_text("model:\n  loss:\n    class_path: bnpo\n    init_args:\n      epsilon_low: 0.2\n"
@@ -94,15 +88,6 @@ def test_a_bad_value_of_a_settings_dataclass_field_has_no_init_args(capsys):
     assert lines == ["rlflow: error: command line: model.lora.r: expected int, got abc"]
 
 
-def test_an_unknown_key_of_a_group_in_a_config_file_keeps_its_group(tmp_path, capsys):
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("data:\n  sampling:\n    max_tokenz: 3\n")
-    code, lines = run(capsys, "--config", str(bad))
-    assert code == 1
-    assert lines == [f"rlflow: error: {bad}, line 3: data.sampling.max_tokenz is not a setting; "
-                     "did you mean data.sampling.max_tokens?"]
-
-
 def test_a_nested_key_is_not_expected_message_names_the_full_key():
     message = ("Parser key \"model.loss\":\n  Does not validate against any of the Union subtypes\n  Errors:\n"
                "    - Expected a <class 'str'>\n    - Problem with given class_path 'rlflow.losses.clipped.BNPOLoss':\n"
@@ -112,7 +97,13 @@ def test_a_nested_key_is_not_expected_message_names_the_full_key():
                     "did you mean model.loss.init_args.epsilon_high?")
 
 
-PLUGIN_CASES = {
+FILE_CASES = {
+    "a bad key names the closest one": (
+        "model:\n  optim:\n    lr: 1e-4\n  update:\n    packng: false\n",
+        "{bad}, line 5: model.update.packng is not a setting; did you mean model.update.packing?"),
+    "an unknown key of a group keeps its group": (
+        "data:\n  sampling:\n    max_tokenz: 3\n",
+        "{bad}, line 3: data.sampling.max_tokenz is not a setting; did you mean data.sampling.max_tokens?"),
     "an option outside its choices lists them": (
         "data:\n  rollout:\n    class_path: engine\n    init_args: {dtype: cube}\n",
         "{bad}, line 4: data.rollout.init_args.dtype: expected one of model, float32, bfloat16, float16, auto, got "
@@ -135,9 +126,9 @@ PLUGIN_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", PLUGIN_CASES)
-def test_a_plugin_setting_the_parser_refuses_is_one_line_saying_what_is_wrong(tmp_path, capsys, case):
-    text, expected = PLUGIN_CASES[case]
+@pytest.mark.parametrize("case", FILE_CASES)
+def test_a_bad_setting_in_a_config_file_is_one_line_saying_where_and_what_is_wrong(tmp_path, capsys, case):
+    text, expected = FILE_CASES[case]
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
     code, lines = run(capsys, "--config", str(bad), "--trainer.max_steps=1")
