@@ -17,6 +17,14 @@ def run(capsys, *extra: str) -> tuple[int, list[str]]:
     return code, [line for line in err.splitlines() if line.strip() and not line.startswith(("Seed set", "(set "))]
 
 
+def built(tiny_model) -> list[str]:
+    """The test session's tiny model and data in place of the demo's ``checkpoints/`` (a clean checkout has none):
+    a setting that parses and is refused later must meet its own check, not the missing model's."""
+    data = tiny_model.parent / "data"
+    return [f"--model.model_path={tiny_model}", f"--data.train_data_path={data / 'train.jsonl'}",
+            f"--data.eval_data_path={data / 'val.jsonl'}"]
+
+
 def test_a_bad_value_on_the_command_line_is_one_line(capsys):
     code, lines = run(capsys, "--data.sampling.max_tokens=abc")
     assert code == 1
@@ -127,16 +135,16 @@ FILE_CASES = {
 
 
 @pytest.mark.parametrize("case", FILE_CASES)
-def test_a_bad_setting_in_a_config_file_is_one_line_saying_where_and_what_is_wrong(tmp_path, capsys, case):
+def test_a_bad_setting_in_a_config_file_is_one_line_saying_where_and_what_is_wrong(tmp_path, capsys, tiny_model, case):
     text, expected = FILE_CASES[case]
     bad = tmp_path / "bad.yaml"
     bad.write_text(text)
-    code, lines = run(capsys, "--config", str(bad), "--trainer.max_steps=1")
+    code, lines = run(capsys, "--config", str(bad), "--trainer.max_steps=1", *built(tiny_model))
     assert code == 1
     assert lines == [f"rlflow: error: {expected.format(bad=bad)}"]
 
 
-def test_a_judger_mapping_on_the_command_line_names_the_refused_judger(capsys):
+def test_a_judger_mapping_on_the_command_line_names_the_refused_judger(capsys, tiny_model):
     cases = [
         ('{"*": {"class_path": "remote", "init_args": {"url": "http://x", "timeout": "abc"}}}',
          "command line: data.judging.judgers['*'].init_args.timeout: expected float, got abc"),
@@ -145,7 +153,7 @@ def test_a_judger_mapping_on_the_command_line_names_the_refused_judger(capsys):
          "data.judging.judgers['*'].init_args.url?"),
     ]
     for value, expected in cases:
-        code, lines = run(capsys, "--data.judging.judgers", value, "--trainer.max_steps=1")
+        code, lines = run(capsys, "--data.judging.judgers", value, "--trainer.max_steps=1", *built(tiny_model))
         assert code == 1
         assert lines == [f"rlflow: error: {expected}"]
 
