@@ -14,6 +14,7 @@ than jsonl (parquet, ``datasets`` saves, shard directories) lives in :mod:`rlflo
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 from collections.abc import Iterable, Iterator
@@ -56,6 +57,27 @@ RESERVED_COLUMNS = frozenset({"prompts", "completions", "completion_ids", "train
                               "log_metric", "environments", "env_reward"})
 
 
+def encoded_messages(text: str) -> list[Any] | None:
+    """The chat messages a string prompt holds as text, else None: JSON (``[{"role": "user", ...}]``) or the
+    Python form pandas' ``to_csv`` writes (``[{'role': 'user', ...}]``), a CSV cell's only ways to hold them. Only a
+    non-empty list of objects that each have ``role`` and ``content`` counts; anything else stays the text it is."""
+    stripped = text.strip()
+    if not (stripped.startswith("[") and stripped.endswith("]") and "role" in stripped):
+        return None
+    value: Any = None
+    try:
+        value = json.loads(stripped)
+    except ValueError:
+        try:
+            value = ast.literal_eval(stripped)  # literals only: nothing in the text runs
+        except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+            return None
+    if isinstance(value, list) and value and all(isinstance(m, dict) and {"role", "content"} <= set(m)
+                                                 for m in value):
+        return value
+    return None
+
+
 def check_row(row: Any, where: str) -> PromptRecord:
     """Validate one parsed row and turn it into a :class:`PromptRecord`; raise DataError naming the field."""
     if not isinstance(row, dict):
@@ -66,6 +88,8 @@ def check_row(row: Any, where: str) -> PromptRecord:
             f"{where}: field 'prompt' is missing (columns present: {', '.join(sorted(row)) or 'none'}){hint}"
         )
     prompt = row["prompt"]
+    if isinstance(prompt, str):
+        prompt = encoded_messages(prompt) or prompt
     if isinstance(prompt, str):
         if not prompt.strip():
             raise DataError(f"{where}: field 'prompt' is an empty string")

@@ -243,3 +243,27 @@ def test_a_file_listed_twice_is_warned_about(caplog):
     assert [s.name for s in sources] == ["base.0", "base.1", "other"]
     assert "base.jsonl is listed 2 times; each is read as a source of its own" in caplog.text
     assert "other.jsonl" not in caplog.text
+
+
+def test_a_csv_cell_holding_chat_messages_is_read_as_the_messages(tmp_path):
+    """A CSV holds a list of messages only as text: JSON, or the Python form pandas' ``to_csv`` writes. Both read
+    as the messages; text that merely looks like a list stays text; decoded messages are checked as messages."""
+    import csv
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+    path = tmp_path / "rows.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["prompt", "solution"])
+        writer.writerow([json.dumps(messages), "5"])
+        writer.writerow([str(messages), "5"])  # pandas' to_csv of a list column: Python's repr
+        writer.writerow(["[1, 2] + [3]: what is the list?", "[1, 2, 3]"])
+        writer.writerow(['[{"role": "user"}]', "x"])  # no content: not messages, the text as written
+    records = read_source(str(path))
+    assert [r.prompt for r in records[:2]] == [messages, messages]
+    assert records[2].prompt == "[1, 2] + [3]: what is the list?"
+    assert records[3].prompt == '[{"role": "user"}]'
+    bad = tmp_path / "bad.csv"
+    bad.write_text('prompt\n"[{""role"": ""bot"", ""content"": ""hi""}]"\n')
+    with pytest.raises(DataError, match=r"bad.csv:row 1: field 'prompt\[0\].role' must be one of"):
+        read_source(str(bad))
