@@ -33,6 +33,7 @@ import re
 import shutil
 import signal
 import sys
+import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ from typing import Any
 import yaml
 from jsonargparse import ArgumentError, Namespace, set_parsing_settings
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
@@ -479,6 +481,22 @@ def plugin_argument_error(exc: BaseException) -> str | None:
     return f"{option}" + (f" ({plugin.group(1)})" if plugin else "") + f": {'; '.join(reasons)}"
 
 
+#: Lightning's modules that check the Trainer's and the callbacks' arguments: a ``ValueError`` raised there (an
+#: unknown ``trainer.strategy`` name) is about a value the user gave, as is every ``MisconfigurationException``.
+LIGHTNING_ARGUMENT_CHECKS = (f"trainer{os.sep}connectors{os.sep}", f"{os.sep}callbacks{os.sep}")
+
+
+def lightning_argument_error(exc: BaseException) -> str | None:
+    """Lightning's refusal of a Trainer or callback argument (``trainer.max_steps: -5``, ``trainer.strategy:
+    nonsense``, ``checkpoint.save_top_k: -2``) as its own one-line message; None for any other error."""
+    if isinstance(exc, MisconfigurationException):
+        return str(exc)
+    frames = traceback.extract_tb(exc.__traceback__)
+    raised_in = frames[-1].filename if frames else ""
+    checks = f"lightning{os.sep}pytorch{os.sep}" in raised_in and any(p in raised_in for p in LIGHTNING_ARGUMENT_CHECKS)
+    return str(exc) if checks else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Lightning's subcommands (``fit``, ``validate``, ...); ``rlflow.entry`` dispatches the others first."""
     try:
@@ -486,8 +504,9 @@ def main(argv: list[str] | None = None) -> int:
     except StoppedBySignal as exc:  # not an error: 128 + the signal, as a shell reports a process it ended
         print(f"rlflow: {exc}", file=sys.stderr)
         return exc.exit_code
-    except (*USER_ERRORS, ValueError) as exc:
-        message = str(exc) if isinstance(exc, USER_ERRORS) else plugin_argument_error(exc)
+    except (*USER_ERRORS, ValueError, MisconfigurationException) as exc:
+        message = str(exc) if isinstance(exc, USER_ERRORS) else (
+            plugin_argument_error(exc) or lightning_argument_error(exc))
         if message is None or os.environ.get("RLFLOW_TRACEBACK"):
             raise
         print(f"rlflow: error: {message}\n(set RLFLOW_TRACEBACK=1 for the full traceback)", file=sys.stderr)

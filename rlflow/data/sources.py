@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from rlflow.config_error import ConfigError
 from rlflow.data.dataset import (
     BOM,
     DataError,
@@ -122,6 +123,7 @@ def parse_sources(spec: Any, what: str = "data.train_data_path") -> list[DataSou
     items = list(spec) if isinstance(spec, (list, tuple)) else [spec]
     allowed = [f.name for f in fields(DataSource) if f.init]
     sources = []
+    given: dict[str, str] = {}  # a name the config gives -> the source that has it
     for i, item in enumerate(items):
         where = f"{what}[{i}]" if isinstance(spec, (list, tuple)) else what
         if isinstance(item, DataSource):
@@ -132,37 +134,45 @@ def parse_sources(spec: Any, what: str = "data.train_data_path") -> list[DataSou
             unknown = sorted(set(item) - set(allowed))
             if unknown or "path" not in item:
                 problem = f"unknown key(s) {', '.join(unknown)}" if unknown else "no 'path'"
-                raise ValueError(f"{where}: {problem}; a source takes {', '.join(allowed)}")
+                glued = next((key for key in unknown if ":" in str(key) and item[key] is None), None)
+                hint = (f" (YAML reads {{{glued}}} as one key: write {{{str(glued).replace(':', ': ', 1)}}}, a space "
+                        "after the colon)") if glued else ""
+                raise ConfigError(f"{where}: {problem}; a source takes {', '.join(allowed)}{hint}")
             for key in ("path", "name", "system_prompt", "prompt_template"):
                 if key in item and item[key] is not None and not isinstance(item[key], str):
-                    raise ValueError(f"{where}.{key} must be a string, got {type(item[key]).__name__} {item[key]!r}")
+                    raise ConfigError(f"{where}.{key} must be a string, got {type(item[key]).__name__} {item[key]!r}")
             if item["path"] is None:
-                raise ValueError(f"{where}.path is empty")
+                raise ConfigError(f"{where}.path is empty")
             source = DataSource(**item)
         else:
-            raise ValueError(f"{where}: a source is a path or a mapping with 'path', got {type(item).__name__}")
+            raise ConfigError(f"{where}: a source is a path or a mapping with 'path', got {type(item).__name__}")
         weight = source.weight
         if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
-            raise ValueError(f"{where}.weight must be a positive number, got {source.weight!r}")
+            raise ConfigError(f"{where}.weight must be a positive number, got {source.weight!r}")
         limit = source.max_prompt_length
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise ValueError(f"{where}.max_prompt_length must be a whole number >= 1, got {limit!r}")
+            raise ConfigError(f"{where}.max_prompt_length must be a whole number >= 1, got {limit!r}")
         if source.prompt_template is not None:
             try:
                 PromptFormat(prompt_template=source.prompt_template)
             except ValueError as exc:
-                raise ValueError(f"{where}.{exc}") from exc
+                raise ConfigError(f"{where}.{exc}") from exc
         try:
             location = parse_location(source.path)
         except DataError as exc:
-            raise ValueError(f"{where}: {exc}") from exc
+            raise ConfigError(f"{where}: {exc}") from exc
+        if source.name and source.name in given:
+            raise ConfigError(f"{where}.name: {source.name!r} is also the name of {given[source.name]}; each source "
+                             "needs a name of its own (its share and metrics are logged under it)")
+        if source.name:
+            given[source.name] = where
         source.name = source.name or _default_name(location)
         source.key = where
         sources.append(source)
     names = [s.name for s in sources]
-    for name in set(names):  # two train.jsonl from different folders: tell them apart
+    for name in set(names):  # two train.jsonl from different folders: tell them apart (a given name stays)
         if names.count(name) > 1:
-            for j, s in enumerate(x for x in sources if x.name == name):
+            for j, s in enumerate(x for x in sources if x.name == name and x.key not in given.values()):
                 s.name = f"{name}.{j}"
     paths = [str(Path(s.path).expanduser().resolve()) if "://" not in s.path else s.path for s in sources]
     for path in sorted({p for p in paths if paths.count(p) > 1}):  # allowed (a weight of 2), but rarely meant
@@ -171,7 +181,7 @@ def parse_sources(spec: Any, what: str = "data.train_data_path") -> list[DataSou
     taken = [s.name for s in sources]
     clash = next((n for n in taken if taken.count(n) > 1), None)
     if clash is not None:  # a numbered name that a source was given: the sources' shares would mix
-        raise ValueError(f"{what}: two sources are named {clash!r}; give them names of their own (name: ...)")
+        raise ConfigError(f"{what}: two sources are named {clash!r}; give them names of their own (name: ...)")
     return sources
 
 

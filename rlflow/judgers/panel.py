@@ -13,6 +13,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from rlflow.config_error import ConfigError
 from rlflow.data.dataset import DataError, PromptRecord
 from rlflow.data.sources import DataSource
 from rlflow.judgers.context import RunState, environments_of
@@ -49,7 +50,7 @@ class SourceJudgers:
                 continue
             if source.name in self.runners:
                 if routing[source.name] != routes:
-                    raise ValueError(
+                    raise ConfigError(
                         f"two data sources are named {source.name!r} with different judgers; give them distinct names"
                     )
                 continue
@@ -59,7 +60,8 @@ class SourceJudgers:
         known = sorted({name for r in runners for name in r.weights})
         for name, weight in (reward_weights or {}).items():
             if name not in known:
-                raise ValueError(f"reward_weights names judger {name!r}, which is not configured; judgers: {known}")
+                raise ConfigError(
+                    f"data.judging.weights names judger {name!r}, which is not configured; judgers: {known}")
             for runner in runners:
                 if name in runner.weights:
                     runner.weights[name] = float(weight)

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlflow import registry
+from rlflow.config_error import ConfigError
 from rlflow.isolation import Isolated, Outcome, Recorded, _one_line, close_all, portable, warm_up
 from rlflow.judgers.context import (
     JudgerLogs,
@@ -477,14 +478,14 @@ class JudgerRunner:
         isolation: str = "process",
     ) -> None:
         if not judgers:
-            raise ValueError(
+            raise ConfigError(
                 "data.judging.judgers is empty: map each data_source to a judger, e.g. {'openai/gsm8k': 'gsm8k'}; "
                 f"available judgers: {', '.join(registry.available(GROUP))}"
             )
         if timeout is not None and timeout <= 0:
-            raise ValueError(f"data.judging.timeout must be positive seconds (or null to wait forever), got {timeout}")
+            raise ConfigError(f"data.judging.timeout must be positive seconds (or null to wait forever), got {timeout}")
         if isolation not in ISOLATIONS:
-            raise ValueError(f"data.judging.isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
+            raise ConfigError(f"data.judging.isolation must be one of {', '.join(ISOLATIONS)}, got {isolation!r}")
         self.timeout = timeout
         self.isolation = isolation
         self.routes: dict[str, list[str]] = {}
@@ -510,8 +511,9 @@ class JudgerRunner:
         self.weights = {name: 1.0 for name in self.judgers}
         for name, weight in (reward_weights or {}).items():
             if name not in self.weights:
-                raise ValueError(
-                    f"reward_weights names judger {name!r}, which is not configured; judgers: {sorted(self.weights)}"
+                raise ConfigError(
+                    f"data.judging.weights names judger {name!r}, which is not configured; judgers: "
+                    f"{sorted(self.weights)}"
                 )
             self.weights[name] = float(weight)
         self.failed_once: set[str] = set()

@@ -40,6 +40,8 @@ import yaml
 from lightning.pytorch.callbacks import RichProgressBar, TQDMProgressBar
 from lightning.pytorch.cli import SaveConfigCallback
 
+from rlflow.config_error import ConfigError
+
 SAMPLE_COLUMNS = ["step", "data_source", "prompt", "completion", "ground_truth", "reward", "advantage", "num_tokens",
                   "finish_reason", "judgers_failed"]
 EVAL_SAMPLE_COLUMNS = ["trained_steps", "data_source", "prompt", "sample", "completion", "ground_truth", "answer",
@@ -265,7 +267,7 @@ class NoSignalWarning(L.Callback):
             patience: Rollout steps in a row without any group whose rewards differ before warning (0 disables it).
         """
         if patience < 0:
-            raise ValueError(f"no_signal.patience must be >= 0 (0 disables it), got {patience}")
+            raise ConfigError(f"no_signal.patience must be >= 0 (0 disables it), got {patience}")
         self.patience = patience
         self.streak = 0
 
@@ -305,7 +307,7 @@ class SampleTable(L.Callback):
                 shows ``num_samples`` different prompts instead of a few groups.
         """
         if every_n_steps < 0 or num_samples < 1:
-            raise ValueError(
+            raise ConfigError(
                 f"samples.every_n_steps must be >= 0 and samples.num_samples >= 1, got {every_n_steps}, {num_samples}"
             )
         self.every_n_steps = every_n_steps

@@ -19,10 +19,12 @@ def run(capsys, *extra: str) -> tuple[int, list[str]]:
 
 def built(tiny_model) -> list[str]:
     """The test session's tiny model and data in place of the demo's ``checkpoints/`` (a clean checkout has none):
-    a setting that parses and is refused later must meet its own check, not the missing model's."""
+    a setting that parses and is refused later must meet its own check, not the missing model's. A run that is not
+    refused writes its files beside the model, not into the repository."""
     data = tiny_model.parent / "data"
     return [f"--model.model_path={tiny_model}", f"--data.train_data_path={data / 'train.jsonl'}",
-            f"--data.eval_data_path={data / 'val.jsonl'}"]
+            f"--data.eval_data_path={data / 'val.jsonl'}", "--trainer.logger=false",
+            f"--trainer.default_root_dir={tiny_model.parent / 'runs'}"]
 
 
 def test_a_bad_value_on_the_command_line_is_one_line(capsys):
@@ -163,3 +165,27 @@ def test_validate_without_a_config_says_what_it_needs(capsys):
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlflow: error:")]
     assert lines == ["rlflow: error: model.model_path: expected str, got None; pass the run's --config (its "
                      "config.yaml) or --model.model_path"]
+
+
+REFUSED_WHEN_BUILT = {
+    "--samples.num_samples=0": "samples.every_n_steps must be >= 0 and samples.num_samples >= 1, got 10, 0",
+    "--no_signal.patience=-1": "no_signal.patience must be >= 0 (0 disables it), got -1",
+    "--data.judging.weights={nope: 1}": "data.judging.weights names judger 'nope', which is not configured; "
+                                        "judgers: ['gsm8k']",
+    "--data.judging.judgers={}": "data.judging.judgers is empty: map each data_source to a judger",
+    "--data.train_data_path=[{path: a.jsonl, weight: 0}]": "data.train_data_path[0].weight must be a positive "
+                                                           "number, got 0",
+    # Lightning's own refusals of Trainer and callback arguments, its message as the line
+    "--trainer.max_steps=-5": "`max_steps` must be a non-negative integer or -1 (infinite steps). You passed in -5.",
+    "--trainer.strategy=nonsense": "You selected an invalid strategy name: `strategy='nonsense'`.",
+    "--checkpoint.save_top_k=-2": "Invalid value for save_top_k=-2. Must be >= -1",
+}
+
+
+@pytest.mark.parametrize("option", REFUSED_WHEN_BUILT)
+def test_a_value_refused_when_its_object_is_built_is_one_line(capsys, tiny_model, option):
+    """Values that parse but that the callback, judger panel, data source or Lightning refuses when built: one line,
+    not a traceback."""
+    code, lines = run(capsys, *built(tiny_model), "--trainer.max_steps=1", option)
+    assert code == 1
+    assert len(lines) == 1 and lines[0].startswith(f"rlflow: error: {REFUSED_WHEN_BUILT[option]}"), lines

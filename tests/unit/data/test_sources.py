@@ -146,10 +146,11 @@ def test_each_source_is_judged_by_its_own_judgers():
     assert result.per_judger["always_0_5"] == [None, 0.5, 0.5, None]
     assert result.metrics["rewards/always_1_0/mean"] == 1.0 and result.metrics["rewards/always_0_5/mean"] == 0.5
     assert result.metrics["judger/unscored"] == 0.0
-    with pytest.raises(ValueError, match="reward_weights names judger 'nope'"):
+    with pytest.raises(ValueError, match="data.judging.weights names judger 'nope'"):
         SourceJudgers({"*": one}, {"nope": 1.0}, sources)
-    clash = parse_sources([{"path": "a", "name": "x", "judgers": one}, {"path": "b", "name": "x", "judgers": half}])
-    clash[0].name = clash[1].name = "x"  # two sources (say train and eval) given one name with different judgers
+    # two sources of train and eval given one name with different judgers
+    clash = parse_sources([{"path": "a", "name": "x", "judgers": one}]) + parse_sources(
+        [{"path": "b", "name": "x", "judgers": half}], "data.eval_data_path")
     with pytest.raises(ValueError, match="named 'x' with different judgers"):
         SourceJudgers({"*": one}, None, clash)
 
@@ -267,3 +268,20 @@ def test_a_csv_cell_holding_chat_messages_is_read_as_the_messages(tmp_path):
     bad.write_text('prompt\n"[{""role"": ""bot"", ""content"": ""hi""}]"\n')
     with pytest.raises(DataError, match=r"bad.csv:row 1: field 'prompt\[0\].role' must be one of"):
         read_source(str(bad))
+
+
+def test_a_name_given_twice_is_refused_and_a_given_name_is_never_renumbered():
+    with pytest.raises(ValueError, match=r"data.train_data_path\[1\].name: 'gsm8k' is also the name of "
+                                         r"data.train_data_path\[0\]"):
+        parse_sources([{"path": "a/x.jsonl", "name": "gsm8k"}, {"path": "b/y.jsonl", "name": "gsm8k"}])
+    sources = parse_sources([{"path": "a/x.jsonl", "name": "train"}, "b/train.jsonl", "c/train.jsonl"])
+    assert [s.name for s in sources] == ["train", "train.0", "train.1"]
+
+
+def test_a_flow_mapping_without_a_space_after_the_colon_is_pointed_at():
+    import yaml
+
+    item = yaml.safe_load("{path:data/train.jsonl}")  # one key, 'path:data/train.jsonl', with no value
+    with pytest.raises(ValueError, match=r"unknown key\(s\) path:data/train.jsonl; a source takes .* \(YAML reads "
+                                         r"\{path:data/train.jsonl\} as one key: write \{path: data/train.jsonl\}"):
+        parse_sources([item])

@@ -87,7 +87,7 @@ def test_one_spec_on_two_routes_is_one_judger_and_a_second_name_gets_a_number(ca
 def test_config_errors_are_specific():
     with pytest.raises(registry.PluginError, match="available: .*gsm8k"):
         JudgerRunner({"a": "gsm8kk"})
-    with pytest.raises(ValueError, match="reward_weights names judger 'nope'"):
+    with pytest.raises(ValueError, match="data.judging.weights names judger 'nope'"):
         JudgerRunner({"a": "gsm8k"}, reward_weights={"nope": 1.0})
     with pytest.raises(ValueError, match="data.judging.timeout must be positive"):
         JudgerRunner({"a": "gsm8k"}, timeout=0)
