@@ -50,3 +50,30 @@ def test_readme_python_api_trains(tiny_model, tiny_data, tmp_path, monkeypatch):
                               f"trainer.fit(model, datamodule=data, ckpt_path={str(last)!r})"), "README.md", "exec"),
          scope)
     assert scope["trainer"].global_step == 4
+
+
+def test_ctrl_c_in_the_readme_script_finishes_the_step_and_saves_it(tiny_model, tiny_data, tmp_path, monkeypatch):
+    """With the README's ``GracefulStop``, a Ctrl-C (SIGINT) in the middle of rollout step 2 lets that step finish,
+    writes its ``last.ckpt`` and ends ``trainer.fit`` with Lightning's ``SIGTERMException`` (without it, Lightning
+    stops at once and exits); the signal handlers are put back."""
+    import signal
+
+    import pytest
+    import torch
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    (tmp_path / "checkpoints").mkdir()
+    os.symlink(tiny_model, tmp_path / "checkpoints" / "tiny-qwen3")
+    os.symlink(tiny_data, tmp_path / "checkpoints" / "arith")
+    monkeypatch.chdir(tmp_path)
+    code = readme_block("Python API")
+    callbacks = "callbacks=[TrajectoryWriter(), RLFlowCheckpoint(), GracefulStop()]"
+    assert callbacks in code
+    code = code.replace(callbacks, callbacks[:-1] + ", SignalMidStep(step=1, signum='SIGINT')]").replace(
+        "import lightning as L\n", "import lightning as L\nfrom tests.integration.test_signals import SignalMidStep\n")
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with pytest.raises(SIGTERMException):
+        exec(compile(code, "README.md", "exec"), {})
+    (last,) = Path("runs/python_api").rglob("last.ckpt")
+    assert torch.load(last, weights_only=True, map_location="cpu")["global_step"] == 2  # step 2 whole, not 3
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
