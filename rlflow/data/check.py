@@ -313,7 +313,8 @@ def datamodule_from_files(argv: list[str]) -> tuple[Any, bool]:
     )
     a = ap.parse_args(argv)
     dm = RolloutDataModule(
-        train_data_path=a.files, tokenizer_path=a.tokenizer, max_prompt_length=a.max_prompt_length,
+        # one file is one path, as a config gives it: its errors name data.train_data_path as fit's do
+        train_data_path=a.files[0] if len(a.files) == 1 else a.files, tokenizer_path=a.tokenizer, max_prompt_length=a.max_prompt_length,
         judging=JudgingSettings(judgers=a.judgers),
         prompts=PromptSettings(system_prompt=a.system_prompt, template=a.prompt_template,
                                chat_template_kwargs=a.chat_template_kwargs),

@@ -105,8 +105,11 @@ def test_config_mode_checks_the_configured_mix_and_eval_set(tiny_model, tiny_dat
 def test_usage_and_unreadable_sources(tmp_path, capsys):
     assert main(["data"]) == 2
     assert "usage: rlflow data check" in capsys.readouterr().out
-    assert main(["data", "check", str(tmp_path / "missing.jsonl")]) == 1
-    assert "missing.jsonl: data file not found" in capsys.readouterr().out
+    missing = tmp_path / "missing.jsonl"
+    assert main(["data", "check", str(missing)]) == 1
+    assert f"    data.train_data_path: {missing}: data file not found\n" in capsys.readouterr().out  # as fit says it
+    assert main(["data", "check", str(missing), str(tmp_path / "other.jsonl")]) == 1
+    assert f"    data.train_data_path[0]: {missing}: data file not found\n" in capsys.readouterr().out
 
 
 def stuck(prompts, completions, **_):
