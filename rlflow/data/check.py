@@ -312,9 +312,9 @@ def datamodule_from_files(argv: list[str]) -> tuple[Any, bool]:
         "--chat-template-kwargs", type=json.loads, default=None, help='JSON, e.g. \'{"enable_thinking": false}\''
     )
     a = ap.parse_args(argv)
+    files = a.files[0] if len(a.files) == 1 else a.files  # one file as a config gives it: errors name it as fit's do
     dm = RolloutDataModule(
-        # one file is one path, as a config gives it: its errors name data.train_data_path as fit's do
-        train_data_path=a.files[0] if len(a.files) == 1 else a.files, tokenizer_path=a.tokenizer, max_prompt_length=a.max_prompt_length,
+        train_data_path=files, tokenizer_path=a.tokenizer, max_prompt_length=a.max_prompt_length,
         judging=JudgingSettings(judgers=a.judgers),
         prompts=PromptSettings(system_prompt=a.system_prompt, template=a.prompt_template,
                                chat_template_kwargs=a.chat_template_kwargs),
