@@ -190,4 +190,4 @@ def test_data_check_reads_hub_ids_and_saved_splits(offline_cache, tmp_path, caps
     assert f"train source 'dd': {tmp_path / 'dd'}?split=test\n  rows 1 | malformed 0" in out
     assert main(["check", "hf://nobody/nothing?split=train", "--judgers", judgers]) == 1
     out = capsys.readouterr().out
-    assert "data.train_data_path[0]: hf://nobody/nothing?split=train: not in the local datasets cache" in out
+    assert "data.train_data_path: hf://nobody/nothing?split=train: not in the local datasets cache" in out
