@@ -476,8 +476,10 @@ def plugin_argument_error(exc: BaseException) -> str | None:
     if not reasons:
         return None
     bases = re.findall(r"(rlflow\.[\w.]+)", text.splitlines()[1] if len(text.splitlines()) > 1 else "")
-    option = next((PLUGIN_OPTIONS[b] for b in bases if b in PLUGIN_OPTIONS), "a plugin option")
+    option = next((PLUGIN_OPTIONS[b] for b in bases if b in PLUGIN_OPTIONS), None)
     plugin = re.search(r"class_path='([\w.]+)'", text)
+    if option is None:  # nested (a judger in a mapping) or a settings group (model.lora): the message names the key
+        return "; ".join(reasons) + (f" ({plugin.group(1)})" if plugin else "")
     return f"{option}" + (f" ({plugin.group(1)})" if plugin else "") + f": {'; '.join(reasons)}"
 
 

@@ -41,7 +41,10 @@ class PromptSet:
         self.system_prompt = system_prompt
         self.prompt_template = prompt_template
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        PromptFormat(prompt_template=prompt_template)  # a bad template fails here, before any model is loaded
+        try:  # a bad template fails here, before any model is loaded
+            PromptFormat(prompt_template=prompt_template)
+        except ValueError as exc:
+            raise ConfigError(str(exc).replace("prompt_template", "data.prompts.template", 1)) from exc
         self.records: list[PromptRecord] = []
         self.sizes: dict[str, int] = {}  # prompts kept per source name
         self.dropped_by_source: dict[str, int] = {}

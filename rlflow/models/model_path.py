@@ -85,7 +85,14 @@ def hub_reachable(endpoint: str | None = None, timeout: float = PROBE_SECONDS) -
 
 def check_model_path(path: str, key: str) -> None:
     """Raise a ConfigError naming ``key`` unless ``path`` is a local directory or a hub id that can be loaded."""
-    if Path(path).expanduser().exists():
+    local = Path(path).expanduser()
+    if local.is_dir() and not (local / "config.json").is_file():
+        what = ("a PEFT adapter; give its base model here (and the adapter's settings in model.lora)"
+                if (local / "adapter_config.json").is_file() else "not a Hugging Face model directory")
+        raise ConfigError(f"{key} {path!r} has no config.json: {what}")
+    if local.is_file():
+        raise ConfigError(f"{key} {path!r} is a file; point it at the model's directory (with config.json)")
+    if local.exists():
         return
     command = build_command(path)  # a shipped config's checkpoints/..., which also reads as a hub id
     if command is not None:

@@ -26,8 +26,8 @@ Given value type: class_path='rlflow.losses.clipped.BNPOLoss'"""
 
 def test_a_nested_plugin_message_is_found():
     line = plugin_argument_error(ValueError(NESTED))
-    assert line == ("a plugin option (rlflow.judgers.remote.RemoteJudger): data.judging.judgers: the remote judger "
-                    "'remote' cannot reach http://127.0.0.1:9/x; fix its url")
+    assert line == ("data.judging.judgers: the remote judger 'remote' cannot reach http://127.0.0.1:9/x; fix its url "
+                    "(rlflow.judgers.remote.RemoteJudger)")
 
 
 def test_a_top_level_plugin_message_names_the_option():

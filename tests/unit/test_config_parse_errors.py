@@ -175,6 +175,9 @@ REFUSED_WHEN_BUILT = {
     "--data.judging.judgers={}": "data.judging.judgers is empty: map each data_source to a judger",
     "--data.train_data_path=[{path: a.jsonl, weight: 0}]": "data.train_data_path[0].weight must be a positive "
                                                            "number, got 0",
+    "--data.prompts.template={nope}": "data.prompts.template '{nope}' has no '{prompt}' placeholder",
+    "--model.lora={r: 0}": "model.lora.r must be an integer >= 1, got 0",
+    "--model.model_path=/etc": "model.model_path '/etc' has no config.json: not a Hugging Face model directory",
     # Lightning's own refusals of Trainer and callback arguments, its message as the line
     "--trainer.max_steps=-5": "`max_steps` must be a non-negative integer or -1 (infinite steps). You passed in -5.",
     "--trainer.strategy=nonsense": "You selected an invalid strategy name: `strategy='nonsense'`.",

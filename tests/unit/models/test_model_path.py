@@ -79,3 +79,20 @@ def test_a_missing_model_of_the_users_own_is_not_sent_to_the_demo_builds(path):
     with pytest.raises(ConfigError) as err:
         check_model_path(path, "model.model_path")
     assert "tools/" not in str(err.value) and "Hugging Face model directory" in str(err.value)
+
+
+def test_a_folder_or_file_that_is_not_a_model_is_named_before_transformers_reads_it(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"model.model_path '.*data' has no config.json: not a Hugging Face model "
+                                          r"directory$"):
+        check_model_path(str(tmp_path / "data"), "model.model_path")
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"model.reference.path '.*adapter' has no config.json: a PEFT adapter; "
+                                          r"give its base model here"):
+        check_model_path(str(tmp_path / "adapter"), "model.reference.path")
+    with pytest.raises(ConfigError, match=r"'.*train.jsonl' is a file; point it at the model's directory"):
+        check_model_path(str(tmp_path / "data" / "train.jsonl"), "model.model_path")
+    (tmp_path / "data" / "config.json").write_text("{}")
+    check_model_path(str(tmp_path / "data"), "model.model_path")  # a model directory passes
