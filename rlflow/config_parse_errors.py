@@ -10,7 +10,10 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
+
+import yaml
 
 UNKNOWN_PATTERNS = (
     re.compile(r"does not accept option '([\w.]+)'"),
@@ -197,8 +200,37 @@ def unknown_line(key: str, place: str, known_keys: Iterable[str], prefix: str = 
     return f"{place}{key} is not a setting{hint}"
 
 
+MISSING_FILE = re.compile(r"File does not exist: '([^']*)'")
+
+
+def config_file_problem(message: str, argv: Sequence[str]) -> str | None:
+    """What is wrong with a ``--config`` file as a whole (missing, not YAML, not a mapping of settings), naming it;
+    None where every file reads as a mapping."""
+    missing = MISSING_FILE.search(message)
+    if missing and 'key "config"' in message:
+        return f"--config {missing.group(1)}: no such file"
+    if not message.startswith(("Unexpected config", "Problems parsing config")):
+        return None
+    for path in config_files(argv):
+        try:
+            value = yaml.safe_load(Path(path).read_text())
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            line = f", line {mark.line + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or exc
+            return f"{path}{line}: not YAML ({problem}); a config is a YAML mapping of settings"
+        except (OSError, UnicodeDecodeError) as exc:
+            return f"{path}: cannot be read ({exc})"
+        if value is not None and not isinstance(value, dict):
+            return f"{path}: not a mapping of settings (the file holds a YAML {type(value).__name__})"
+    return None
+
+
 def parse_error_line(message: str, argv: Sequence[str], known_keys: Iterable[str]) -> str:
     """One line for jsonargparse's error ``message`` about ``argv``; ``known_keys`` feed the did-you-mean."""
+    whole_file = config_file_problem(message, argv)
+    if whole_file is not None:
+        return whole_file
     group = GROUP_OPTION.search(message)
     if group:  # "Group 'data' does not accept option 'sampling.max_tokenz'": a key of a config file
         key = f"{group.group(1)}.{group.group(2)}"

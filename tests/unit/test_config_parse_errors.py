@@ -192,3 +192,21 @@ def test_a_value_refused_when_its_object_is_built_is_one_line(capsys, tiny_model
     code, lines = run(capsys, *built(tiny_model), "--trainer.max_steps=1", option)
     assert code == 1
     assert len(lines) == 1 and lines[0].startswith(f"rlflow: error: {REFUSED_WHEN_BUILT[option]}"), lines
+
+
+def test_a_config_file_that_is_missing_not_yaml_or_not_a_mapping_is_named(tmp_path, capsys):
+    broken, listed, text = tmp_path / "broken.yaml", tmp_path / "list.yaml", tmp_path / "notes.txt"
+    broken.write_text("data:\n  sampling: [1\n")
+    listed.write_text("- 1\n- 2\n")
+    text.write_text("just some words\n")
+    cases = {
+        str(tmp_path / "missing.yaml"): f"--config {tmp_path / 'missing.yaml'}: no such file",
+        str(broken): f"{broken}, line 3: not YAML (expected ',' or ']', but got '<stream end>'); a config is a YAML "
+                     "mapping of settings",
+        str(listed): f"{listed}: not a mapping of settings (the file holds a YAML list)",
+        str(text): f"{text}: not a mapping of settings (the file holds a YAML str)",
+    }
+    for path, expected in cases.items():
+        code = main(["fit", "--config", path])
+        lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlflow: ")]
+        assert code == 1 and lines == [f"rlflow: error: {expected}"]
