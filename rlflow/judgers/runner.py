@@ -500,7 +500,8 @@ class JudgerRunner:
                     build_spec = {k: v for k, v in spec.items() if k != "name"} if isinstance(spec, dict) else spec
                     judger = registry.build(GROUP, build_spec, **(defaults or {}))
                     if not callable(judger):
-                        raise TypeError(f"judger {spec!r} built a {type(judger).__name__}, which is not callable")
+                        raise ConfigError(f"data.judging.judgers: {spec!r} is a {type(judger).__name__}, not a judger "
+                                          "(a reward function, or a class whose instances are called)")
                     name = distinct_name(judger_name(spec, judger), self.judgers)
                     self.judgers[name] = judger
                     built.append((spec, name))
