@@ -113,6 +113,17 @@ def accepted_keywords(fn: Callable[..., Any]) -> frozenset[str] | None:
     return frozenset(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
+def required_keywords(fn: Callable[..., Any]) -> frozenset[str]:
+    """The parameters ``fn`` cannot be called without (no default), by name; none where its signature cannot be
+    read."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return frozenset()
+    return frozenset(p.name for p in params
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty)
+
+
 def select_keywords(kwargs: dict[str, Any], accepted: frozenset[str] | None) -> dict[str, Any]:
     """``kwargs`` limited to the ``accepted`` names (all of them where ``accepted`` is None)."""
     return kwargs if accepted is None else {key: value for key, value in kwargs.items() if key in accepted}

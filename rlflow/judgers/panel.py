@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from rlflow.config_error import ConfigError
-from rlflow.data.dataset import DataError, PromptRecord
+from rlflow.data.dataset import RESERVED_COLUMNS, DataError, PromptRecord
 from rlflow.data.sources import DataSource
-from rlflow.judgers.context import RunState, environments_of
+from rlflow.judgers.context import RunState, environments_of, required_keywords
 from rlflow.judgers.runner import JudgeResult, JudgerRunner, merge_results
 
 log = logging.getLogger(__name__)
@@ -139,6 +139,7 @@ class JudgePanel:
         """Before any generation: every row has a judger for its ``data_source`` and the columns those judgers need
         (``required_columns``, e.g. gsm8k's ``ground_truth``); else one DataError naming each row's file:line."""
         problems, count = [], 0
+        columns_seen: dict[tuple[int, str], set[str]] = {}  # (runner, judger) -> the columns of the rows it judges
         for record in records:
             runner = self.runner_for(record)
             try:
@@ -146,6 +147,8 @@ class JudgePanel:
             except KeyError as exc:
                 problem = f"{record.source}: {exc.args[0] if exc.args else exc}"
             else:
+                for name in names:
+                    columns_seen.setdefault((id(runner), name), set()).update(record.columns)
                 missing = [f"judger {name!r} needs column {col!r}" for name in names
                            for col in getattr(runner.judgers[name], "required_columns", ())
                            if record.columns.get(col) is None]
@@ -155,6 +158,9 @@ class JudgePanel:
             count += 1
             if len(problems) < 10:
                 problems.append(problem)
+        unfed = self.unfed_parameters(columns_seen, split)
+        if unfed:
+            raise DataError(f"{split} data: " + "; ".join(unfed))
         if problems:
             more = f"\n  ... and {count - len(problems)} more" if count > len(problems) else ""
             raise DataError(
@@ -162,6 +168,23 @@ class JudgePanel:
                 + "\n  ".join(problems)
                 + more
             )
+
+    def unfed_parameters(self, columns_seen: dict[tuple[int, str], set[str]], split: str) -> list[str]:
+        """A line per judger with a required parameter (a TRL reward function's ``solution``) that neither the
+        judger call's own keywords nor any column of the rows routed to it would fill: the call would fail on every
+        sample of the first step. A column some rows lack is passed as None there, as TRL does."""
+        lines = []
+        for runner in {id(r): r for r in (self.default, *self.routing.runners.values())}.values():
+            for name, judger in runner.judgers.items():
+                seen = columns_seen.get((id(runner), name))
+                if seen is None:
+                    continue
+                unfed = sorted(required_keywords(judger) - RESERVED_COLUMNS - seen)
+                if unfed:
+                    lines.append(f"judger {name!r} requires the parameter(s) {', '.join(unfed)}, which no {split} row "
+                                 f"it judges has as a column (columns: {', '.join(sorted(seen)) or 'none'}); add the "
+                                 "column, give the parameter a default, or rename a column with the function judger")
+        return lines
 
     def answers(self, records: list[PromptRecord], texts: list[str], k: int) -> list[list[str | None] | None]:
         """Per record, the final answer each of its ``k`` completions (``texts``, record-major) states, by the first

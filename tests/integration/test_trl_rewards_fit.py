@@ -81,16 +81,16 @@ def test_trl_reward_functions_and_a_curriculum_train_unchanged(tiny_model, tiny_
         assert r["reward"] == pytest.approx(overlong + r["step"] / 3 * n / 12, abs=1e-6), r
 
 
-def test_a_judger_with_a_wrong_signature_stops_the_run_at_its_first_step(tiny_model, tiny_data, tmp_path, capsys):
+def test_a_judger_with_a_wrong_signature_stops_the_run_before_generation(tiny_model, tiny_data, tmp_path, capsys):
+    """``completion`` (for ``completions``) is a parameter no keyword and no column fills: refused at startup."""
     judgers = {"*": ["trl.rewards:think_format_reward", f"{HELPERS}:wrong_signature"]}
     code = main(run_args(tiny_model, tiny_data, tmp_path, judgers))
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("rlflow: error:")]
     assert code == 1 and len(lines) == 1, err
-    assert lines[0].startswith("rlflow: error: rollout step 0: judger 'wrong_signature' failed on 16 of its 16 "
-                               "samples: TypeError: wrong_signature() missing 1 required positional argument: "
-                               "'completion'; it was given the keywords prompts, completions, completion_ids, "), lines
-    assert "solution" in lines[0] and lines[0].endswith("trainer_state, log_extra, log_metric")
+    assert lines[0].startswith("rlflow: error: train data: judger 'wrong_signature' requires the parameter(s) "
+                               "completion, which no train row it judges has as a column (columns: "), lines
+    assert "solution" in lines[0] and "think_format_reward" not in lines[0]
     assert "Traceback" not in err
     assert not list(tmp_path.rglob("*.ckpt"))  # nothing was trained
 

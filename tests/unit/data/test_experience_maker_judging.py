@@ -31,6 +31,15 @@ def wrong_signature(completion, **kwargs):
     return [0.0]
 
 
+def cannot_score(completions, **kwargs):
+    """Fails on every call, with a signature that can be called: found only when it runs."""
+    return [len(completions) + "x"]
+
+
+def by_ability(completions, ability, **kwargs):
+    return [1.0 if a else 0.0 for a in ability]
+
+
 def data_module(tiny_model, tiny_data, tokenizer, judgers, records=4, **kw):
     dm = RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), tokenizer_path=str(tiny_model),
                            prompt_repeat_k=K, global_batch_size=records, sampling={"max_tokens": 8},
@@ -68,12 +77,28 @@ def test_taken_metric_names_and_a_judger_scoring_nothing_are_warned_about_once(
 
 
 def test_a_judger_that_cannot_work_stops_the_step_before_anything_is_trained(tiny_model, tiny_data, tokenizer):
-    path = "tests.unit.data.test_experience_maker_judging:wrong_signature"
+    path = "tests.unit.data.test_experience_maker_judging:cannot_score"
     dm = data_module(tiny_model, tiny_data, tokenizer, {"*": ["gsm8k", path]})
-    with pytest.raises(JudgerError, match=r"^rollout step 5: judger 'wrong_signature' failed on 16 of its 16 samples: "
-                                          r"TypeError: .*'completion'; it was given the keywords prompts, completions"):
+    with pytest.raises(JudgerError, match=r"^rollout step 5: judger 'cannot_score' failed on 16 of its 16 samples: "
+                                          r"TypeError: .*; it was given the keywords prompts, completions"):
         dm.make_experience(dm.train_records[:4], policy_version=0, step=5)
     assert dm.buffer.items == []
+
+
+def test_a_reward_function_whose_parameter_no_column_fills_is_refused_before_generation(tiny_model, tiny_data,
+                                                                                         tokenizer):
+    """TRL's contract passes each column by name: a required parameter that names no column of the rows the
+    function judges (``completion`` for ``completions``) would fail every call; the data setup says so first. A
+    parameter some rows fill is called with None for the others, as TRL does."""
+    from rlflow.data.dataset import DataError
+
+    path = "tests.unit.data.test_experience_maker_judging:wrong_signature"
+    with pytest.raises(DataError, match=r"^train data: judger 'wrong_signature' requires the parameter\(s\) "
+                                        r"completion, which no train row it judges has as a column \(columns: "
+                                        r"ability, data_source, extra_info, ground_truth, reward_model\)"):
+        data_module(tiny_model, tiny_data, tokenizer, {"*": ["gsm8k", path]})
+    dm = data_module(tiny_model, tiny_data, tokenizer, {"*": f"{__name__}:by_ability"})
+    assert dm.train_records  # ability: a column of every row
 
 
 def test_every_rank_stops_when_a_judger_cannot_work_on_another(tiny_model, tiny_data, tokenizer):

@@ -14,7 +14,6 @@ import torch
 
 from rlflow.config_error import ConfigError
 from rlflow.training.optim import LostUpdatesWarning, UpdateFraction, build_optimizer, check_optimizer, fused_supported
-from tests.helpers.paths import ROOT
 
 HAVE = {"adamw": True, "adamw_kahan": importlib.util.find_spec("optimi") is not None,
         "adamw_bf16_sr": importlib.util.find_spec("torchao") is not None}
@@ -80,7 +79,7 @@ def test_bf16_optimizers_track_a_float32_adamw_run(name):
     assert kept_err < 0.35 and kept_err < plain_err / 3, (kept_err, plain_err)
 
 
-def test_unknown_or_missing_optimizer_is_one_clear_error(monkeypatch):
+def test_unknown_or_missing_optimizer_is_one_clear_error(monkeypatch, tiny_model):
     with pytest.raises(ConfigError, match="adamw, adamw_bf16_sr, adamw_kahan"):
         check_optimizer("sgd")
     real = importlib.util.find_spec
@@ -90,7 +89,7 @@ def test_unknown_or_missing_optimizer_is_one_clear_error(monkeypatch):
     from rlflow.training.module import GRPOModule
 
     with pytest.raises(ConfigError, match="torch-optimi"):
-        GRPOModule(model_path=str(ROOT), optim={"optimizer": "adamw_kahan"})
+        GRPOModule(model_path=str(tiny_model), optim={"optimizer": "adamw_kahan"})
 
 
 # ---------------------------------------------------------------- (c) the metric against a recomputation
@@ -147,13 +146,13 @@ def expected_factor(step: int, schedule: str, warmup: int, total: int) -> float:
 @pytest.mark.parametrize("optimizer", ["adamw", pytest.param("adamw_kahan", marks=needs("adamw_kahan")),
                                        pytest.param("adamw_bf16_sr", marks=needs("adamw_bf16_sr"))])
 def test_lr_schedule_spans_the_rollout_steps_optimizer_steps(
-    optimizer_steps, num_iterations, schedule, warmup, optimizer
+    optimizer_steps, num_iterations, schedule, warmup, optimizer, tiny_model
 ):
     from rlflow.training.module import GRPOModule
 
     rollout_steps = 5
     module = GRPOModule(
-        model_path=str(ROOT),
+        model_path=str(tiny_model),  # not loaded: the policy is set below
         optim={"lr": 2e-3, "lr_schedule": schedule, "warmup_steps": warmup, "optimizer": optimizer},
         update={"optimizer_steps": optimizer_steps, "num_iterations": num_iterations},
     )
