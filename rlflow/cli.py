@@ -164,6 +164,9 @@ def check_config(config: Namespace) -> None:
     """Checks before either class is instantiated, so each error names the key the user set (``model.model_path``,
     not the linked ``data.tokenizer_path``), and a wrong backend name fails before any model loads."""
     model, data = config.get("model"), config.get("data")
+    every_n_epochs = (config.get("trainer") or Namespace()).get("check_val_every_n_epoch")
+    if isinstance(every_n_epochs, int) and every_n_epochs < 1:  # Lightning divides by it
+        raise ConfigError(f"trainer.check_val_every_n_epoch must be >= 1 (or null), got {every_n_epochs}")
     if model is not None and isinstance(model.get("model_path"), str):
         check_model_path(model["model_path"], "model.model_path")
     if data is not None:

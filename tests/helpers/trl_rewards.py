@@ -25,6 +25,11 @@ def wrong_signature(completion, **kwargs):
     return [0.0]
 
 
+def cannot_score(completions, **kwargs):
+    """Callable as TRL calls reward functions, and failing on every call (a bug in its body)."""
+    return [len(completions) + "x"]
+
+
 def make_flaky(every: int):
     """A reward function that fails on every ``every``-th sample it sees (an infinite reward counts as failed)."""
     seen = [0]

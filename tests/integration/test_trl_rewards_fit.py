@@ -128,9 +128,9 @@ def test_under_fsdp2_on_two_ranks(tiny_model, tiny_data, tmp_path):
         assert len(rows) == 2 * 2 * 4  # 2 steps x 2 prompts x 4 completions on each rank
         assert all(r["process_zero"] is first and r["curriculum_level"] == r["step"] / 2 for r in rows)
 
-    bad = {"*": ["trl.rewards:think_format_reward", f"{HELPERS}:wrong_signature"]}
+    bad = {"*": ["trl.rewards:think_format_reward", f"{HELPERS}:cannot_score"]}
     run = two_ranks(run_args(tiny_model, tiny_data, tmp_path / "bad", bad, steps=2), tmp_path)
     lines = [line for line in run.stderr.splitlines() if line.startswith("rlflow: error:")]
     assert run.returncode == 1 and lines, run.stderr[-4000:]
-    assert all(line.startswith("rlflow: error: rollout step 0: judger 'wrong_signature' failed on 8 of its 8 "
+    assert all(line.startswith("rlflow: error: rollout step 0: judger 'cannot_score' failed on 8 of its 8 "
                                "samples: TypeError:") for line in lines), lines

@@ -179,6 +179,7 @@ REFUSED_WHEN_BUILT = {
     "--model.lora={r: 0}": "model.lora.r must be an integer >= 1, got 0",
     "--model.model_path=/etc": "model.model_path '/etc' has no config.json: not a Hugging Face model directory",
     "--data.judging.judgers={'*': 'math:pi'}": "data.judging.judgers: 'math:pi' is a float, not a judger",
+    "--trainer.check_val_every_n_epoch=0": "trainer.check_val_every_n_epoch must be >= 1 (or null), got 0",
     # Lightning's own refusals of Trainer and callback arguments, its message as the line
     "--trainer.max_steps=-5": "`max_steps` must be a non-negative integer or -1 (infinite steps). You passed in -5.",
     "--trainer.strategy=nonsense": "You selected an invalid strategy name: `strategy='nonsense'`.",
