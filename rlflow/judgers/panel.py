@@ -117,6 +117,9 @@ class JudgePanel:
         self.max_failure_rate = max_failure_rate
         self.default: JudgerRunner = self.routing.default  # rows of sources without their own judgers
         self.tokenizer: Any = None
+        #: Every column of the rows :meth:`check_rows` saw: each is passed to the judgers of every batch (None for a
+        #: row without it), so a column no row of one batch has is still a keyword, as with TRL's datasets.
+        self.known_columns: set[str] = set()
 
     def close(self) -> None:
         """End the judgers' idle worker processes, at the end of a run (a later batch starts new ones)."""
@@ -149,6 +152,7 @@ class JudgePanel:
             else:
                 for name in names:
                     columns_seen.setdefault((id(runner), name), set()).update(record.columns)
+                self.known_columns.update(record.columns)
                 missing = [f"judger {name!r} needs column {col!r}" for name in names
                            for col in getattr(runner.judgers[name], "required_columns", ())
                            if record.columns.get(col) is None]
@@ -217,7 +221,7 @@ class JudgePanel:
         shaped = [
             [{"role": "assistant", "content": t}] if isinstance(r.prompt, list) else t for r, t in zip(reps, texts)
         ]
-        keys = sorted({key for r in records for key in r.columns})
+        keys = sorted({key for r in records for key in r.columns} | self.known_columns)
         columns = {key: [r.columns.get(key) for r in reps] for key in keys}
         if any(getattr(c, "messages", None) is not None for c in completions):
             # multi-turn: judgers see the whole conversation after the prompt, the texts keep the chat markup (the

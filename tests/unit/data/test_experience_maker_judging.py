@@ -40,8 +40,12 @@ def by_ability(completions, ability, **kwargs):
     return [1.0 if a else 0.0 for a in ability]
 
 
-def data_module(tiny_model, tiny_data, tokenizer, judgers, records=4, **kw):
-    dm = RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), tokenizer_path=str(tiny_model),
+def by_hint(completions, hint, **kwargs):
+    return [0.5 if h is None else 1.0 for h in hint]
+
+
+def data_module(tiny_model, tiny_data, tokenizer, judgers, records=4, train=None, **kw):
+    dm = RolloutDataModule(train_data_path=str(train or tiny_data / "train.jsonl"), tokenizer_path=str(tiny_model),
                            prompt_repeat_k=K, global_batch_size=records, sampling={"max_tokens": 8},
                            judging={"judgers": judgers, "overlap": False}, **kw)
     dm.setup("fit")
@@ -116,3 +120,17 @@ def test_the_failure_rate_setting_reaches_the_panel_and_is_checked(tiny_model, t
                              tokenizer_path=str(tiny_model)).judges.max_failure_rate is None
     with pytest.raises(ConfigError, match=r"data.judging.max_failure_rate must be in \[0.0, 1.0\], got 1.5"):
         JudgingSettings(max_failure_rate=1.5)
+
+
+def test_a_column_only_some_rows_have_reaches_a_batch_without_it_as_none(tiny_model, tiny_data, tokenizer, tmp_path):
+    """As a TRL dataset's column: a batch of rows none of which has ``hint`` still passes ``hint`` (all None)."""
+    import json
+
+    rows = [json.loads(line) for line in (tiny_data / "train.jsonl").read_text().splitlines()]
+    rows[-1]["hint"] = "carry the one"
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    dm = data_module(tiny_model, tiny_data, tokenizer, {"*": f"{__name__}:by_hint"}, train=train)
+    assert all("hint" not in r.columns for r in dm.train_records[:4])
+    dm.make_experience(dm.train_records[:4], policy_version=0, step=0)
+    assert [e.reward for e in dm.buffer.items] == [0.5] * 4 * K
