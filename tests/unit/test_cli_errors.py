@@ -1,7 +1,10 @@
 """``rlflow.cli.plugin_argument_error``: jsonargparse's union error for a plugin its constructor refused becomes one
-line with the plugin's own message, however deep the union nests it."""
+line with the plugin's own message, however deep the union nests it. ``lightning_argument_error``: Lightning's
+refusals of its arguments are one line; other errors keep their traceback."""
 
 from __future__ import annotations
+
+import pytest
 
 from rlflow.cli import plugin_argument_error
 
@@ -38,3 +41,19 @@ def test_a_top_level_plugin_message_names_the_option():
 def test_other_errors_are_not_rewritten():
     assert plugin_argument_error(ValueError("something else")) is None
     assert plugin_argument_error(KeyError(NESTED)) is None
+
+
+def test_only_lightnings_argument_checks_are_its_one_line_refusals():
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.trainer.connectors.accelerator_connector import _AcceleratorConnector
+
+    from rlflow.cli import lightning_argument_error
+
+    assert lightning_argument_error(MisconfigurationException("`max_steps` must be ...")) == "`max_steps` must be ..."
+    with pytest.raises(ValueError) as raised:  # raised in Lightning's connector: the user's strategy name
+        _AcceleratorConnector(strategy="nonsense")
+    assert lightning_argument_error(raised.value).startswith("You selected an invalid strategy name")
+    try:
+        raise ValueError("a bug of rlflow's own")
+    except ValueError as exc:  # raised here, not in Lightning's checks: left to its traceback
+        assert lightning_argument_error(exc) is None
