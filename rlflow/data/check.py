@@ -65,6 +65,9 @@ class SourceReport:
     dropped: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     error_count: int = 0
+    #: (hash of the prompt text, row) of each kept text prompt: train and eval prompts are compared by them
+    prompts: list[tuple[int, str]] = field(default_factory=list)
+    shared: list[str] = field(default_factory=list)  # an eval source's rows whose prompt is also a train prompt
 
     @property
     def kept(self) -> int:
@@ -163,8 +166,10 @@ def check_source(dm: Any, source: DataSource, split: str, tokenizer: Any) -> Sou
         if not pending:
             return
         ids = tokenizer([text for _, text in pending], add_special_tokens=False)["input_ids"]
-        for (where, _), row_ids in zip(pending, ids):
+        for (where, text), row_ids in zip(pending, ids):
             add_length(where, len(row_ids))
+            if len(row_ids) <= limit:
+                report.prompts.append((hash(text), where))
         pending.clear()
 
     try:
@@ -219,6 +224,10 @@ def check_datamodule(dm: Any, tokenize: bool = True, mix: bool = True) -> CheckR
     tokenizer = dm.load_tokenizer() if tokenize else None
     reports = [check_source(dm, s, "train", tokenizer) for s in dm.train_prompts.sources]
     reports += [check_source(dm, s, "eval", tokenizer) for s in dm.eval_prompts.sources]
+    trained = {h for r in reports if r.split == "train" for h, _ in r.prompts}
+    for report in reports:
+        if report.split == "eval":
+            report.shared = [where for h, where in report.prompts if h in trained]
     return CheckReport(reports, dm.global_batch_size if mix else 0, tokenize)
 
 
@@ -244,6 +253,9 @@ def format_report(report: CheckReport) -> str:
             share = report.batch_size * s.weight / total_weight
             passes = f", one pass every {s.kept / share:.1f} steps" if s.kept else ""
             lines.append(f"  mix: weight {s.weight:g} -> {share:.2f} of {report.batch_size} prompts per step{passes}")
+        if s.shared:
+            lines.append(f"  {len(s.shared)} of its {s.kept} prompts are also train prompts (the first: "
+                         f"{s.shared[0]}): eval/accuracy is not held-out accuracy on them")
         if s.too_long:
             lines.append(f"  dropped {s.too_long} row(s) longer than {s.limit} tokens (training drops them too):")
             lines += [f"    {d}" for d in s.dropped]

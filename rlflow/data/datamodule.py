@@ -44,7 +44,7 @@ from rlflow.data.dynamic_sampling import DynamicSampling
 from rlflow.data.experience import Experience, RolloutStep
 from rlflow.data.experience_maker import EvalPlan, ExperienceMaker, Ranks
 from rlflow.data.mix import MixBatchSampler
-from rlflow.data.prompts import PromptSet
+from rlflow.data.prompts import PromptSet, shared_prompts
 from rlflow.data.replay_buffer import ReplayBuffer
 from rlflow.data.sampler import PromptBatchSampler, PromptLoader
 from rlflow.data.settings import (
@@ -57,7 +57,7 @@ from rlflow.data.settings import (
 )
 from rlflow.data.sources import parse_sources
 from rlflow.judgers.panel import JudgePanel
-from rlflow.log import info
+from rlflow.log import info, warn
 from rlflow.models.vision import ImageInputs, any_images, check_backend_accepts_images, load_processor
 from rlflow.rollout import prestart
 from rlflow.rollout.base import RolloutBackend, SamplingParams, SamplingSettings, pad_with_eos, stop_token_ids
@@ -298,6 +298,11 @@ class RolloutDataModule(L.LightningDataModule):
             self.sampler = self.train_prompts.sampler(self.global_batch_size, self.seed, self.filtering.skip_solved)
         if stage in ("fit", "validate") and self.eval_prompts.sources and not self.eval_records:
             self.judges.check_rows(self.eval_prompts.load(tokenizer, self.processor), "eval")
+            shared = shared_prompts(self.train_prompts.records, self.eval_records)
+            if shared:  # eval/accuracy counts prompts the policy trains on: a warning unless it is the whole set
+                say = info if len(shared) == len(self.eval_records) else warn  # (evaluating on trained prompts)
+                say(f"data: {len(shared)} of {len(self.eval_records)} eval prompts are also train prompts (the first: "
+                    f"{shared[0].source}); eval/accuracy is not held-out accuracy on them")
 
     def train_dataloader(self) -> DataLoader:
         assert self.sampler is not None, "setup('fit') must run first"

@@ -111,3 +111,10 @@ class PromptSet:
             return MixBatchSampler([self.sizes[s.name] for s in self.sources], [s.weight for s in self.sources],
                                    global_batch_size, seed=seed, names=[s.name for s in self.sources])
         return PromptBatchSampler(len(self.records), global_batch_size, seed=seed, skip_solved=skip_solved)
+
+
+def shared_prompts(train: list[PromptRecord], held_out: list[PromptRecord]) -> list[PromptRecord]:
+    """The records of ``held_out`` whose prompt, as the model sees it, is also a prompt of ``train`` (rows with
+    images are left out: their text alone does not tell them apart)."""
+    seen = {r.prompt_text for r in train if not has_images(r)}
+    return [r for r in held_out if not has_images(r) and r.prompt_text in seen]

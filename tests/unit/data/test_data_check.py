@@ -92,6 +92,10 @@ def test_config_mode_checks_the_configured_mix_and_eval_set(tiny_model, tiny_dat
     assert f"mix: weight 3 -> 3.00 of 4 prompts per step, one pass every {n_train / 3:.1f} steps" in out
     assert "mix: weight 1 -> 1.00 of 4 prompts per step, one pass every 20.0 steps" in out
     assert f"max {longest}  (max_prompt_length {limit})" in out  # its own limit
+    # the tiny task's val prompts are among its train prompts (on purpose: 200 facts in all), and so said
+    assert (f"  {n_eval} of its {n_eval} prompts are also train prompts (the first: {tiny_data / 'val.jsonl'}:1): "
+            "eval/accuracy is not held-out accuracy on them\n") in out
+    assert out.count("also train prompts") == 1  # train sources are not compared with each other
     assert (
         f"OK: 3 source(s), {n_train + 20} usable train and {n_eval} eval prompts, 0 dropped as too long, 0 error(s)"
         in out

@@ -285,3 +285,33 @@ def test_a_flow_mapping_without_a_space_after_the_colon_is_pointed_at():
     with pytest.raises(ValueError, match=r"unknown key\(s\) path:data/train.jsonl; a source takes .* \(YAML reads "
                                          r"\{path:data/train.jsonl\} as one key: write \{path: data/train.jsonl\}"):
         parse_sources([item])
+
+
+def test_eval_prompts_that_are_also_train_prompts_are_warned_about(tiny_model, tiny_data, tmp_path, caplog):
+    """Held-out accuracy is not held out where the eval set repeats train prompts: a warning naming the first, or,
+    where every eval prompt is a train prompt (the tiny demo task's 64 of its 200 facts, on purpose), an info line."""
+    import json
+    import logging
+
+    from rlflow.data.datamodule import RolloutDataModule
+
+    caplog.set_level(logging.INFO)
+    train = [json.loads(line) for line in (tiny_data / "train.jsonl").read_text().splitlines()]
+    held_out = tmp_path / "held_out.jsonl"  # the task's format, numbers no train row has
+    held_out.write_text("".join(json.dumps({**train[0], "prompt": [{"role": "user", "content": f"What is {a} + 100?"}]})
+                                + "\n" for a in range(7)) + json.dumps(train[5]) + "\n")
+    cases = [(held_out, "WARNING", f"1 of 8 eval prompts are also train prompts (the first: {held_out}:8)"),
+             (tiny_data / "val.jsonl", "INFO", f"64 of 64 eval prompts are also train prompts (the first: "
+                                               f"{tiny_data / 'val.jsonl'}:1)")]
+    for eval_path, level, warned in cases:
+        caplog.clear()
+        dm = RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), eval_data_path=str(eval_path),
+                               tokenizer_path=str(tiny_model), judging={"judgers": {"*": "gsm8k"}})
+        dm.setup("fit")
+        found = [(r.levelname, r.getMessage()) for r in caplog.records if "also train prompts" in r.getMessage()]
+        assert found == [(level, f"data: {warned}; eval/accuracy is not held-out accuracy on them")]
+    held_out.write_text("".join(line for line in held_out.read_text().splitlines(keepends=True)[:7]))
+    caplog.clear()
+    RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), eval_data_path=str(held_out),
+                      tokenizer_path=str(tiny_model), judging={"judgers": {"*": "gsm8k"}}).setup("fit")
+    assert not [r for r in caplog.records if "also train prompts" in r.getMessage()]
