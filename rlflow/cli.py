@@ -232,6 +232,10 @@ class RLFlowCLI(LightningCLI):
         kwargs = super()._prepare_subcommand_kwargs(subcommand)
         if subcommand == "fit":
             kwargs["ckpt_path"] = self.prepare_fit(kwargs.get("ckpt_path"))
+        eval_prompts = getattr(self.datamodule, "eval_prompts", None)
+        if subcommand == "validate" and eval_prompts is not None and not eval_prompts.sources:
+            raise ConfigError("rlflow validate evaluates on data.eval_data_path, which is not set; give it the "
+                              "prompts to evaluate on")
         return kwargs
 
     def prepare_fit(self, ckpt_path: Any) -> Any:

@@ -209,11 +209,27 @@ def export_checkpoint(
     lora_settings = LoraSettings.coerce(hparams.get("lora"))
     if lora is not None and lora_settings is None:
         raise ConfigError(f"--lora applies to a model.lora run; {ckpt_path} trained the full weights")
+    check_out(Path(out), model_path)
     models = build_policy(model_path, settings, lora_settings, training=False)
     load_policy_weights(models.policy, policy_weights(checkpoint["state_dict"]), lora_settings is not None)
     models.policy.eval()
     export = PolicyExport(models.policy, text_processor(model_path), model_path, settings, models.peft)
     return export.write(Path(out), lora)
+
+
+def check_out(out: Path, model_path: str) -> None:
+    """``--out`` as a directory the export can write, and not the base model's own (which it would overwrite);
+    created here, before the model loads."""
+    if out.is_file():
+        raise ConfigError(f"--out {out} is a file; give a directory to write the model into")
+    base = Path(model_path).expanduser()
+    if base.is_dir() and out.is_dir() and out.resolve() == base.resolve():
+        raise ConfigError(f"--out {out} is the base model's own directory (model.model_path), which the export "
+                          "would overwrite; give another directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--out {out} cannot be created: {exc.strerror or exc}") from exc
 
 
 def run_model_path(model_path: str | None, ckpt_path: str | Path) -> str | None:

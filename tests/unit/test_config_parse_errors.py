@@ -212,3 +212,10 @@ def test_a_config_file_that_is_missing_not_yaml_or_not_a_mapping_is_named(tmp_pa
         code = main(["fit", "--config", path])
         lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlflow: ")]
         assert code == 1 and lines == [f"rlflow: error: {expected}"]
+
+
+def test_validate_without_eval_data_says_so(capsys, tiny_model):
+    code = main(["validate", "--config", DEMO, *built(tiny_model), "--data.eval_data_path=null"])
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlflow: ")]
+    assert code == 1 and lines == ["rlflow: error: rlflow validate evaluates on data.eval_data_path, which is not "
+                                   "set; give it the prompts to evaluate on"]

@@ -77,3 +77,22 @@ def test_a_runs_relative_model_path_is_found_from_anywhere(tmp_path, monkeypatch
     with pytest.raises(ConfigError, match=r"'./models/m' \(relative to where the run started\) is neither here "
                                           r"nor above the checkpoint; pass --model_path"):
         run_model_path("./models/m", ckpt)
+
+
+def test_an_out_that_is_a_file_the_base_model_or_not_creatable_is_refused_before_loading(tmp_path):
+    from rlflow.config_error import ConfigError
+    from rlflow.training.export import check_out
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"is the base model's own directory \(model.model_path\)"):
+        check_out(tmp_path / "." / "base", str(base))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=r"--out .*file is a file; give a directory"):
+        check_out(tmp_path / "file", str(base))
+    with pytest.raises(ConfigError, match=r"--out .*file/sub cannot be created: "):
+        check_out(tmp_path / "file" / "sub", str(base))
+    assert (base / "config.json").read_text() == "{}"
+    check_out(tmp_path / "new" / "export", str(base))  # created, parents too
+    assert (tmp_path / "new" / "export").is_dir()
