@@ -232,10 +232,6 @@ class RLFlowCLI(LightningCLI):
         kwargs = super()._prepare_subcommand_kwargs(subcommand)
         if subcommand == "fit":
             kwargs["ckpt_path"] = self.prepare_fit(kwargs.get("ckpt_path"))
-        eval_prompts = getattr(self.datamodule, "eval_prompts", None)
-        if subcommand == "validate" and eval_prompts is not None and not eval_prompts.sources:
-            raise ConfigError("rlflow validate evaluates on data.eval_data_path, which is not set; give it the "
-                              "prompts to evaluate on")
         return kwargs
 
     def prepare_fit(self, ckpt_path: Any) -> Any:
@@ -309,6 +305,10 @@ class RLFlowCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         check_config(config)
+        data = config.get("data")
+        if self.subcommand == "validate" and data is not None and not data.get("eval_data_path"):
+            raise ConfigError("rlflow validate evaluates on data.eval_data_path, which is not set; give it the "
+                              "prompts to evaluate on")  # before any model loads
         apply_plugin_settings(config)
         every = config.get("evaluate_every_n_steps")
         trainer = config.get("trainer")

@@ -46,8 +46,6 @@ def config_files(argv: Sequence[str]) -> list[str]:
 def _find(path: str, key: str) -> tuple[Any, int] | None:
     """The YAML node of the dotted ``key`` in the file at ``path`` (also under a ``fit:`` level) and its 1-based
     line; None where the file does not set it or cannot be read."""
-    import yaml
-
     try:
         with open(path, encoding="utf-8") as f:
             node = yaml.compose(f)
@@ -76,8 +74,6 @@ def key_line(path: str, key: str) -> int | None:
 def nested_line(path: str, parent: str, field: str) -> int | None:
     """The 1-based line of ``field`` under an ``init_args`` anywhere inside the setting ``parent`` of the YAML file
     at ``path`` (a judger in ``data.judging.judgers``' routes and lists), or None."""
-    import yaml
-
     found = _find(path, parent)
     stack = [found[0]] if found is not None else []
     while stack:
