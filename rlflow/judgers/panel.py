@@ -178,7 +178,7 @@ class JudgePanel:
         judger call's own keywords nor any column of the rows routed to it would fill: the call would fail on every
         sample of the first step. A column some rows lack is passed as None there, as TRL does."""
         lines = []
-        for runner in {id(r): r for r in (self.default, *self.routing.runners.values())}.values():
+        for runner in (self.default, *self.routing.runners.values()):
             for name, judger in runner.judgers.items():
                 seen = columns_seen.get((id(runner), name))
                 if seen is None:
