@@ -1,28 +1,29 @@
 #!/usr/bin/env bash
-# The GPU checks, in one run on a lent GPU machine: the gpu-marked tests, the engine against model.generate and
-# transformers' continuous batching (generate_batch) on CUDA in float32 and bf16 (the tiny model and a random-init
-# model of Qwen3-0.6B's shape, at 16 prompts x 8 x 128 tokens and, last, 64 x 8 x 512 in bf16; the engine with its
-# decode steps as CUDA graphs, the default, and eager, --without-graphs), the engine's
-# RMS-norm option, achieved FLOP/s against the GPU's matmul peak, and rlflow fit steps on the GPU (under FSDP2,
-# bf16-mixed, pipelined, and with gradient checkpointing). Everything it prints also goes to $OUT/gpu_check.log,
-# and each run's metrics.csv to $OUT.
+# The GPU checks, in one run on a lent GPU machine, most wanted first: the engine (its decode steps as CUDA graphs,
+# the default, and eager) against model.generate and transformers' continuous batching (generate_batch) on a
+# random-init model of Qwen3-0.6B's shape at 16 prompts x 8 x 128 tokens (float32 and bf16; DTYPES=bfloat16 for bf16
+# alone) and 64 x 8 x 512 in bf16; the gpu-marked tests; rlflow fit on the GPU (the demo config in bf16-mixed with
+# data.rollout: auto, the 0.6B shape packed under FSDP2 with gradient checkpointing; both log the rollout/training
+# log-prob gap); achieved FLOP/s against the GPU's matmul peak; then the tiny model's rollout, the engine's RMS-norm
+# option, and the demo config under FSDP2 and pipelined. Everything it prints also goes to $OUT/gpu_check.log, and
+# each run's metrics.csv to $OUT.
 #
 # The machine has no package index. Prepare it here, then start it through the device tool:
 #   bash tools/gpu_wheels.sh          # jsonargparse, transformers, ... as wheels in .whl/
 #   bash tools/demo.sh                # (or make_tiny_model.py) so checkpoints/tiny-qwen3 and checkpoints/arith exist
-#   device run: command "SKIP_FLOPS=1 bash tools/gpu_check.sh", carry [".whl", "checkpoints/tiny-qwen3",
+#   device run: command "bash tools/gpu_check.sh", carry [".whl", "checkpoints/tiny-qwen3",
 #               "checkpoints/arith", "rlflow.egg-info"], timeout_s 560
-# A device command runs for 10 minutes at most: the steps other than the continuous-batching anchor and the
-# 64 x 8 x 512 rollout took 8.5 minutes on an H100 (docs/gpu/2026-11-26-h100.log), so leave out the FLOP/s bench
-# (SKIP_FLOPS=1) or the large rollout (SKIP_LARGE=1) to fit. RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2
-# runs the same steps on a CPU, smaller (a dry run of the script itself). A step that fails is reported and the
-# rest still run; the exit status is 1 if any failed.
+# A device command runs for 10 minutes at most, so a call may end before the last steps: leave out the FLOP/s bench
+# (SKIP_FLOPS=1), the large rollout (SKIP_LARGE=1) or the steps after the FLOP/s bench (SKIP_MORE=1) to fit.
+# RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2 runs the same steps on a CPU, smaller (a dry run of the script itself). A
+# step that fails is reported and the rest still run; the exit status is 1 if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-runs/gpu_check}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_check.log") 2>&1
 PY=${PYTHON:-python3}
+DTYPES=${DTYPES:-both}  # the 16-row rollout's precisions: both, or bfloat16 alone
 DEVICE=${RLFLOW_CHECK_DEVICE:-cuda}
 export PYTHONUNBUFFERED=1
 failed=()
@@ -59,10 +60,6 @@ print(f"python torch {torch.__version__} transformers {transformers.__version__}
 print("rollout backends:", ", ".join(sorted(registry.available("rlflow.rollout"))))
 EOF
 
-step "gpu-marked tests"
-run "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests/integration/test_gpu.py \
-  tests/unit/judgers/test_reward_model.py tests/unit/rollout/test_lmdeploy_rollout.py
-
 step "models: the tiny demo model, and a random-init model of Qwen3-0.6B's shape"
 if [ ! -f checkpoints/tiny-qwen3/config.json ]; then
   run "$PY" tools/make_tiny_model.py --out checkpoints/tiny-qwen3 --data-out checkpoints/arith
@@ -70,24 +67,18 @@ fi
 SHAPE=/tmp/qwen3-0.6b-shape
 run "$PY" tools/make_shape_model.py --shape qwen3-0.6b --out "$SHAPE" ${SHAPE_LAYERS:+--layers "$SHAPE_LAYERS"}
 
-step "rollout: engine (CUDA graphs, and eager) vs model.generate and generate_batch, tiny model, float32 and bf16"
-run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype both --model checkpoints/tiny-qwen3 \
-  --prompts "$PROMPTS" --n 8 --max-tokens 32 --repeats 3 --rollouts 3 --full-warmup --continuous-batching \
-  --without-graphs
-
-step "rollout: engine (CUDA graphs, and eager) vs model.generate and generate_batch, Qwen3-0.6B shape, float32 and bf16"
-run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype both --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
+step "rollout: engine (CUDA graphs, and eager) vs model.generate and generate_batch, Qwen3-0.6B shape, $DTYPES"
+run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype "$DTYPES" --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
   --max-tokens "$TOKENS" --repeats 3 --rollouts 1 --full-warmup --continuous-batching --without-graphs
 
-step "the engine's RMS norms in bf16: F.rms_norm (norm: torch, the default on a GPU) against the model's formula"
-run "$PY" benchmarks/bench_norm.py --device "$DEVICE" --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
-  --max-tokens "$TOKENS" --repeats 3
-
-if [ -z "${SKIP_FLOPS:-}" ]; then
-step "achieved FLOP/s against the matmul peak, Qwen3-0.6B shape, bf16"
-run "$PY" benchmarks/bench_flops.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --seqs "$PROMPTS" \
-  --prompts "$PROMPTS" --n 8 --completion "$TOKENS" --repeats 2
+if [ -z "${SKIP_LARGE:-}" ]; then
+step "rollout: engine vs model.generate and generate_batch, Qwen3-0.6B shape, bf16, $LARGE_PROMPTS x 8 x $LARGE_TOKENS"
+run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts "$LARGE_PROMPTS" \
+  --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --continuous-batching
 fi
+
+step "gpu-marked tests"
+run "$PY" -m pytest -m gpu -q -rs -p no:cacheprovider tests
 
 fit() {  # fit NAME STEPS ARGS...: an rlflow fit run on the demo config, its metrics.csv copied to $OUT/NAME.csv
   local name=$1 steps=$2; shift 2
@@ -99,26 +90,36 @@ fit() {  # fit NAME STEPS ARGS...: an rlflow fit run on the demo config, its met
   [ -n "$csv" ] && cp "$csv" "$OUT/$name.csv" && "$PY" tools/summarize_run.py "$(dirname "$csv")" | tail -4
 }
 
-step "rlflow fit: the demo config under FSDP2 (fsdp2_bf16, one rank)"
-fit demo_fsdp2 "$STEPS" --trainer.strategy=fsdp2_bf16 --trainer.precision=32-true
+step "rlflow fit: the demo config, bf16-mixed (data.rollout: auto picks the backend and logs why; dtype auto), the rollout/training log-prob gap logged"
+fit demo_bf16 "$STEPS" --trainer.precision=bf16-mixed --data.rollout=auto --model.rollout_correction.mode=token_truncate
 
-step "rlflow fit: the demo config, bf16-mixed without FSDP (the engine decodes in bf16: dtype auto), the rollout/training log-prob gap logged"
-fit demo_bf16 "$STEPS" --trainer.precision=bf16-mixed --data.rollout=engine \
-  --data.rollout.init_args.dtype=auto --model.rollout_correction.mode=token_truncate
-
-step "rlflow fit: the demo config pipelined (max_staleness 1): a CUDA trainer, the generator process on CPU cores"
-fit demo_pipelined "$STEPS" --data.pipeline.max_staleness=1 --data.pipeline.generator_threads=4
-
-step "rlflow fit: Qwen3-0.6B shape under FSDP2 with gradient checkpointing, $FIT_TOKENS new tokens, a dense reward"
+step "rlflow fit: Qwen3-0.6B shape under FSDP2 with gradient checkpointing, packed, $FIT_TOKENS new tokens, a dense reward"
 fit shape_fsdp2 "$SHAPE_STEPS" --model.model_path="$SHAPE" --trainer.strategy=fsdp2_bf16 \
   --trainer.precision=32-true --model.policy.gradient_checkpointing=true \
   --model.rollout_correction.mode=token_truncate --data.sampling.max_tokens="$FIT_TOKENS" --data.eval_data_path=null --model.optim.lr=1e-6 \
   '--data.judging.judgers={"*": "tests.integration.test_gpu:even_id_share"}'
 
-if [ -z "${SKIP_LARGE:-}" ]; then
-step "rollout: engine vs model.generate and generate_batch, Qwen3-0.6B shape, bf16, $LARGE_PROMPTS x 8 x $LARGE_TOKENS"
-run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts "$LARGE_PROMPTS" \
-  --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --continuous-batching --without-graphs
+if [ -z "${SKIP_FLOPS:-}" ]; then
+step "achieved FLOP/s against the matmul peak, Qwen3-0.6B shape, bf16"
+run "$PY" benchmarks/bench_flops.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --seqs "$PROMPTS" \
+  --prompts "$PROMPTS" --n 8 --completion "$TOKENS" --repeats 2
+fi
+
+if [ -z "${SKIP_MORE:-}" ]; then
+step "rollout: engine (CUDA graphs, and eager) vs model.generate and generate_batch, tiny model, float32 and bf16"
+run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype both --model checkpoints/tiny-qwen3 \
+  --prompts "$PROMPTS" --n 8 --max-tokens 32 --repeats 3 --rollouts 3 --full-warmup --continuous-batching \
+  --without-graphs
+
+step "the engine's RMS norms in bf16: F.rms_norm (norm: torch, the default on a GPU) against the model's formula"
+run "$PY" benchmarks/bench_norm.py --device "$DEVICE" --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
+  --max-tokens "$TOKENS" --repeats 3
+
+step "rlflow fit: the demo config under FSDP2 (fsdp2_bf16, one rank)"
+fit demo_fsdp2 "$STEPS" --trainer.strategy=fsdp2_bf16 --trainer.precision=32-true
+
+step "rlflow fit: the demo config pipelined (max_staleness 1): a CUDA trainer, the generator process on CPU cores"
+fit demo_pipelined "$STEPS" --data.pipeline.max_staleness=1 --data.pipeline.generator_threads=4
 fi
 
 step "done"

@@ -82,7 +82,7 @@ def _same_forward(module: torch.nn.Module) -> bool:
     weight = module.weight
     if weight.device.type == "meta" or weight.dtype != torch.float32:
         return not type(module).__name__.startswith("Gemma")  # nothing to run: the name rule alone
-    x = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight.device)
+    x = torch.randn(3, weight.shape[-1], generator=torch.Generator().manual_seed(0), device="cpu").to(weight.device)
     mine = RMSNormFunction.apply(x, weight, module.variance_epsilon)
     return torch.equal(type(module).forward(module, x), mine)
 

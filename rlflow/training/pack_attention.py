@@ -41,6 +41,7 @@ are chosen by :func:`rlflow.training.packing.collate_packed`, the plan only spli
 from __future__ import annotations
 
 import functools
+import inspect
 
 import torch
 from transformers import AttentionInterface
@@ -315,8 +316,22 @@ def _attend_varlen(kernel: str, plan: dict, query, key, value, scale, dropout_p:
     if kernel == "flash_attn":  # causal=True aligns the mask to the bottom right (a row behind a prefix)
         out = _flash_attn_varlen()(*args, dropout_p=dropout_p, softmax_scale=scale, causal=True)
     else:  # window (-1, 0): causal, bottom-right aligned as flash-attn's
-        out = _torch_varlen()(*args, scale=scale, window_size=(-1, 0), enable_gqa=gqa)
+        out = _call_torch_varlen(args, scale, gqa)
     return out if plan["out_index"] is None else out.index_select(0, plan["out_index"])
+
+
+def _call_torch_varlen(args: tuple, scale: float | None, gqa: bool) -> torch.Tensor:
+    """torch's ``varlen_attn`` on ``args``, causal. Grouped-query attention (fewer key/value heads than query
+    heads) goes through its ``enable_gqa`` where it has one (torch >= 2.12); on older torch the key and value heads
+    are repeated to the query's count."""
+    fn = _torch_varlen()
+    q, k, v, *rest = args
+    if gqa and k.shape[1] != q.shape[1]:
+        if "enable_gqa" in inspect.signature(fn).parameters:
+            return fn(*args, scale=scale, window_size=(-1, 0), enable_gqa=True)
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return fn(q, k, v, *rest, scale=scale, window_size=(-1, 0))
 
 
 def _plan(layout: dict, kind: str, device: torch.device) -> dict:

@@ -60,7 +60,7 @@ def test_fused_engine_on_cuda_matches_a_full_forward(name):
     model = tiny_causal_lm(name, seed=1).cuda()
     engine = EngineRollout(seed=0)
     engine.bind(model, IdTokenizer())
-    assert engine.decode_path == "fused decode"
+    assert engine.decode_path == "fused decode, decode steps as CUDA graphs"
     prompts = prompts_of([11, 17, 8], seed=2)
     groups = engine.generate(prompts, SamplingParams(0.8, max_tokens=12), n=3)
     assert engine._kept_decoder[1].dtype == torch.float32

@@ -310,3 +310,42 @@ def test_packed_logprobs_under_checkpointing_match_each_sequence_alone_on_cuda()
     got = torch.cat([p.grad.flatten() for n, p in model.named_parameters() if n in ref_grads])
     want = torch.cat([ref_grads[n].flatten() for n, p in model.named_parameters() if n in ref_grads])
     assert torch.nn.functional.cosine_similarity(got.float(), want.float(), dim=0) > 0.99
+
+
+def _causal_per_sequence(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), **gqa):
+    """A CPU stand-in of torch's varlen_attn: each sequence attended alone by sdpa, causal at the bottom right."""
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qs, ks, vs = (t[a:b].transpose(0, 1) for t, a, b in ((q, cu_q[i], cu_q[i + 1]), (k, cu_k[i], cu_k[i + 1]),
+                                                             (v, cu_k[i], cu_k[i + 1])))
+        mask = torch.ones(qs.shape[1], ks.shape[1], dtype=torch.bool).tril(ks.shape[1] - qs.shape[1])
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, scale=scale, **gqa).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("has_gqa", [False, True], ids=["torch-2.11-signature", "enable_gqa"])
+def test_torch_varlen_gets_grouped_query_heads_either_way(monkeypatch, has_gqa):
+    """torch's varlen_attn has no enable_gqa before 2.12: with fewer key/value heads than query heads they are
+    repeated (query head h reads key/value head h // group); where it has one it gets the heads as they are.
+    Either way the output is sdpa's grouped-query attention of each sequence."""
+    seen = {}
+
+    def old(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1)):
+        seen["kv_heads"] = k.shape[1]
+        return _causal_per_sequence(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale)
+
+    def new(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        seen["kv_heads"] = k.shape[1]
+        return _causal_per_sequence(q, k, v, cu_q, cu_k, max_q, max_k, scale=scale, enable_gqa=enable_gqa)
+
+    monkeypatch.setattr(pack_attention, "_torch_varlen", lambda: new if has_gqa else old)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(11, h, 8, generator=gen) for h in (6, 2, 2))
+    cu_q, cu_k = torch.tensor([0, 4, 11]), torch.tensor([0, 4, 11])
+    got = pack_attention._call_torch_varlen((q, k, v, cu_q, cu_k, 7, 7), 0.3, True)
+    assert seen["kv_heads"] == (2 if has_gqa else 6)
+    want = _causal_per_sequence(q, k, v, cu_q, cu_k, 7, 7, scale=0.3, enable_gqa=True)
+    torch.testing.assert_close(got, want)
+    wrong_grouping = _causal_per_sequence(q, k.repeat(1, 3, 1), v.repeat(1, 3, 1), cu_q, cu_k, 7, 7, scale=0.3)
+    assert not torch.allclose(got, wrong_grouping)
