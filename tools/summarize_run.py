@@ -1,5 +1,6 @@
 """Print the reward curve of an rlflow run from its CSV metrics, and the first-5 vs last-5 steps' mean reward (and,
-where the run logged it, the gap between the rollout's and the trainer's log-probs of the sampled tokens).
+where the run logged it, the gap between the rollout's and the trainer's log-probs of the sampled tokens, and the
+peak memory of its largest step).
 
     python tools/summarize_run.py runs/demo            # the newest version_* under runs/demo
     python tools/summarize_run.py runs/demo/version_3  # one run
@@ -13,6 +14,8 @@ import sys
 from pathlib import Path
 
 GAP = "sampling/sampling_logp_difference/"
+MEMORY = {"memory/max_rss_gb": "trainer process resident", "memory/max_allocated_gb": "GPU allocated",
+          "memory/max_reserved_gb": "GPU reserved"}
 
 
 def newest_run(path: Path) -> Path:
@@ -55,6 +58,9 @@ def main() -> None:
             calls = [float(r["tools/call_frequency"]) for r in train]
             print(f"tool calls per trajectory: first 5 steps {sum(calls[:5]) / 5:.3f}, last 5 steps "
                   f"{sum(calls[-5:]) / 5:.3f}")
+    peaks = {name: max(values) for name in MEMORY if (values := [float(r[name]) for r in train if r.get(name)])}
+    if peaks:  # the largest step's figures (rlflow.training.memory_metrics)
+        print("peak memory: " + ", ".join(f"{MEMORY[name]} {value:.2f} GiB" for name, value in peaks.items()))
     gap = [(float(r[GAP + "mean"]), float(r[GAP + "max"])) for r in train if r.get(GAP + "mean")]
     if gap:  # logged with model.rollout_correction: the engine's against the trainer's log-probs of sampled tokens
         print(f"rollout/training log-prob gap of the sampled tokens: mean {sum(m for m, _ in gap) / len(gap):.3g}, "

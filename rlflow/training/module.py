@@ -59,6 +59,7 @@ from rlflow.training.evaluation import EvalMetrics
 from rlflow.training.export import PolicyExport
 from rlflow.training.host_memory import reuse_freed_memory
 from rlflow.training.logprobs import completion_logprobs
+from rlflow.training.memory_metrics import memory_metrics, reset_peaks
 from rlflow.training.optim import UpdateFraction, build_lr_scheduler, build_optimizer
 from rlflow.training.packing import (
     balance_pack_count,
@@ -680,6 +681,7 @@ class GRPOModule(L.LightningModule):
     def training_step(self, batch: list, batch_idx: int) -> None:
         """One rollout step: sample and score fresh experience, fix old/reference log-probs, take the updates."""
         start = time.perf_counter()
+        reset_peaks(self.device)
         update = self.settings.update
         # 1. generate k completions per prompt with the current weights, judge them, compute group advantages
         with full_weights(self.policy if self.experience.reads_policy_weights else None):
@@ -697,6 +699,7 @@ class GRPOModule(L.LightningModule):
         # 4. metrics: global values under data parallelism; "loss" is each rank's share, so it adds up
         n = len(minibatches) * update.num_iterations
         trained.update({key: value / n for key, value in sums.items()})
+        trained.update(memory_metrics(self.device))
         warn_taken_names(rollout.metrics, [*trained, *STEP_METRICS], self.warned_names)
         metrics = reduce_metrics({**rollout.metrics, **trained}, samples_per_rank=len(everything), sum_keys={"loss"})
         self.num_tokens += metrics.pop("num_prompt_tokens") + metrics.pop("num_completion_tokens")

@@ -39,6 +39,9 @@ def test_fit_three_steps_end_to_end(tiny_model, tiny_data, tmp_path, monkeypatch
                  "completions/clipped_ratio", "entropy", "kl", "clip_ratio/region_mean", "loss", "grad_norm",
                  "num_tokens", "step_time"):
         assert name in rows[-1], name
+    # the trainer's peak resident memory (never falling), in GiB, on every step; no CUDA figures on a CPU run
+    rss = [r["memory/max_rss_gb"] for r in rows]
+    assert 0.1 < rss[0] <= rss[1] <= rss[2] < 64 and "memory/max_allocated_gb" not in rows[-1]
     # num_tokens is cumulative: it grows every step
     assert rows[0]["num_tokens"] < rows[1]["num_tokens"] < rows[2]["num_tokens"]
     assert all(0.0 <= r["completions/clipped_ratio"] <= 1.0 for r in rows)
