@@ -191,10 +191,18 @@ def main(argv=None) -> dict:
             run_once(b, warmup[0], params, warmup[1])
     backends = {name: b for name, (b, _) in backends.items()}
     rates: dict[str, list[float]] = {name: [] for name in backends}
+    cuda = args.device == "cuda"
+    working: dict[str, float] = {name: 0.0 for name in backends}  # GiB a rollout allocates above what was held before
     for r in range(args.repeats):
         for name, backend in backends.items():
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                held = torch.cuda.memory_allocated()
             with kernel(name):
                 seconds, tokens, lengths = run_once(backend, prompts, params, args.n, args.rollouts)
+            if cuda:
+                working[name] = max(working[name], (torch.cuda.max_memory_allocated() - held) / 2 ** 30)
             rates[name].append(tokens / seconds)
             print(f"run {r + 1} {name:6s}: {tokens} tokens in {seconds:.2f} s = {tokens / seconds:.1f} tok/s "
                   f"(mean length {statistics.mean(lengths):.1f}, max {max(lengths)})", flush=True)
@@ -203,6 +211,9 @@ def main(argv=None) -> dict:
         if graphed is not None:
             print(f"{name}: decode steps as CUDA graphs, {len(graphed.buckets)} buckets of rows "
                   f"({', '.join(map(str, sorted(graphed.buckets)))}) captured in {graphed.capture_seconds:.2f} s")
+    if cuda:  # KV cache, logits and activations: what a rollout adds to the loaded weights at its peak
+        print("peak GPU memory of a rollout above the memory held before it: "
+              + ", ".join(f"{name} {gib:.2f} GiB" for name, gib in working.items()))
     med = {name: statistics.median(v) for name, v in rates.items()}
     out: dict[str, float] = {f"{k}_tok_s": v for k, v in med.items()}
     where = f"{torch.get_num_threads()} threads" if args.device == "cpu" else args.device
