@@ -102,6 +102,20 @@ def run_once(backend, prompts, params, n, rollouts: int = 1) -> tuple[float, int
     return time.perf_counter() - start, sum(lengths), lengths
 
 
+def profile_rollout(backend, prompts, params, n: int, cuda: bool, rows: int = 15) -> None:
+    """One rollout under torch.profiler; prints its top operators by self device time (CPU time on a CPU)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        backend.generate(prompts, params, n=n)
+        if cuda:
+            torch.cuda.synchronize()
+    key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(f"--- profile of one rollout, top operators by {key}")
+    print(prof.key_averages().table(sort_by=key, row_limit=rows))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_model_args(ap)
@@ -126,6 +140,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--cb-settings", type=json.loads, default={},
                     help="ContinuousBatchingConfig fields for that anchor, as JSON (default: TRL's, "
                     "max_memory_percent 0.5)")
+    ap.add_argument("--profile", default=None, metavar="BACKEND",
+                    help="after the timed runs, one more rollout of BACKEND (a name the runs print: engine-bf16, "
+                    "hf, ...) under torch.profiler, and its top operators by device time (CPU time on a CPU)")
+    ap.add_argument("--engine-settings", type=json.loads, default={},
+                    help='EngineRollout arguments for every engine run, as JSON (e.g. \'{"max_batch_size": 512}\')')
     ap.add_argument("--without-graphs", action="store_true",
                     help="add the engine with cuda_graphs=False (eager decode steps on a GPU) and its ratio line")
     ap.add_argument("--with-mkl", action="store_true",
@@ -157,29 +176,34 @@ def main(argv=None) -> dict:
     prompts = load_prompts(args.data, tok, args.prompts)
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_tokens, stop)
+    def engine(**kwargs):  # --engine-settings, then the variant's own options
+        return EngineRollout(**{"seed": args.seed, **args.engine_settings, **kwargs})
+
     backends = {}
     if args.dtype in ("float32", "both"):
-        backends.update({"hf": (PlainGenerateRollout(), model), "engine": (EngineRollout(seed=args.seed), model)})
+        backends.update({"hf": (PlainGenerateRollout(), model), "engine": (engine(), model)})
         if args.continuous_batching:
             backends["cb"] = (ContinuousBatchingRollout(**args.cb_settings), model)
     if args.dtype in ("bfloat16", "both"):
         half = copy.deepcopy(model).to(torch.bfloat16)
         backends.update({"hf-bf16": (PlainGenerateRollout(), half),
-                         "engine-bf16": (EngineRollout(dtype="bfloat16", seed=args.seed), model)})
+                         "engine-bf16": (engine(dtype="bfloat16"), model)})
         if args.continuous_batching:
             backends["cb-bf16"] = (ContinuousBatchingRollout(**args.cb_settings), half)
     if args.bf16_policy:  # the policy itself in bf16: generate on it, the engine in its dtype and with auto
         if "hf-bf16" not in backends:
             backends["hf-bf16"] = (PlainGenerateRollout(), copy.deepcopy(model).to(torch.bfloat16))
         policy = backends["hf-bf16"][1]
-        backends.update({"engine-bf16-policy": (EngineRollout(seed=args.seed), policy),
-                         "engine-bf16-policy-auto": (EngineRollout(dtype="auto", seed=args.seed), policy)})
+        backends.update({"engine-bf16-policy": (engine(), policy),
+                         "engine-bf16-policy-auto": (engine(dtype="auto"), policy)})
     variants = [(suffix, option) for flag, suffix, option in VARIANTS if getattr(args, flag)]
     engines = [(name, b, m) for name, (b, m) in backends.items() if name.startswith("engine")]
-    backends.update({f"{name}-{suffix}": (EngineRollout(dtype=b.dtype, seed=args.seed, **option), m)
+    backends.update({f"{name}-{suffix}": (engine(dtype=b.dtype, **option), m)
                      for suffix, option in variants for name, b, m in engines})
     if args.with_mkl and "engine" in backends:
-        backends["engine-mkl"] = (EngineRollout(seed=args.seed), model)
+        backends["engine-mkl"] = (engine(), model)
+    if args.profile is not None and args.profile not in backends:
+        ap.error(f"--profile {args.profile}: not one of this run's backends ({', '.join(backends)})")
     warmup = (prompts, args.n) if args.full_warmup else (prompts[:2], 2)  # prompts and group size
     def kernel(name: str):  # the engine-mkl variant packs through MKL wherever its decoder packs (bind, any call)
         mkl = name.endswith("-mkl")
@@ -211,6 +235,8 @@ def main(argv=None) -> dict:
         if graphed is not None:
             print(f"{name}: decode steps as CUDA graphs, {len(graphed.buckets)} buckets of rows "
                   f"({', '.join(map(str, sorted(graphed.buckets)))}) captured in {graphed.capture_seconds:.2f} s")
+    if args.profile:
+        profile_rollout(backends[args.profile], prompts, params, args.n, cuda)
     if cuda:  # KV cache, logits and activations: what a rollout adds to the loaded weights at its peak
         print("peak GPU memory of a rollout above the memory held before it: "
               + ", ".join(f"{name} {gib:.2f} GiB" for name, gib in working.items()))

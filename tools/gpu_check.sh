@@ -74,7 +74,7 @@ run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype "$DTYPES" --mod
 if [ -z "${SKIP_LARGE:-}" ]; then
 step "rollout: engine vs model.generate and generate_batch, Qwen3-0.6B shape, bf16, $LARGE_PROMPTS x 8 x $LARGE_TOKENS"
 run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts "$LARGE_PROMPTS" \
-  --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --continuous-batching
+  --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --continuous-batching --profile engine-bf16
 fi
 
 step "gpu-marked tests"

@@ -1,0 +1,40 @@
+"""benchmarks/bench_rollout.py on a CPU: --engine-settings reaches every engine it times, --profile profiles one
+more rollout of the backend it names, and the ratio lines are of the runs it printed."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import bench_rollout
+from rlflow.rollout import engine as engine_module
+
+
+def test_engine_settings_and_profile(tiny_model, tiny_data, capsys, monkeypatch):
+    built = []
+    real = engine_module.EngineRollout
+
+    class Recording(real):
+        def __init__(self, **kwargs):
+            built.append(kwargs)
+            super().__init__(**kwargs)
+
+    monkeypatch.setattr(engine_module, "EngineRollout", Recording)
+    out = bench_rollout.main(["--model", str(tiny_model), "--data", str(tiny_data / "train.jsonl"), "--prompts", "2",
+                              "--n", "2", "--max-tokens", "4", "--repeats", "2", "--rollouts", "1",
+                              "--engine-settings", '{"max_batch_size": 3}', "--profile", "engine"])
+    assert built and all(kw["max_batch_size"] == 3 and kw["seed"] == 0 for kw in built)
+    printed = capsys.readouterr().out
+    assert "--- profile of one rollout, top operators by self_cpu_time_total" in printed
+    runs: dict[str, list[float]] = {}
+    for line in printed.splitlines():
+        if line.startswith("run "):
+            runs.setdefault(line.split()[2].rstrip(":"), []).append(float(line.split("= ")[1].split(" tok/s")[0]))
+    assert set(runs) == {"hf", "engine"} and all(len(v) == 2 for v in runs.values())
+    for name, rates in runs.items():  # the medians of the printed runs (printed to one decimal)
+        assert out[f"{name}_tok_s"] == pytest.approx(sum(rates) / 2, abs=0.1)
+    assert out["ratio"] == pytest.approx(out["engine_tok_s"] / out["hf_tok_s"])
+
+
+def test_an_unknown_profile_name_is_refused_before_anything_runs(tiny_model, tiny_data):
+    with pytest.raises(SystemExit):
+        bench_rollout.main(["--model", str(tiny_model), "--data", str(tiny_data / "train.jsonl"), "--profile", "nope"])
