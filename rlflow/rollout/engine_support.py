@@ -56,7 +56,7 @@ def static_unsupported_reason(model: Any) -> str | None:
 def probe_prompts(vocab_size: int, head_len: int) -> list[list[int]]:
     """Two prompts of different lengths sharing a ``head_len``-token head (fixed pseudo-random ids)."""
     gen = torch.Generator().manual_seed(1234)
-    ids = torch.randint(0, vocab_size, (head_len + 6,), generator=gen).tolist()
+    ids = torch.randint(0, vocab_size, (head_len + 6,), generator=gen, device="cpu").tolist()
     return [ids[: head_len + 2], ids[: head_len] + ids[head_len + 2:]]
 
 

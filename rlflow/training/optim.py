@@ -172,7 +172,7 @@ class UpdateFraction:
                 self._index[i] = None
             else:
                 gen = torch.Generator().manual_seed(self.seed + i)
-                self._index[i] = torch.randint(n, (self.sample_size,), generator=gen).to(flat.device)
+                self._index[i] = torch.randint(n, (self.sample_size,), generator=gen, device="cpu").to(flat.device)
         index = self._index[i]
         return flat.clone() if index is None else flat.index_select(0, index)
 

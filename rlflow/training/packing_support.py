@@ -49,7 +49,7 @@ def static_unsupported_reason(model: Any) -> str | None:
 def probe_experiences(vocab_size: int) -> list[Experience]:
     """Two completions of one prompt and one of another, of different lengths (fixed pseudo-random ids)."""
     gen = torch.Generator().manual_seed(4321)
-    ids = torch.randint(0, vocab_size, (20,), generator=gen).tolist()
+    ids = torch.randint(0, vocab_size, (20,), generator=gen, device="cpu").tolist()
     made = [(ids[:5], ids[5:9], 0), (ids[:5], ids[9:11], 0), (ids[11:14], ids[14:20], 1)]
     return [Experience(p, c, [0.0] * len(c), 0.0, 0.0, g, "stop", 0) for p, c, g in made]
 

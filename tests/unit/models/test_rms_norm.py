@@ -112,3 +112,24 @@ def test_a_variant_with_another_formula_keeps_its_own_forward():
     model = torch.nn.Sequential(ZeroCenteredRMSNorm(8), Qwen3RMSNorm(8))
     assert use_fast_rms_norm(model) == 1
     assert "forward" not in model[0].__dict__ and "forward" in model[1].__dict__
+
+
+def test_seeded_probes_draw_on_the_cpu_under_another_default_device():
+    """Lightning sets the accelerator as torch's default device while ``configure_model`` runs: the seeded probes
+    (the RMS-norm check, the packing and engine probes' token ids) draw on the CPU all the same and give the same
+    answer (a meta default device stands in for CUDA here: a draw there has no data to read)."""
+    from rlflow.models import rms_norm
+    from rlflow.rollout.engine_support import probe_prompts
+    from rlflow.training.packing_support import probe_experiences
+
+    norm = Qwen3RMSNorm(16)  # float32 weights on the CPU, as loaded
+
+    def answers():
+        rms_norm._CHECKED.clear()
+        return (is_rms_norm(norm), probe_prompts(1000, 4),
+                [(e.prompt_ids, e.completion_ids) for e in probe_experiences(1000)])
+
+    plain = answers()
+    with torch.device("meta"):
+        assert answers() == plain
+    assert plain[0] is True
