@@ -28,7 +28,7 @@ from rlflow.rollout.process import ThreadGenerator, copy_weights
 from tests.helpers.paths import ROOT
 from tests.helpers.processes import rlflow_env
 from tests.helpers.resume_helpers import (
-    TIMINGS,
+    MEASURED,
     assert_same_final_state,
     assert_same_run,
     metrics_by_step,
@@ -144,7 +144,7 @@ def test_the_bound_holds_and_nothing_changes_under_adversarial_timing(
     for step in range(STEPS):
         assert rec.metrics[step]["sampling/staleness/max"] <= 1
         assert {e.policy_version for e in rec.experiences[step]} == {e.policy_version for e in base.experiences[step]}
-        for key in base.metrics[step].keys() - TIMINGS:
+        for key in base.metrics[step].keys() - MEASURED:
             assert rec.metrics[step][key] == base.metrics[step][key], (step, key)
     if slow == "generator":  # the trainer really waited for the slow generator instead of running ahead (step 0's
         # completions are generated in the trainer, while the generator starts and samples step 1)
@@ -230,7 +230,7 @@ def test_the_backward_and_evaluation_take_the_generators_cores_and_the_run_stays
     assert base_log.generate[0][1:] == (1, True)  # step 0, generated in the trainer beside the generator's start
     assert {g[1:] for g in base_log.generate if g[0] == "eval"} == {(2, False)}
     for step in range(STEPS):
-        for key in base_log.metrics[step].keys() - TIMINGS:
+        for key in base_log.metrics[step].keys() - MEASURED:
             assert slow_log.metrics[step][key] == base_log.metrics[step][key], (step, key)
     # data.pipeline.lend_cores=false: the trainer keeps its one thread throughout and never holds the generator
     assert not kept.datamodule.pipeline.lends_cores

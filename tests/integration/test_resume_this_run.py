@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from rlflow.cli import cli_main, main
-from tests.helpers.resume_helpers import assert_same_final_state, assert_same_run, metrics_by_step, run_args
+from tests.helpers.resume_helpers import MEASURED, assert_same_final_state, assert_same_run, metrics_by_step, run_args
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def test_a_named_version_resumes_that_version_and_keeps_its_logs(tiny_model, sma
     resumed, reference = version_metrics(logs / "a"), metrics_by_step(straight)
     assert sorted(resumed) == [0, 1, 2]  # the rows written before the resume are kept, none twice
     for step, row in resumed.items():
-        for key in row.keys() - {"step_time", "rollout/time", "rollout/tokens_per_s", "rollout/wait_time"}:
+        for key in row.keys() - MEASURED:
             assert row[key] == reference[step][key], (step, key)
 
 
