@@ -249,6 +249,7 @@ class StepSummary(L.Callback):
             f"max {g('completions/max_length'):.0f}, clipped {100 * g('completions/clipped_ratio'):.0f}%) "
             f"| {g('step_time'):.2f} s/step (rollout {g('rollout/time'):.2f} s, {g('rollout/tokens_per_s'):.0f} tok/s) "
             f"| loss {g('loss'):.4f}"
+            + (f" | GPU peak {g('memory/max_allocated_gb'):.1f} GiB" if "memory/max_allocated_gb" in m else "")
         ))
 
 

@@ -76,6 +76,25 @@ def test_train_accuracy_counts_every_ranks_samples():
     assert logged["train/accuracy"] == (3 / 8, 8)
 
 
+@pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "cuda"])
+def test_the_step_line_shows_the_gpu_peak_where_one_was_measured(gpu, capsys):
+    import torch
+
+    from rlflow.training.callbacks import StepSummary
+
+    metrics = {"reward": 0.5, "loss": 0.25, "step_time": 2.0, "memory/max_rss_gb": 3.0,
+               **({"memory/max_allocated_gb": 12.34} if gpu else {})}
+    trainer = SimpleNamespace(strategy=SimpleNamespace(reduce=lambda t, reduce_op: t), is_global_zero=True,
+                              datamodule=SimpleNamespace(eval_pass_threshold=1.0), max_steps=4, global_step=1,
+                              progress_bar_callback=None)
+    module = SimpleNamespace(last_metrics=metrics, last_rollout=SimpleNamespace(samples=[{"reward": 1.0}]),
+                             device=torch.device("cpu"), log=lambda *a, **kw: None)
+    StepSummary().on_train_batch_end(trainer, module, None, None, 0)
+    line = capsys.readouterr().out.strip()
+    assert line.startswith("[rlflow] step 1/4 | reward 0.500 | accuracy 1.000") and "| loss 0.2500" in line
+    assert line.endswith("| loss 0.2500 | GPU peak 12.3 GiB" if gpu else "| loss 0.2500")
+
+
 @pytest.mark.parametrize("global_step, done, batches, total", [(0, 0, 100, 4), (2, 2, 100, 4), (3, 3, 100, 4),
                                                                (2, 2, 3, 3), (6, 0, 100, 2)])
 def test_the_bar_total_counts_the_batches_of_the_epoch_already_run(global_step, done, batches, total):
