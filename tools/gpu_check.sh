@@ -32,9 +32,9 @@ step() { echo; echo "=== $* ($(date +%T))"; }
 run() { "$@" || { echo "FAILED (exit $?): $*"; failed+=("$*"); }; }
 
 if [ "$DEVICE" = cuda ]; then
-  ACCELERATOR=gpu; TOKENS=128; FIT_TOKENS=64; STEPS=10; SHAPE_STEPS=3; PROMPTS=16; LARGE_PROMPTS=64; LARGE_TOKENS=512
+  ACCELERATOR=gpu; TOKENS=128; FIT_TOKENS=64; STEPS=10; SHAPE_STEPS=3; SHAPE_PROMPTS=16; PROMPTS=16; LARGE_PROMPTS=64; LARGE_TOKENS=512
 else
-  ACCELERATOR=cpu; TOKENS=16; FIT_TOKENS=16; STEPS=2; SHAPE_STEPS=1; PROMPTS=4; LARGE_PROMPTS=4; LARGE_TOKENS=24
+  ACCELERATOR=cpu; TOKENS=16; FIT_TOKENS=16; STEPS=2; SHAPE_STEPS=1; SHAPE_PROMPTS=2; PROMPTS=4; LARGE_PROMPTS=4; LARGE_TOKENS=24
 fi
 
 step "environment"
@@ -95,7 +95,7 @@ step "rlflow fit: the demo config, bf16-mixed (data.rollout: auto picks the back
 fit demo_bf16 "$STEPS" --trainer.precision=bf16-mixed --data.rollout=auto --model.rollout_correction.mode=token_truncate
 
 step "rlflow fit: Qwen3-0.6B shape under FSDP2 with gradient checkpointing, packed, $FIT_TOKENS new tokens, a dense reward"
-fit shape_fsdp2 "$SHAPE_STEPS" --model.model_path="$SHAPE" --trainer.strategy=fsdp2_bf16 \
+fit shape_fsdp2 "$SHAPE_STEPS" --model.model_path="$SHAPE" --data.global_batch_size="$SHAPE_PROMPTS" --trainer.strategy=fsdp2_bf16 \
   --trainer.precision=32-true --model.policy.gradient_checkpointing=true \
   --model.rollout_correction.mode=token_truncate --data.sampling.max_tokens="$FIT_TOKENS" --data.eval_data_path=null --model.optim.lr=1e-6 \
   '--data.judging.judgers={"*": "tests.integration.test_gpu:even_id_share"}'

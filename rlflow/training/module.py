@@ -87,10 +87,12 @@ class NonFiniteLossError(RuntimeError):
     """Too many optimizer steps in a row had a NaN or infinite loss or gradient."""
 
 
-def emulated_bf16(precision: str, device: torch.device, policy_dtype: torch.dtype = torch.float32) -> str | None:
-    """Why ``trainer.precision`` or the policy's parameter dtype costs time on ``device``, or None: bf16 compute on
-    a CPU that multiplies bf16 in software (neither AMX nor AVX512-BF16), where a run is faster in 32-true
-    (``trainer.precision: auto`` picks that there, :mod:`rlflow.training.trainer`) with float32 parameters."""
+def emulated_bf16(precision: str, device: torch.device, policy_dtype: torch.dtype = torch.float32,
+                  fsdp_param_dtype: torch.dtype | None = None) -> str | None:
+    """Why ``trainer.precision``, the policy's parameter dtype or FSDP2's mixed-precision compute dtype
+    (``fsdp_param_dtype``: ``fsdp2_bf16``) costs time on ``device``, or None: bf16 compute on a CPU that multiplies
+    bf16 in software (neither AMX nor AVX512-BF16), where a run is faster in 32-true (``trainer.precision: auto``
+    picks that there, :mod:`rlflow.training.trainer`) with float32 parameters."""
     from rlflow.rollout.hardware import native_bf16
 
     if device.type != "cpu" or native_bf16(device):
@@ -102,6 +104,9 @@ def emulated_bf16(precision: str, device: torch.device, policy_dtype: torch.dtyp
     if policy_dtype == torch.bfloat16:
         return (f"model.policy.dtype=bfloat16 on a CPU without bf16 hardware (no AMX or AVX512-BF16): {why}; keep "
                 "float32 parameters (the engine's dtype: auto decodes rollouts through float32 copies either way)")
+    if fsdp_param_dtype == torch.bfloat16:
+        return (f"an FSDP2 strategy computing in bfloat16 (fsdp2_bf16, param_dtype=bfloat16) on a CPU without bf16 "
+                f"hardware (no AMX or AVX512-BF16): {why}; set --trainer.strategy fsdp2 (float32 compute)")
     return None
 
 
@@ -550,7 +555,8 @@ class GRPOModule(L.LightningModule):
     def on_fit_start(self) -> None:
         if self.ref_model is not None and not self.sharded:  # a sharded reference already sits on its devices
             self.ref_model.to(self.device)
-        slow = emulated_bf16(str(self.trainer.precision), self.device, next(self.policy.parameters()).dtype)
+        slow = emulated_bf16(str(self.trainer.precision), self.device, next(self.policy.parameters()).dtype,
+                             getattr(self.trainer.strategy, "param_dtype", None))
         if slow:
             warn(slow)
         self.experience.bind(self.policy, self.current_policy_version)

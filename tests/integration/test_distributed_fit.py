@@ -55,6 +55,24 @@ def test_cli_maps_fsdp_to_fsdp2(tiny_model, tiny_data, tmp_path):
     assert cli.trainer.num_devices == 2
 
 
+def test_fsdp2_bf16_on_a_cpu_without_bf16_hardware_is_named(tiny_model, tiny_data, tmp_path, monkeypatch):
+    """The strategy ``fsdp2_bf16`` computes in bf16 (its ``param_dtype``, which the fit's check reads): on a CPU
+    that emulates bf16 the warning names it and the float32 strategy to use."""
+    import torch
+
+    import rlflow.rollout.hardware as hardware
+    from rlflow.cli import cli_main
+    from rlflow.training.module import emulated_bf16
+
+    monkeypatch.setattr(hardware, "native_bf16", lambda device: False)
+    args = fit_args(tiny_model, tiny_data, tmp_path, "--trainer.strategy=fsdp2_bf16", "--trainer.precision=32-true")
+    cli = cli_main(args[1:], run=False)
+    strategy = cli.trainer.strategy
+    assert strategy.param_dtype == torch.bfloat16
+    message = emulated_bf16("32-true", torch.device("cpu"), torch.float32, getattr(strategy, "param_dtype", None))
+    assert message and "--trainer.strategy fsdp2 (float32 compute)" in message
+
+
 # ------------------------------------------------------------------------------- end to end through Lightning
 SEEDED = [
     '--data.rollout={"class_path": "tests.integration.test_distributed_fit.SeededGroupRollout"}',

@@ -48,3 +48,8 @@ def test_bf16_precision_on_a_cpu_without_bf16_hardware_is_named(monkeypatch, nat
     if policy:
         assert "model.policy.dtype=bfloat16" in policy and "float32 parameters" in policy
     assert emulated_bf16("32-true", cpu, torch.float32) is None
+    fsdp = emulated_bf16("32-true", cpu, torch.float32, torch.bfloat16)  # fsdp2_bf16: FSDP2 computes in bf16
+    assert (fsdp is None) == native, fsdp
+    if fsdp:
+        assert "fsdp2_bf16" in fsdp and "--trainer.strategy fsdp2" in fsdp
+    assert emulated_bf16("32-true", cpu, torch.float32, torch.float32) is None
