@@ -327,11 +327,17 @@ def _call_torch_varlen(args: tuple, scale: float | None, gqa: bool) -> torch.Ten
     fn = _torch_varlen()
     q, k, v, *rest = args
     if gqa and k.shape[1] != q.shape[1]:
-        if "enable_gqa" in inspect.signature(fn).parameters:
+        if _takes_enable_gqa(fn):
             return fn(*args, scale=scale, window_size=(-1, 0), enable_gqa=True)
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     return fn(q, k, v, *rest, scale=scale, window_size=(-1, 0))
+
+
+@functools.cache
+def _takes_enable_gqa(fn) -> bool:
+    """Whether the attention function ``fn`` has an ``enable_gqa`` argument (looked up once per function)."""
+    return "enable_gqa" in inspect.signature(fn).parameters
 
 
 def _plan(layout: dict, kind: str, device: torch.device) -> dict:
