@@ -136,11 +136,15 @@ class CtrlCWhileStarting(L.Callback):
 
 
 def test_ctrl_c_before_training_starts_is_an_interrupt_not_an_error(tiny_model, small_data, tmp_path, capsys):
-    handler = signal.getsignal(signal.SIGINT)
-    spec = '--trainer.callbacks+={"class_path": "tests.integration.test_signals.CtrlCWhileStarting"}'
-    code = main(run_args(tiny_model, small_data, tmp_path, spec, steps=2))
-    err = capsys.readouterr().err
-    assert code == 130, err
-    lines = [line for line in err.splitlines() if line.startswith("rlflow: ")]
-    assert lines == ["rlflow: stopped by SIGINT outside a rollout step (exit code 130)"], err
-    assert signal.getsignal(signal.SIGINT) is handler  # Ctrl-C works again in this process
+    # an rlflow process starts with Python's own Ctrl-C handler; a test worker may have been left with another
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        spec = '--trainer.callbacks+={"class_path": "tests.integration.test_signals.CtrlCWhileStarting"}'
+        code = main(run_args(tiny_model, small_data, tmp_path, spec, steps=2))
+        err = capsys.readouterr().err
+        assert code == 130, err
+        lines = [line for line in err.splitlines() if line.startswith("rlflow: ")]
+        assert lines == ["rlflow: stopped by SIGINT outside a rollout step (exit code 130)"], err
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Ctrl-C works again in this process
+    finally:
+        signal.signal(signal.SIGINT, outer)
