@@ -33,6 +33,9 @@ sample the same tokens (up to rounding), and their ratio is one of times. ``--wi
 with its matrices packed through MKL (:mod:`rlflow.rollout.prepack`: the kernel off AVX2 CPUs; on an AVX2 CPU the
 engine packs through oneDNN), with a ratio line of the engine over it.
 
+``--fresh-prompts`` gives every timed run other prompts (as every rollout of a training run has), so that what a
+kernel library caches per shape is paid where training pays it; without it every run decodes the same prompts.
+
 ``--device cuda`` runs both on the GPU (their outputs are Python lists, so each timed rollout has finished its
 kernels); add ``--full-warmup`` there. Simplifications: CPU or a single device; prompts are the first ``--prompts``
 rows of an XTuner/TRL jsonl file rendered with the tokenizer's chat template (or given as plain strings); the warm-up
@@ -64,8 +67,9 @@ VARIANTS = [("without_graphs", "eager", {"cuda_graphs": False}),
             ("without_split", "whole", {"split_stragglers": False})]
 
 
-def load_prompts(path: str, tokenizer, count: int) -> list[list[int]]:
-    """Token ids of the first ``count`` prompts of a jsonl file (chat messages rendered with the chat template)."""
+def load_prompts(path: str, tokenizer, count: int, at_most: bool = False) -> list[list[int]]:
+    """Token ids of the first ``count`` prompts of a jsonl file (chat messages rendered with the chat template);
+    ``at_most``: fewer where the file has fewer."""
     prompts = []
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
@@ -78,7 +82,7 @@ def load_prompts(path: str, tokenizer, count: int) -> list[list[int]]:
             text = prompt if isinstance(prompt, str) else tokenizer.apply_chat_template(
                 prompt, add_generation_prompt=True, tokenize=False)
             prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if len(prompts) < count:
+    if len(prompts) < count and not at_most:
         raise ValueError(f"{path} has only {len(prompts)} prompts, --prompts asks for {count}")
     return prompts
 
@@ -107,13 +111,20 @@ def profile_rollout(backend, prompts, params, n: int, cuda: bool, rows: int = 15
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    start = time.perf_counter()
     with profile(activities=activities) as prof:
         backend.generate(prompts, params, n=n)
         if cuda:
             torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    averages = prof.key_averages()
     key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    print(f"--- profile of one rollout, top operators by {key}")
-    print(prof.key_averages().table(sort_by=key, row_limit=rows))
+    print(f"--- profile of one rollout ({wall:.2f} s under the profiler), top operators by {key}")
+    print(averages.table(sort_by=key, row_limit=rows))
+    if cuda:  # the device's busy time against the wall time: what the host's launches and syncs leave idle
+        busy = sum(e.self_device_time_total for e in averages) / 1e6
+        print(f"--- device busy {busy:.2f} s of {wall:.2f} s ({busy / wall:.0%}); top operators by host time")
+        print(averages.table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
 def main(argv=None) -> dict:
@@ -151,6 +162,13 @@ def main(argv=None) -> dict:
                     help="add the float32 engine with its matrices packed through MKL instead of this CPU's choice")
     ap.add_argument("--without-split", action="store_true",
                     help="add the engine with split_stragglers=False and its ratio line")
+    ap.add_argument("--only", default=None, metavar="NAMES",
+                    help="time only these backends (comma-separated names the runs print: engine-bf16,hf-bf16, ...); "
+                    "ratio lines need both sides")
+    ap.add_argument("--fresh-prompts", action="store_true",
+                    help="every timed run (and the warm-up, and the profile) takes other prompts of the file (the next "
+                    "--prompts rows, wrapping around), as every rollout of a training run does: shape-keyed caches "
+                    "(cuDNN's attention plans, the allocator's blocks) then meet new shapes, as in training")
     ap.add_argument("--full-warmup", action="store_true",
                     help="warm up with one full-size rollout of each backend, not a 2-prompt one: on a GPU the first "
                     "batch-sized rollout pays for kernel selection and the caching allocator's growth")
@@ -173,7 +191,17 @@ def main(argv=None) -> dict:
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_pretrained(args.model).eval().to(args.device)
     tok = AutoTokenizer.from_pretrained(args.model)
-    prompts = load_prompts(args.data, tok, args.prompts)
+    pool = load_prompts(args.data, tok, args.prompts * (args.repeats + 2) if args.fresh_prompts else args.prompts,
+                        at_most=args.fresh_prompts)
+    if len(pool) < args.prompts:
+        raise ValueError(f"{args.data} has only {len(pool)} prompts, --prompts asks for {args.prompts}")
+
+    def block(r: int) -> list[list[int]]:  # the prompts of timed run r (the same for every run without --fresh-prompts)
+        if not args.fresh_prompts:
+            return pool
+        return [pool[(r * args.prompts + i) % len(pool)] for i in range(args.prompts)]
+
+    prompts = block(args.repeats)  # the warm-up's
     stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
     params = SamplingParams(args.temperature, args.top_p, args.top_k, args.max_tokens, stop)
     def engine(**kwargs):  # --engine-settings, then the variant's own options
@@ -202,6 +230,12 @@ def main(argv=None) -> dict:
                      for suffix, option in variants for name, b, m in engines})
     if args.with_mkl and "engine" in backends:
         backends["engine-mkl"] = (engine(), model)
+    if args.only:
+        wanted = args.only.split(",")
+        unknown = [name for name in wanted if name not in backends]
+        if unknown:
+            ap.error(f"--only {','.join(unknown)}: not among this run's backends ({', '.join(backends)})")
+        backends = {name: backends[name] for name in wanted}
     if args.profile is not None and args.profile not in backends:
         ap.error(f"--profile {args.profile}: not one of this run's backends ({', '.join(backends)})")
     warmup = (prompts, args.n) if args.full_warmup else (prompts[:2], 2)  # prompts and group size
@@ -224,7 +258,7 @@ def main(argv=None) -> dict:
                 torch.cuda.reset_peak_memory_stats()
                 held = torch.cuda.memory_allocated()
             with kernel(name):
-                seconds, tokens, lengths = run_once(backend, prompts, params, args.n, args.rollouts)
+                seconds, tokens, lengths = run_once(backend, block(r), params, args.n, args.rollouts)
             if cuda:
                 working[name] = max(working[name], (torch.cuda.max_memory_allocated() - held) / 2 ** 30)
             rates[name].append(tokens / seconds)
@@ -236,7 +270,7 @@ def main(argv=None) -> dict:
             print(f"{name}: decode steps as CUDA graphs, {len(graphed.buckets)} buckets of rows "
                   f"({', '.join(map(str, sorted(graphed.buckets)))}) captured in {graphed.capture_seconds:.2f} s")
     if args.profile:
-        profile_rollout(backends[args.profile], prompts, params, args.n, cuda)
+        profile_rollout(backends[args.profile], block(args.repeats + 1), params, args.n, cuda)
     if cuda:  # KV cache, logits and activations: what a rollout adds to the loaded weights at its peak
         print("peak GPU memory of a rollout above the memory held before it: "
               + ", ".join(f"{name} {gib:.2f} GiB" for name, gib in working.items()))
@@ -244,7 +278,8 @@ def main(argv=None) -> dict:
     out: dict[str, float] = {f"{k}_tok_s": v for k, v in med.items()}
     where = f"{torch.get_num_threads()} threads" if args.device == "cpu" else args.device
     print(f"settings: {args.prompts} prompts x {args.n}, {args.max_tokens} max tokens, T={args.temperature}, "
-          f"top_p {args.top_p}, top_k {args.top_k}; {where}")
+          f"top_p {args.top_p}, top_k {args.top_k}; {where}"
+          + ("; other prompts in every run" if args.fresh_prompts else ""))
     pairs = [("engine", "hf", "")] if "engine" in med else []
     if "engine-bf16" in med:
         pairs.append(("engine-bf16", "hf-bf16", "-bf16"))
@@ -258,7 +293,7 @@ def main(argv=None) -> dict:
               for fast in ("engine", "engine-bf16") if f"{fast}-{suffix}" in med]
     if "engine-mkl" in med:
         pairs.append(("engine", "engine-mkl", "-over-mkl"))
-    for fast, anchor, label in pairs:
+    for fast, anchor, label in [p for p in pairs if p[0] in med and p[1] in med]:  # --only may leave one side out
         ratio = med[fast] / med[anchor]
         # robust to load drifting between runs
         paired = statistics.median(e / h for e, h in zip(rates[fast], rates[anchor]))

@@ -16,6 +16,11 @@
 # A device command runs for 10 minutes at most, so a call may end before the last steps: on an H200 the steps before
 # the gpu-marked tests took 8 minutes, 6 of them the 64 x 8 x 512 rollout (generate_batch alone 2.5). Leave out the
 # large rollout (SKIP_LARGE=1), the FLOP/s bench (SKIP_FLOPS=1) or the steps after it (SKIP_MORE=1) to fit.
+# The rollouts give every timed run other prompts (--fresh-prompts), as training does, so per-shape set-up costs
+# (cuDNN's attention plans) are paid where training pays them. FOCUS=decode runs, instead of all this, where a decode
+# step's time goes: one layer's attention variants (bench_decode_attention.py), the engine alone under the profiler
+# at 16 x 8 x 128 and 32 x 8 x 512, and 64 x 8 x 512 with max_batch_size 512 (FOCUS_STEPS picks among "attention
+# small large large512"); about 5 minutes on an H200.
 # RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2 runs the same steps on a CPU, smaller (a dry run of the script itself). A
 # step that fails is reported and the rest still run; the exit status is 1 if any failed.
 set -uo pipefail
@@ -34,6 +39,7 @@ run() { "$@" || { echo "FAILED (exit $?): $*"; failed+=("$*"); }; }
 if [ "$DEVICE" = cuda ]; then
   ACCELERATOR=gpu; TOKENS=128; FIT_TOKENS=64; STEPS=10; SHAPE_STEPS=3; SHAPE_PROMPTS=16; PROMPTS=16; LARGE_PROMPTS=64; LARGE_TOKENS=512
 else
+  ATTENTION_SHAPES=${ATTENTION_SHAPES:-4x8x48x32 2x8x48x100}
   ACCELERATOR=cpu; TOKENS=16; FIT_TOKENS=16; STEPS=2; SHAPE_STEPS=1; SHAPE_PROMPTS=2; PROMPTS=4; LARGE_PROMPTS=4; LARGE_TOKENS=24
 fi
 
@@ -68,14 +74,38 @@ fi
 SHAPE=/tmp/qwen3-0.6b-shape
 run "$PY" tools/make_shape_model.py --shape qwen3-0.6b --out "$SHAPE" ${SHAPE_LAYERS:+--layers "$SHAPE_LAYERS"}
 
+if [ "${FOCUS:-}" = decode ]; then  # FOCUS=decode: where a decode step's time goes (FOCUS_STEPS: which parts)
+  FOCUS_STEPS=${FOCUS_STEPS:-attention small large large512}
+  if [[ " $FOCUS_STEPS " == *" attention "* ]]; then
+    step "decode attention of one layer: the group cache against cascade attention, bf16"
+    run "$PY" benchmarks/bench_decode_attention.py --device "$DEVICE" --dtype bfloat16 ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES}
+  fi
+  if [[ " $FOCUS_STEPS " == *" small "* ]]; then
+    step "profile: the engine alone, Qwen3-0.6B shape, bf16, $PROMPTS x 8 x $TOKENS"
+    run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
+      --max-tokens "$TOKENS" --repeats 2 --rollouts 1 --full-warmup --fresh-prompts --only engine-bf16 --profile engine-bf16
+  fi
+  if [[ " $FOCUS_STEPS " == *" large "* ]]; then  # one wave of the engine's default max_batch_size (256 rows)
+    step "profile: the engine alone, $((LARGE_PROMPTS / 2)) x 8 x $LARGE_TOKENS"
+    run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts $((LARGE_PROMPTS / 2)) \
+      --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --fresh-prompts --only engine-bf16 --profile engine-bf16
+  fi
+  if [[ " $FOCUS_STEPS " == *" large512 "* ]]; then
+    step "the engine alone, $LARGE_PROMPTS x 8 x $LARGE_TOKENS, max_batch_size 512 (one wave)"
+    run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts "$LARGE_PROMPTS" \
+      --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --fresh-prompts --only engine-bf16 --engine-settings '{"max_batch_size": 512}'
+  fi
+  step "done"; [ ${#failed[@]} -eq 0 ] || { printf 'failed: %s\n' "${failed[@]}"; exit 1; }; exit 0
+fi
+
 step "rollout: engine (CUDA graphs, and eager) vs model.generate and generate_batch, Qwen3-0.6B shape, $DTYPES"
 run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype "$DTYPES" --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
-  --max-tokens "$TOKENS" --repeats 3 --rollouts 1 --full-warmup --continuous-batching --without-graphs
+  --max-tokens "$TOKENS" --repeats 3 --rollouts 1 --full-warmup --fresh-prompts --continuous-batching --without-graphs
 
 if [ -z "${SKIP_LARGE:-}" ]; then
 step "rollout: engine vs model.generate and generate_batch, Qwen3-0.6B shape, bf16, $LARGE_PROMPTS x 8 x $LARGE_TOKENS"
 run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts "$LARGE_PROMPTS" \
-  --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --continuous-batching --profile engine-bf16
+  --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --fresh-prompts --continuous-batching --profile engine-bf16
 fi
 
 step "gpu-marked tests"

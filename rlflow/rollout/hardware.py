@@ -1,5 +1,5 @@
-"""What the device and the runtime support: whether bf16 matrix products run on bf16 units or are emulated, and
-whether decoding may run in ``torch.inference_mode``.
+"""What the device and the runtime support: whether bf16 matrix products run on bf16 units or are emulated,
+whether decoding may run in ``torch.inference_mode``, and which attention kernels suit decoding's changing shapes.
 
 Its own module because both the engine (``dtype: auto``) and the CPU weight packing (:mod:`rlflow.rollout.prepack`)
 ask, and the engine imports the packing.
@@ -7,6 +7,8 @@ ask, and the engine imports the packing.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -38,3 +40,23 @@ def inference_context(model: torch.nn.Module | None = None) -> Any:
     gloo = dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo"
     sharded = model is not None and bool(fsdp_modules(model))
     return torch.no_grad() if gloo or sharded else torch.inference_mode()
+
+
+@contextmanager
+def without_cudnn_attention(device: torch.device) -> Iterator[None]:
+    """Inside, ``scaled_dot_product_attention`` on a CUDA ``device`` takes any kernel but cuDNN's (flash, or the
+    memory-efficient one where a mask is given). cuDNN builds an execution plan for every new shape of its inputs
+    and caches it, tens to hundreds of milliseconds per plan, and the engine's shapes are new all the time: a decode
+    step's key width grows at every step, a prefill's width changes with every batch of prompts.
+
+    ``torch.backends.cuda.enable_cudnn_sdp`` is process-wide: it is switched off on entry, where it was on, and back
+    on at exit. Another thread's attention meanwhile (training beside pipelined rollouts) takes the other kernels
+    too; only the choice of kernel changes, never a result beyond rounding. Elsewhere nothing changes."""
+    if device.type != "cuda" or not torch.backends.cuda.cudnn_sdp_enabled():
+        yield
+        return
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)

@@ -1,5 +1,6 @@
 """benchmarks/bench_rollout.py on a CPU: --engine-settings reaches every engine it times, --profile profiles one
-more rollout of the backend it names, and the ratio lines are of the runs it printed."""
+more rollout of the backend it names, the ratio lines are of the runs it printed, --only times the backends it names,
+and --fresh-prompts gives every run other prompts."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_engine_settings_and_profile(tiny_model, tiny_data, capsys, monkeypatch)
                               "--engine-settings", '{"max_batch_size": 3}', "--profile", "engine"])
     assert built and all(kw["max_batch_size"] == 3 and kw["seed"] == 0 for kw in built)
     printed = capsys.readouterr().out
-    assert "--- profile of one rollout, top operators by self_cpu_time_total" in printed
+    assert "under the profiler), top operators by self_cpu_time_total" in printed
     runs: dict[str, list[float]] = {}
     for line in printed.splitlines():
         if line.startswith("run "):
@@ -38,3 +39,24 @@ def test_engine_settings_and_profile(tiny_model, tiny_data, capsys, monkeypatch)
 def test_an_unknown_profile_name_is_refused_before_anything_runs(tiny_model, tiny_data):
     with pytest.raises(SystemExit):
         bench_rollout.main(["--model", str(tiny_model), "--data", str(tiny_data / "train.jsonl"), "--profile", "nope"])
+
+
+def test_only_and_fresh_prompts(tiny_model, tiny_data, capsys, monkeypatch):
+    calls = []
+    real = engine_module.EngineRollout.generate
+
+    def recording(self, prompts, params, n=1, progress=None):
+        calls.append([tuple(p) for p in prompts])
+        return real(self, prompts, params, n, progress)
+
+    monkeypatch.setattr(engine_module.EngineRollout, "generate", recording)
+    out = bench_rollout.main(["--model", str(tiny_model), "--data", str(tiny_data / "train.jsonl"), "--prompts", "3",
+                              "--n", "2", "--max-tokens", "4", "--repeats", "3", "--rollouts", "1", "--only", "engine",
+                              "--fresh-prompts", "--full-warmup"])
+    printed = capsys.readouterr().out
+    assert set(out) == {"engine_tok_s"} and "hf" not in printed and "speedup" not in printed
+    calls = calls[-4:]  # the warm-up, then the three timed runs (bind's probe decode before them)
+    assert all(len(c) == 3 for c in calls)
+    assert len({p for c in calls for p in c}) == 12  # four distinct blocks of three prompts
+    with pytest.raises(SystemExit):
+        bench_rollout.main(["--model", str(tiny_model), "--data", str(tiny_data / "train.jsonl"), "--only", "nope"])

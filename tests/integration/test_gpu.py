@@ -7,6 +7,7 @@ a CPU test:
 * the fused engine's log-probs on CUDA equal one full forward of the model on CUDA (``test_engine.py``);
 * decode steps replayed as piecewise CUDA graphs give the eager steps' logits, and the engine's tokens with graphs
   equal its tokens without (``test_graphs.py``, which runs the segments eagerly);
+* a bf16 rollout's attention never takes cuDNN's kernel (``test_hardware.py``);
 * ``dtype: auto`` decodes in bf16 on a GPU, within bf16 rounding of the model's own bf16 forward, with the RMS
   norms through ``F.rms_norm`` (``norm: auto``) and through the model's formula. The bound is measured in the
   test, as in ``test_engine_dtype.py``;
@@ -93,6 +94,23 @@ def test_the_engine_decodes_through_cuda_graphs_to_the_eager_engines_tokens():
     for got, want in zip(runs[True], runs[False]):
         for g, w in zip(got, want):
             torch.testing.assert_close(torch.tensor(g.logprobs), torch.tensor(w.logprobs), atol=1e-4, rtol=0)
+
+
+def test_a_bf16_rollout_runs_no_cudnn_attention_kernel():
+    """cuDNN's attention builds a plan per new shape; the engine's decode and prefill attention take other kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = tiny_causal_lm("qwen3", seed=1).cuda()
+    engine = EngineRollout(seed=0, dtype="bfloat16")
+    engine.bind(model, IdTokenizer())
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts_of([11, 17, 8], seed=2), SamplingParams(1.0, max_tokens=8), n=3)
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages()]
+    assert any("scaled_dot_product" in n for n in names)  # attention did run through SDPA
+    assert not [n for n in names if "cudnn" in n.lower() and ("attention" in n.lower() or "sdpa" in n.lower())]
+    assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
 @pytest.mark.parametrize("norm", ["auto", "model"])
