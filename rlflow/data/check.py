@@ -26,6 +26,7 @@ from typing import Any
 
 from rlflow.data.dataset import DataError, PromptRecord
 from rlflow.data.images import has_images
+from rlflow.data.prompts import prompt_key, shared_items
 from rlflow.data.sources import DataSource, iter_records
 from rlflow.judgers.panel import column_hint
 from rlflow.models.vision import image_prompt_length
@@ -65,7 +66,7 @@ class SourceReport:
     dropped: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     error_count: int = 0
-    #: (hash of the prompt text, row) of each kept text prompt: train and eval prompts are compared by them
+    #: (prompt_key, row) of each kept prompt without images: eval prompts are matched to train prompts by them
     prompts: list[tuple[int, str]] = field(default_factory=list)
     shared: list[str] = field(default_factory=list)  # an eval source's rows whose prompt is also a train prompt
 
@@ -169,7 +170,7 @@ def check_source(dm: Any, source: DataSource, split: str, tokenizer: Any) -> Sou
         for (where, text), row_ids in zip(pending, ids):
             add_length(where, len(row_ids))
             if len(row_ids) <= limit:
-                report.prompts.append((hash(text), where))
+                report.prompts.append((prompt_key(text), where))
         pending.clear()
 
     try:
@@ -224,10 +225,10 @@ def check_datamodule(dm: Any, tokenize: bool = True, mix: bool = True) -> CheckR
     tokenizer = dm.load_tokenizer() if tokenize else None
     reports = [check_source(dm, s, "train", tokenizer) for s in dm.train_prompts.sources]
     reports += [check_source(dm, s, "eval", tokenizer) for s in dm.eval_prompts.sources]
-    trained = {h for r in reports if r.split == "train" for h, _ in r.prompts}
+    trained = {key for r in reports if r.split == "train" for key, _ in r.prompts}
     for report in reports:
         if report.split == "eval":
-            report.shared = [where for h, where in report.prompts if h in trained]
+            report.shared = shared_items(trained, report.prompts)
     return CheckReport(reports, dm.global_batch_size if mix else 0, tokenize)
 
 

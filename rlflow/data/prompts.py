@@ -9,7 +9,8 @@ over them: :class:`~rlflow.data.sampler.PromptBatchSampler` for one source, a we
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, TypeVar
 
 from rlflow.config_error import ConfigError
 from rlflow.data.dataset import DataError, PromptFormat, PromptRecord
@@ -19,6 +20,8 @@ from rlflow.data.sampler import PromptBatchSampler
 from rlflow.data.sources import DataSource, read_source
 from rlflow.log import info
 from rlflow.models.vision import encode_prompt
+
+T = TypeVar("T")
 
 
 class PromptSet:
@@ -113,8 +116,20 @@ class PromptSet:
         return PromptBatchSampler(len(self.records), global_batch_size, seed=seed, skip_solved=skip_solved)
 
 
+def prompt_key(text: str) -> int:
+    """What an eval prompt is matched to the train prompts by: the prompt as the model sees it (rendered with its
+    chat template and system prompt), hashed. Rows with images have none: their text alone does not tell them
+    apart. ``rlflow fit`` (:func:`shared_prompts`) and ``rlflow data check`` both match by it."""
+    return hash(text)
+
+
+def shared_items(train_keys: set[int], held_out: Iterable[tuple[int, T]]) -> list[T]:
+    """The items of ``held_out`` (``(prompt_key, item)`` pairs, in order) whose key is one of ``train_keys``."""
+    return [item for key, item in held_out if key in train_keys]
+
+
 def shared_prompts(train: list[PromptRecord], held_out: list[PromptRecord]) -> list[PromptRecord]:
-    """The records of ``held_out`` whose prompt, as the model sees it, is also a prompt of ``train`` (rows with
-    images are left out: their text alone does not tell them apart)."""
-    seen = {r.prompt_text for r in train if not has_images(r)}
-    return [r for r in held_out if not has_images(r) and r.prompt_text in seen]
+    """The records of ``held_out`` whose prompt (:func:`prompt_key`) is also a prompt of ``train``; records with
+    images are never shared."""
+    keys = {prompt_key(r.prompt_text) for r in train if not has_images(r)}
+    return shared_items(keys, ((prompt_key(r.prompt_text), r) for r in held_out if not has_images(r)))

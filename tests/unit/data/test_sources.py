@@ -293,7 +293,9 @@ def test_eval_prompts_that_are_also_train_prompts_are_warned_about(tiny_model, t
     import json
     import logging
 
+    from rlflow.data.check import check_datamodule
     from rlflow.data.datamodule import RolloutDataModule
+    from rlflow.data.prompts import shared_prompts
 
     caplog.set_level(logging.INFO)
     train = [json.loads(line) for line in (tiny_data / "train.jsonl").read_text().splitlines()]
@@ -310,6 +312,10 @@ def test_eval_prompts_that_are_also_train_prompts_are_warned_about(tiny_model, t
         dm.setup("fit")
         found = [(r.levelname, r.getMessage()) for r in caplog.records if "also train prompts" in r.getMessage()]
         assert found == [(level, f"data: {warned}; eval/accuracy is not held-out accuracy on them")]
+        # `rlflow data check` finds the same rows by the same rule
+        fit_rows = [r.source for r in shared_prompts(dm.train_prompts.records, dm.eval_records)]
+        checked = check_datamodule(dm)
+        assert [r.shared for r in checked.sources if r.split == "eval"] == [fit_rows] and fit_rows
     held_out.write_text("".join(line for line in held_out.read_text().splitlines(keepends=True)[:7]))
     caplog.clear()
     RolloutDataModule(train_data_path=str(tiny_data / "train.jsonl"), eval_data_path=str(held_out),
