@@ -9,6 +9,8 @@ process or another), ``benchmarks/`` for the scripts in ``benchmarks/``, and ``h
 from __future__ import annotations
 
 import os
+import signal
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,14 +20,17 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(autouse=True)
-def restored_environment():
-    """Each test leaves ``os.environ``, torch's thread count, the default process group and whether finished runs
-    keep their generator workers as it found them. An
+def restored_environment(request):
+    """Each test leaves ``os.environ``, torch's thread count, the default process group, whether finished runs
+    keep their generator workers, and the SIGINT/SIGTERM handlers as it found them. An
     in-process run under a distributed strategy has Lightning export its rank and rendezvous address (``LOCAL_RANK``,
     ``MASTER_PORT``, ...); a later ``rlflow fit`` subprocess of the same worker would inherit them and wait for ranks
-    nobody starts."""
+    nobody starts. A KeyboardInterrupt inside an in-process ``Trainer.fit`` has Lightning ignore SIGINT from then on:
+    a later test's Ctrl-C (and a subprocess started after it, which inherits an ignored signal) would do nothing. A
+    test that changed a handler is named in a warning, and the handler put back."""
     from rlflow.rollout import prestart
 
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
     environ = dict(os.environ)
     threads = torch.get_num_threads()
     keep_workers = prestart.KEEP_WORKERS  # the console script's entry point turns it off (tests call it in-process)
@@ -38,6 +43,12 @@ def restored_environment():
     if os.environ != environ:
         os.environ.clear()
         os.environ.update(environ)
+    for number, handler in handlers.items():
+        now = signal.getsignal(number)
+        if now is not handler and handler is not None:
+            signal.signal(number, handler)
+            warnings.warn(f"{request.node.nodeid} left {signal.Signals(number).name}'s handler {now!r} "
+                          f"(was {handler!r}); put back", stacklevel=1)
 
 
 class ProgressRecorder:
