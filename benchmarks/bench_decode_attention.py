@@ -6,9 +6,12 @@ query also meets the other rows' tokens (masked). Cascade attention (``cascade``
 attends the group's prompt with the group's queries and each row's own tokens with that row's queries, and merges
 the two by their log-sum-exps; ``cascade-math`` is the same in float32 matrix products (no fused kernel);
 ``per-row`` is one fused call over a per-row copy of prompt and tokens, no mask (what ``model.generate``'s
-attention reads: the prompt once per row). Every variant gets the same queries and keys, and runs as the engine runs
-it, without cuDNN's attention kernel (:func:`rlflow.rollout.hardware.without_cudnn_attention`); on a GPU
-``group-cudnn`` and ``per-row-cudnn`` are ``group`` and ``per-row`` with it allowed::
+attention reads: the prompt once per row), ``per-row-masked`` the same with a mask per row (what padded prompts
+need; each row's queries of one key/value head as its sequence, so no grouped-query expansion);
+``groups-of-one`` is the engine's own attention over a cache of groups of one row each (the prompt copied to each
+row), the layout of the engine's ``attention: rows`` option. Every variant gets the same queries and keys, and runs
+as the engine runs it, without cuDNN's attention kernel (:func:`rlflow.rollout.hardware.without_cudnn_attention`);
+on a GPU ``group-cudnn`` and ``per-row-cudnn`` are ``group`` and ``per-row`` with it allowed::
 
     python benchmarks/bench_decode_attention.py --device cuda --dtype bfloat16
     python benchmarks/bench_decode_attention.py --shapes 64x8x48x511 16x8x1024x128
@@ -181,11 +184,24 @@ def measure(shape: str, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
     for cache, own in ((state.k[0], own_k), (state.v[0], own_v)):
         region = cache[:, :, prompt: prompt + generated * n].view(groups, kv_heads, generated, n, dim)
         region.copy_(own.view(groups, n, kv_heads, generated, dim).permute(0, 2, 3, 1, 4))
+    # the engine's cache in groups of one (one group per row, the prompt copied to each): rows' own layout
+    singles = DecodeState(1, generated)
+    singles.add_groups(list(range(rows)), [prompt_k.repeat_interleave(n, 0)], [prompt_v.repeat_interleave(n, 0)],
+                       torch.ones(rows, prompt, device=device))
+    for _ in range(generated - 1):
+        singles.begin_step()
+        singles.end_step()
+    singles.begin_step()
+    singles.k[0][:, :, prompt: prompt + generated] = own_k
+    singles.v[0][:, :, prompt: prompt + generated] = own_v
     full_k = torch.cat([prompt_k.repeat_interleave(n, 0), own_k], dim=2)
     full_v = torch.cat([prompt_v.repeat_interleave(n, 0), own_v], dim=2)
 
     def group():
         return attend_cached(state, 0, query[:, :, None], scale).reshape(rows, heads * dim)
+
+    def ones():
+        return attend_cached(singles, 0, query[:, :, None], scale).reshape(rows, heads * dim)
 
     def cascaded():
         return cascade_attend(query, prompt_k, prompt_v, None, own_k, own_v, None, n, scale)
@@ -203,12 +219,20 @@ def measure(shape: str, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
         out = F.scaled_dot_product_attention(query[:, :, None], full_k, full_v, scale=scale, enable_gqa=True)
         return out.reshape(rows, heads * dim)
 
+    row_bias = torch.zeros(rows, 1, 1, full_k.shape[2], dtype=dtype, device=device)  # what padded prompts need
+
+    def per_row_masked():  # a row's rep queries per key/value head as its "sequence": no GQA, one mask per row
+        q = query.view(rows, kv_heads, heads // kv_heads, dim)
+        out = F.scaled_dot_product_attention(q, full_k, full_v, attn_mask=row_bias, scale=scale)
+        return out.reshape(rows, heads * dim)
+
     itemsize = torch.empty((), dtype=dtype).element_size()
     least = 2 * itemsize * kv_heads * dim * (groups * prompt + rows * generated)  # keys and values, once each
     with without_cudnn_attention(device):
         reference = group().float()
     results = []
-    variants = [("group", group), ("cascade", cascaded), ("cascade-math", cascaded_math), ("per-row", per_row)]
+    variants = [("group", group), ("cascade", cascaded), ("cascade-math", cascaded_math), ("per-row", per_row),
+                ("per-row-masked", per_row_masked), ("groups-of-one", ones)]
     if device.type == "cuda":  # the others run as the engine runs them, without cuDNN's attention kernel
         variants += [("group-cudnn", group), ("per-row-cudnn", per_row)]
     for name, fn in variants:
@@ -219,14 +243,14 @@ def measure(shape: str, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
                 seconds = timed(fn, device, repeats)
                 diff = (fn().float() - reference).abs().max().item()
         except Exception as error:  # noqa: BLE001 - a variant a device cannot run is reported, the others go on
-            print(f"{shape:>16s} {name:13s} failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
+            print(f"{shape:>16s} {name:14s} failed: {type(error).__name__}: {str(error).splitlines()[0][:120]}")
             continue
         results.append({"shape": shape, "variant": name, "us": seconds * 1e6, "diff": diff,
                         "share": least / seconds / rate, "first_ms": first * 1e3})
     base = next((r["us"] for r in results if r["variant"] == "group"), None)
     for r in results:
         ratio = f"{base / r['us']:.2f}x group" if base else ""
-        print(f"{shape:>16s} {r['variant']:13s} {r['us']:9.1f} us  x{layers} layers {r['us'] * layers / 1e3:7.2f} ms  "
+        print(f"{shape:>16s} {r['variant']:14s} {r['us']:9.1f} us  x{layers} layers {r['us'] * layers / 1e3:7.2f} ms  "
               f"{r['share']:6.1%} of copy rate  {ratio:>12s}  max diff {r['diff']:.2e}  first call "
               f"{r['first_ms']:.1f} ms", flush=True)
     return results

@@ -27,7 +27,8 @@ ratio line of the engine over it.
 ``--without-graphs`` adds the engine with ``cuda_graphs=False`` at each precision (on a GPU: its decode steps
 eager instead of replayed as CUDA graphs, :mod:`rlflow.rollout.graphs`; on a CPU both run eagerly), with a ratio
 line of the engine over it; ``--without-split`` likewise the engine with ``split_stragglers=False`` (a group's
-last rows never continue alone: :meth:`rlflow.rollout.serving.ServeCall.split_stragglers`). Every engine is seeded
+last rows never continue alone: :meth:`rlflow.rollout.serving.ServeCall.split_stragglers`), ``--with-rows`` the
+engine with ``attention="rows"`` (a KV cache per row instead of per group). Every engine is seeded
 with ``--seed``, so an engine and its variants draw the same random streams call after call: in float32 they
 sample the same tokens (up to rounding), and their ratio is one of times. ``--with-mkl`` adds the float32 engine
 with its matrices packed through MKL (:mod:`rlflow.rollout.prepack`: the kernel off AVX2 CPUs; on an AVX2 CPU the
@@ -64,7 +65,8 @@ if not __package__:  # run as ``python benchmarks/<name>.py``: the repository ro
 
 #: ``(flag, name suffix, engine options)``: the engine variants a flag adds beside each engine, with a ratio line
 VARIANTS = [("without_graphs", "eager", {"cuda_graphs": False}),
-            ("without_split", "whole", {"split_stragglers": False})]
+            ("without_split", "whole", {"split_stragglers": False}),
+            ("with_rows", "rows", {"attention": "rows"})]
 
 
 def load_prompts(path: str, tokenizer, count: int, at_most: bool = False) -> list[list[int]]:
@@ -160,6 +162,9 @@ def main(argv=None) -> dict:
                     help="add the engine with cuda_graphs=False (eager decode steps on a GPU) and its ratio line")
     ap.add_argument("--with-mkl", action="store_true",
                     help="add the float32 engine with its matrices packed through MKL instead of this CPU's choice")
+    ap.add_argument("--with-rows", action="store_true",
+                    help="add the engine with attention='rows' (a cache per row) and the ratio line of the engine over "
+                    "it")
     ap.add_argument("--without-split", action="store_true",
                     help="add the engine with split_stragglers=False and its ratio line")
     ap.add_argument("--only", default=None, metavar="NAMES",

@@ -18,9 +18,10 @@
 # large rollout (SKIP_LARGE=1), the FLOP/s bench (SKIP_FLOPS=1) or the steps after it (SKIP_MORE=1) to fit.
 # The rollouts give every timed run other prompts (--fresh-prompts), as training does, so per-shape set-up costs
 # (cuDNN's attention plans) are paid where training pays them. FOCUS=decode runs, instead of all this, where a decode
-# step's time goes: one layer's attention variants (bench_decode_attention.py), the engine alone under the profiler
-# at 16 x 8 x 128 and 32 x 8 x 512, and 64 x 8 x 512 with max_batch_size 512 (FOCUS_STEPS picks among "attention
-# small large large512"); about 5 minutes on an H200.
+# step's time goes: one layer's attention variants (bench_decode_attention.py), the engine (attention groups and
+# rows) against generate at 64 x 8 x 512, the same engines with max_batch_size 512, the engine alone under the
+# profiler at 16 x 8 x 128 (FOCUS_STEPS picks among "attention target large512 small large"; large: 32 x 8 x 512
+# under the profiler); about 6 minutes on an H200.
 # RLFLOW_CHECK_DEVICE=cpu SHAPE_LAYERS=2 runs the same steps on a CPU, smaller (a dry run of the script itself). A
 # step that fails is reported and the rest still run; the exit status is 1 if any failed.
 set -uo pipefail
@@ -75,25 +76,33 @@ SHAPE=/tmp/qwen3-0.6b-shape
 run "$PY" tools/make_shape_model.py --shape qwen3-0.6b --out "$SHAPE" ${SHAPE_LAYERS:+--layers "$SHAPE_LAYERS"}
 
 if [ "${FOCUS:-}" = decode ]; then  # FOCUS=decode: where a decode step's time goes (FOCUS_STEPS: which parts)
-  FOCUS_STEPS=${FOCUS_STEPS:-attention small large large512}
-  if [[ " $FOCUS_STEPS " == *" attention "* ]]; then
-    step "decode attention of one layer: the group cache against cascade attention, bf16"
+  FOCUS_STEPS=${FOCUS_STEPS:-attention target large512 small}
+  has() { [[ " $FOCUS_STEPS " == *" $1 "* ]]; }
+  if has attention; then
+    step "decode attention of one layer: the group cache against cascade, per-row and groups of one, bf16"
     run "$PY" benchmarks/bench_decode_attention.py --device "$DEVICE" --dtype bfloat16 ${ATTENTION_SHAPES:+--shapes $ATTENTION_SHAPES}
   fi
-  if [[ " $FOCUS_STEPS " == *" small "* ]]; then
+  if has target; then
+    step "rollout: the engine (groups, and rows) vs model.generate, $LARGE_PROMPTS x 8 x $LARGE_TOKENS, other prompts each run"
+    run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts "$LARGE_PROMPTS" \
+      --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --fresh-prompts --with-rows \
+      --only engine-bf16,engine-bf16-rows,hf-bf16 ${ENGINE_SETTINGS:+--engine-settings "$ENGINE_SETTINGS"}
+  fi
+  if has large512; then
+    step "the engine alone (groups, and rows), $LARGE_PROMPTS x 8 x $LARGE_TOKENS, max_batch_size 512 (one wave)"
+    run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts "$LARGE_PROMPTS" \
+      --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --fresh-prompts --with-rows \
+      --only engine-bf16,engine-bf16-rows --engine-settings '{"max_batch_size": 512}'
+  fi
+  if has small; then
     step "profile: the engine alone, Qwen3-0.6B shape, bf16, $PROMPTS x 8 x $TOKENS"
     run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts "$PROMPTS" --n 8 \
       --max-tokens "$TOKENS" --repeats 2 --rollouts 1 --full-warmup --fresh-prompts --only engine-bf16 --profile engine-bf16
   fi
-  if [[ " $FOCUS_STEPS " == *" large "* ]]; then  # one wave of the engine's default max_batch_size (256 rows)
+  if has large; then  # one wave of the engine's default max_batch_size (256 rows), under the profiler
     step "profile: the engine alone, $((LARGE_PROMPTS / 2)) x 8 x $LARGE_TOKENS"
     run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts $((LARGE_PROMPTS / 2)) \
       --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --fresh-prompts --only engine-bf16 --profile engine-bf16
-  fi
-  if [[ " $FOCUS_STEPS " == *" large512 "* ]]; then
-    step "the engine alone, $LARGE_PROMPTS x 8 x $LARGE_TOKENS, max_batch_size 512 (one wave)"
-    run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts "$LARGE_PROMPTS" \
-      --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --fresh-prompts --only engine-bf16 --engine-settings '{"max_batch_size": 512}'
   fi
   step "done"; [ ${#failed[@]} -eq 0 ] || { printf 'failed: %s\n' "${failed[@]}"; exit 1; }; exit 0
 fi

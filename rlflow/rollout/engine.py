@@ -85,6 +85,7 @@ from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource, ch
 from rlflow.rollout.serving import ServeCall
 
 DECODE_DTYPES = ("model", "float32", "bfloat16", "float16", "auto")
+ATTENTION_LAYOUTS = ("groups", "rows")
 
 
 def decode_dtype(choice: str, device: torch.device) -> torch.dtype | None:
@@ -113,7 +114,7 @@ class EngineRollout(CallKeys, RolloutBackend):
                  fused: bool = True, min_shared_prefix: int = 16,
                  dtype: Literal["model", "float32", "bfloat16", "float16", "auto"] = "model",
                  norm: Literal["auto", "model", "torch"] = "auto", cuda_graphs: bool = True,
-                 split_stragglers: bool = True) -> None:
+                 split_stragglers: bool = True, attention: Literal["groups", "rows"] = "groups") -> None:
         """
         Args:
             max_batch_size: Most sequences decoded together (bounds the KV cache's memory); a prompt's ``n``
@@ -148,6 +149,14 @@ class EngineRollout(CallKeys, RolloutBackend):
                 (:meth:`ServeCall.split_stragglers <rlflow.rollout.serving.ServeCall.split_stragglers>`; not
                 inside :meth:`keep_caches`). What a row samples does not change (its draws are its own); its
                 arithmetic does, by rounding.
+            attention: The decode attention's cache layout: ``groups`` (one cache per group: its prompt once, its
+                rows' tokens interleaved, all of its queries in one product, so each also meets its group's other
+                rows' tokens, masked) or ``rows`` (one cache per row: the prompt copied to each of its ``n`` rows, each
+                row's queries over its own tokens alone; a finished row leaves the batch alone). ``rows`` reads the
+                prompt ``n`` times and each generated token once, ``groups`` the prompt once and each generated token
+                ``n`` times: ``rows`` is the faster over completions long next to their prompts
+                (``benchmarks/bench_decode_attention.py``). Inside :meth:`keep_caches` groups keep ``groups``.
+                What a row samples does not change (its draws are its own); its arithmetic does, by rounding.
         """
         if max_batch_size < 1 or prefill_batch_size < 1:
             raise ValueError("engine max_batch_size and prefill_batch_size must be >= 1")
@@ -164,6 +173,9 @@ class EngineRollout(CallKeys, RolloutBackend):
         self.norm = norm
         self.cuda_graphs = cuda_graphs
         self.split_stragglers = split_stragglers
+        if attention not in ATTENTION_LAYOUTS:
+            raise ValueError(f"engine attention must be one of {', '.join(ATTENTION_LAYOUTS)}; got {attention!r}")
+        self.attention = attention
         self.split_rows = 0  # rows moved into groups of one (split_stragglers), over the engine's life
         self._graphed: GraphedDecoder | None = None  # the kept decoder's graphs (cuda_graphs, on a CUDA GPU)
         self.graphs_error: str | None = None  # why graph capture failed, once it has (the engine then runs eagerly)

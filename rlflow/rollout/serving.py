@@ -208,9 +208,11 @@ class ServeCall:
         """Prefill one lane's share of the admitted requests and append their groups to the lane."""
         params, device = self.params, self.device
         n, lane_head = key[0], self.head if key[1] else None
-        lane = self.lanes.get(key)
+        per_row = n > 1 and self.engine.attention == "rows" and self.session is None  # groups of one, one per row
+        lane_key = (1, key[1]) if per_row else key
+        lane = self.lanes.get(lane_key)
         if lane is None:
-            lane = self.lanes[key] = Lane(DecodeState(n, params.max_tokens, lane_head))
+            lane = self.lanes[lane_key] = Lane(DecodeState(lane_key[0], params.max_tokens, lane_head))
         keys, values, mask, logits = self.engine._admit(
             [r.ids for _, r, _ in chunk], [hit for _, _, hit in chunk], device, lane_head)
         offset = len(lane.rows)
@@ -225,7 +227,12 @@ class ServeCall:
         tokens, lps = sample_tokens(logits.repeat_interleave(n, dim=0) if n > 1 else logits, params,
                                     uniform=uniform, buffers=self.buffers, seen=seen)
         lane.mark(offset, tokens)
-        lane.state.add_groups([i for i, _, _ in chunk], keys, values, mask)
+        if per_row:  # each row its own copy of its prompt's cache
+            keys, values = [k.repeat_interleave(n, 0) for k in keys], [v.repeat_interleave(n, 0) for v in values]
+            prompt_ids = [i for i, _, _ in chunk for _ in range(n)]
+            lane.state.add_groups(prompt_ids, keys, values, mask.repeat_interleave(n, 0))
+        else:
+            lane.state.add_groups([i for i, _, _ in chunk], keys, values, mask)
         new_pos = torch.tensor([len(r.ids) for _, r, _ in chunk], device=device).repeat_interleave(n)
         lane.pos, lane.pending = appended(lane.pos, new_pos), appended(lane.pending, tokens)
         for i, r, _ in chunk:

@@ -13,7 +13,8 @@ from benchmarks import bench_decode_attention as bench
 def test_every_variant_agrees_with_the_group_cache(capsys):
     results = bench.main(["--shapes", "2x4x5x3", "3x2x7x6", "--heads", "4", "2", "--dim", "16", "--repeats", "1"])
     assert {(r["shape"], r["variant"]) for r in results} == {
-        (shape, v) for shape in ("2x4x5x3", "3x2x7x6") for v in ("group", "cascade", "cascade-math", "per-row")}
+        (shape, v) for shape in ("2x4x5x3", "3x2x7x6")
+        for v in ("group", "cascade", "cascade-math", "per-row", "per-row-masked", "groups-of-one")}
     assert all(r["diff"] < 1e-5 and r["us"] > 0 and r["first_ms"] > 0 for r in results)
     assert "copy rate" in capsys.readouterr().out
 
