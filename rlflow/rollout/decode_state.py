@@ -65,6 +65,7 @@ class DecodeState:
         self.group_prompt: list[int] = []  # prompt index of each group
         self.step_bias: torch.Tensor | None = None
         self.step_width = 0
+        self._query_bias: tuple[tuple, torch.Tensor] | None = None  # query_bias's of this step
 
     @property
     def num_groups(self) -> int:
@@ -163,6 +164,7 @@ class DecodeState:
         self.prompt_width = width
         self.group_prompt.extend(prompt_ids)
         self._rebuild_bias()
+        self._query_bias = None
 
     def keep_rows(self, keep: torch.Tensor) -> None:
         """Keep rows ``keep`` (in order), which must be whole groups; free the caches of the other groups."""
@@ -172,6 +174,7 @@ class DecodeState:
         if not whole or bool((rows[:, 0] % n).any()):
             raise ValueError(f"DecodeState.keep_rows keeps whole groups of {n} rows in order; got rows {keep.tolist()}")
         live = rows[:, 0] // n
+        self._query_bias = None
         self.k = [t[live] for t in self.k]
         self.v = [t[live] for t in self.v]
         self.prompt_bias = self.prompt_bias[live]
@@ -185,6 +188,7 @@ class DecodeState:
     def begin_step(self) -> None:
         """Size the step's view of the caches (the groups' fed tokens plus the one fed now) and, with per-group
         lengths, mask the slots a group has not written yet."""
+        self._query_bias = None
         fed = self.fed if self.fed is not None else int(self.group_len.max())
         if fed + 1 > self.capacity:  # grow the generated-token region (appended: token-major columns)
             grow = min(self.max_tokens, max(fed + 1, 2 * self.capacity)) - self.capacity
@@ -203,6 +207,26 @@ class DecodeState:
 
     def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         return attend_cached(self, layer, query, scaling)
+
+    def query_bias(self, rep: int, dtype: torch.dtype) -> torch.Tensor:
+        """The step's mask for a group's ``n * rep`` queries (``rep`` query heads per key/value head) in
+        :func:`attend_cached`'s fused call: ``[groups, 1, n * rep, step_width]`` (``[groups, 1, 1, step_width]``,
+        broadcast, for groups of one), ``bias`` plus the unwritten slots' mask, in ``dtype``. Built once per step:
+        every layer's call reads the same one."""
+        key = (rep, dtype, self.step_width)
+        if self._query_bias is not None and self._query_bias[0] == key:
+            return self._query_bias[1]
+        groups, n, width = self.num_groups, self.n, self.step_width
+        if n == 1:
+            bias = self.bias[:, :, None, :width]
+        else:
+            bias = self.bias[:, None, :, None, :width].expand(groups, 1, n, rep, width).reshape(groups, 1, n * rep,
+                                                                                                  width)
+        if self.step_bias is not None:
+            bias = bias + self.step_bias[:, None, None, :]
+        bias = bias.to(dtype)
+        self._query_bias = (key, bias)
+        return bias
 
     def end_step(self) -> None:
         if self.fed is not None:
@@ -238,10 +262,8 @@ def attend_cached(state: DecodeState, layer: int, query: torch.Tensor, scaling: 
     q = query.reshape(groups, n, kv_heads, rep, dim).transpose(1, 2).reshape(groups, kv_heads, n * rep, dim)
     keys, values = cache_k[:, :, :width], cache_v[:, :, :width]
     if cache_k.dtype != torch.float32:  # half-precision caches: one fused kernel (float32 accumulation inside)
-        bias = state.bias[:, None, :, None, :width].expand(groups, 1, n, rep, width).reshape(groups, 1, n * rep, width)
-        if state.step_bias is not None:
-            bias = bias + state.step_bias[:, None, None, :]
-        out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=bias.to(keys.dtype), scale=scale)
+        bias = state.query_bias(rep, keys.dtype)
+        out = F.scaled_dot_product_attention(q.to(keys.dtype), keys, values, attn_mask=bias, scale=scale)
         return out.view(groups, kv_heads, n, rep, dim).transpose(1, 2).reshape(rows, 1, heads, dim).to(query.dtype)
     if scale != 1.0:
         q = q * scale

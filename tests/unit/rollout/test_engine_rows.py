@@ -97,3 +97,36 @@ def test_keep_caches_keeps_groups(monkeypatch):
 def test_an_unknown_layout_is_refused():
     with pytest.raises(ValueError, match="engine attention must be one of groups, rows; got 'cols'"):
         EngineRollout(attention="cols")
+
+
+def test_rows_in_bf16_go_through_the_fused_attention_with_one_mask_per_row(model, tokenizer, monkeypatch):  # noqa: F811
+    """bf16 caches: one SDPA call per layer with the row's mask broadcast over its heads and queries; the log-probs
+    agree with ``groups``' to bf16 rounding on the tokens both sampled alike."""
+    masks = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, **kwargs):
+        masks.append(None if attn_mask is None else tuple(attn_mask.shape))
+        return real(q, k, v, attn_mask=attn_mask, **kwargs)
+
+    prompts = prompts_of([6, 11, 3], seed=4)
+    params = SamplingParams(1.0, max_tokens=12)
+    runs = {}
+    for attention in ("groups", "rows"):
+        e = engine(model, tokenizer, seed=3, dtype="bfloat16", attention=attention)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+        masks.clear()
+        runs[attention] = e.generate(prompts, params, n=4)
+        monkeypatch.undo()
+        decode = [m for m in masks if m is not None and m[2] in (1, 4 * 2)]  # decode calls (prefills mask [b, 1, w, w])
+        assert decode
+        if attention == "rows":
+            assert all(m[1:3] == (1, 1) for m in decode)  # [rows, 1, 1, width]: broadcast, not copied per query
+    compared = 0
+    for got, want in zip(runs["rows"], runs["groups"]):
+        for g, w in zip(got, want):
+            same = next((i for i, (a, b) in enumerate(zip(g.token_ids, w.token_ids)) if a != b), len(g.token_ids))
+            torch.testing.assert_close(torch.tensor(g.logprobs[:same]), torch.tensor(w.logprobs[:same]), atol=0.05,
+                                       rtol=0)
+            compared += same
+    assert compared > 50
