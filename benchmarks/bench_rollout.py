@@ -296,6 +296,8 @@ def main(argv=None) -> dict:
               (("engine", "cb", ""), ("engine-bf16", "cb-bf16", "-bf16")) if cb in med]
     pairs += [(fast, f"{fast}-{suffix}", f"{fast[6:]}-over-{suffix}") for suffix, _ in variants
               for fast in ("engine", "engine-bf16") if f"{fast}-{suffix}" in med]
+    pairs += [(f"{fast}-{suffix}", anchor, f"{fast[6:]}-{suffix}") for suffix, _ in variants  # a variant's own lead
+              for fast, anchor in (("engine", "hf"), ("engine-bf16", "hf-bf16")) if f"{fast}-{suffix}" in med]
     if "engine-mkl" in med:
         pairs.append(("engine", "engine-mkl", "-over-mkl"))
     for fast, anchor, label in [p for p in pairs if p[0] in med and p[1] in med]:  # --only may leave one side out
