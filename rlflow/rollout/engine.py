@@ -149,14 +149,11 @@ class EngineRollout(CallKeys, RolloutBackend):
                 (:meth:`ServeCall.split_stragglers <rlflow.rollout.serving.ServeCall.split_stragglers>`; not
                 inside :meth:`keep_caches`). What a row samples does not change (its draws are its own); its
                 arithmetic does, by rounding.
-            attention: The decode attention's cache layout: ``groups`` (one cache per group: its prompt once, its
-                rows' tokens interleaved, all of its queries in one product, so each also meets its group's other
-                rows' tokens, masked) or ``rows`` (one cache per row: the prompt copied to each of its ``n`` rows, each
-                row's queries over its own tokens alone; a finished row leaves the batch alone). ``rows`` reads the
-                prompt ``n`` times and each generated token once, ``groups`` the prompt once and each generated token
-                ``n`` times: ``rows`` is the faster over completions long next to their prompts
-                (``benchmarks/bench_decode_attention.py``). Inside :meth:`keep_caches` groups keep ``groups``.
-                What a row samples does not change (its draws are its own); its arithmetic does, by rounding.
+            attention: The decode cache's layout: ``groups`` (one cache per group, its prompt read once, each
+                query also meeting its group's other rows' tokens, masked) or ``rows`` (one per row, the prompt
+                copied to each; a finished row leaves alone): ``rows`` is the faster over completions long next to
+                their prompts (docs/performance.md). ``groups`` inside :meth:`keep_caches`. What a row samples does
+                not change; its arithmetic does, by rounding.
         """
         if max_batch_size < 1 or prefill_batch_size < 1:
             raise ValueError("engine max_batch_size and prefill_batch_size must be >= 1")

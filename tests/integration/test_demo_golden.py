@@ -6,10 +6,11 @@ The record was written by ``rlflow fit --config configs/demo_cpu.yaml --trainer.
 optimizer moves these values, so a refactor that keeps them keeps the behaviour users see.
 
 torch's CPU kernels sum in another order on each instruction set (``torch.backends.cpu.get_cpu_capability()``:
-AVX2, AVX512, ...), which moves the warm-up's weights and then every sampled token: one record per instruction set,
-each reproduced exactly on a machine of its kind, run to run. A machine whose instruction set has no record skips,
-naming it; writing the record is the command above with ``--trainer.logger.init_args.save_dir``, keeping the
-columns of the other records.
+AVX2, AVX512, ...), and MKL's matrix products take other kernels on each vendor's CPUs (an Intel and an AMD AVX512
+machine log different rewards from the first step), which moves the warm-up's weights and then every sampled token:
+one record per kind of machine (instruction set and vendor: ``avx512_intel``), each reproduced exactly on a machine
+of its kind, run to run. A machine of a kind with no record skips, naming it; writing the record is the command
+above with ``--trainer.logger.init_args.save_dir``, keeping the columns of the other records.
 """
 
 from __future__ import annotations
@@ -26,15 +27,27 @@ from tests.helpers.demo_model import demo_model
 from tests.helpers.paths import DATA, ROOT
 
 
-def record() -> Path:
-    """The record of this machine's instruction set; a skip where there is none."""
+def machine_kind() -> str:
+    """This machine's instruction set (torch's CPU capability) and CPU vendor: ``avx2_amd``, ``avx512_intel``, ..."""
     import torch
 
-    capability = torch.backends.cpu.get_cpu_capability()
-    path = DATA / f"demo_first_10_steps_{capability.lower()}.csv"
+    vendors = {"GenuineIntel": "intel", "AuthenticAMD": "amd"}
+    vendor = "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            vendor = next((line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")), vendor)
+    except OSError:
+        pass
+    return f"{torch.backends.cpu.get_cpu_capability().lower()}_{vendors.get(vendor, vendor.lower())}"
+
+
+def record() -> Path:
+    """The record of this machine's kind; a skip where there is none."""
+    kind = machine_kind()
+    path = DATA / f"demo_first_10_steps_{kind}.csv"
     if not path.exists():
-        have = sorted(p.stem.rsplit("_", 1)[1].upper() for p in DATA.glob("demo_first_10_steps_*.csv"))
-        pytest.skip(f"no record of the demo's first 10 steps for CPU capability {capability} (records: {have})")
+        have = sorted(p.stem.removeprefix("demo_first_10_steps_") for p in DATA.glob("demo_first_10_steps_*.csv"))
+        pytest.skip(f"no record of the demo's first 10 steps for this kind of machine, {kind} (records: {have})")
     return path
 
 

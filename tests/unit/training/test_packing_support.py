@@ -178,6 +178,24 @@ def test_in_16_bits_a_gap_within_three_times_the_models_own_rounding_passes(monk
     assert "(> 0.001 in float32)" in packing_unsupported_reason(tiny_causal_lm("qwen3"))
 
 
+@pytest.mark.parametrize("packed_off,accepted", [(0.3, True), (0.6, False)])
+def test_in_16_bits_where_padded_layouts_agree_to_the_bit_a_bounded_gap_passes(monkeypatch, packed_off, accepted):
+    """Where a CPU's 16-bit kernels give each row the same bits in any batch, two padded layouts differ by 0 and
+    measure no rounding (simulated: scoring a sequence alone moves nothing); the pack's float32 attention still
+    rounds unlike the padded bf16 one: a gap up to 0.5 passes when reversing the pack moves no sequence."""
+    import torch
+
+    import rlflow.training.logprobs as logprobs
+
+    offset_scores(monkeypatch, logprobs, "completion_logprobs", packed_off, 0.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        reason = packing_unsupported_reason(tiny_causal_lm("qwen3"))
+    assert (reason is None) == accepted, reason
+    if not accepted:
+        assert re.search(r"by 0\.6\d* \(> 0\.1, and > 0\.5 where two padded layouts agree to the bit, in "
+                         r"bfloat16\): sequences leak", reason)
+
+
 def test_the_16_bit_checks_run_on_a_sharded_model(monkeypatch):
     """FSDP2 with a bf16 ``param_dtype``: the order test and the padded layouts' rounding are sharded forwards too
     (collectives on every rank), and a gap within the model's rounding keeps packing on."""
