@@ -79,7 +79,7 @@ from rlflow.rollout.draws import CallKeys, keyed_requests
 from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder, torch_norm_for
 from rlflow.rollout.graphs import GraphCaptureError, GraphedDecoder, capture_kind
-from rlflow.rollout.hardware import inference_context, native_bf16, without_cudnn_attention
+from rlflow.rollout.hardware import inference_context, native_bf16
 from rlflow.rollout.prepack import rounds_like_mm
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource, check_call
 from rlflow.rollout.serving import ServeCall
@@ -267,10 +267,6 @@ class EngineRollout(CallKeys, RolloutBackend):
     def _prefill_head(self, head: list[int], device: torch.device):
         """Run the prompt head common to every prompt once; return its per-layer keys and values ``[kv, len, d]``."""
         self.prefilled_tokens += len(head)
-        with without_cudnn_attention(device):
-            return self._prefill_head_on(head, device)
-
-    def _prefill_head_on(self, head: list[int], device: torch.device):
         if self._decoder is not None:
             keys, values, _, _ = self._prefill_fused([head], device, None)
             return [k[0] for k in keys], [v[0] for v in values]
@@ -317,10 +313,6 @@ class EngineRollout(CallKeys, RolloutBackend):
     def _admit(self, prompts: list[list[int]], hits: list, device: torch.device, head=None):
         """:meth:`_prefill` of ``prompts``; those with a kept cache (``hits[i]``, taken out of the session) are
         prefilled on top of it (only their new tokens), the others (``hits[i]`` None) from scratch."""
-        with without_cudnn_attention(device):
-            return self._admit_on(prompts, hits, device, head)
-
-    def _admit_on(self, prompts: list[list[int]], hits: list, device: torch.device, head=None):
         fresh = [j for j, hit in enumerate(hits) if hit is None]
         cont = [j for j, hit in enumerate(hits) if hit is not None]
         parts = []
@@ -374,12 +366,6 @@ class EngineRollout(CallKeys, RolloutBackend):
 
     def _decode_step(self, state: DecodeState, pending: torch.Tensor, pos: torch.Tensor,
                      decoder: FusedDecoder | None = None) -> torch.Tensor:
-        """Logits ``[rows, vocab]`` of one decode step of ``state``'s rows (fed ``pending`` at positions ``pos``)."""
-        with without_cudnn_attention(pending.device):
-            return self._decode_step_on(state, pending, pos, decoder)
-
-    def _decode_step_on(self, state: DecodeState, pending: torch.Tensor, pos: torch.Tensor,
-                        decoder: FusedDecoder | None) -> torch.Tensor:
         state.begin_step()
         if decoder is not None:
             decoder.prepack(pending.shape[0])  # the large matrices in the CPU GEMM's layout, once

@@ -34,6 +34,7 @@ from rlflow.rollout.buffers import VocabBuffers
 from rlflow.rollout.continuation import row_caches
 from rlflow.rollout.decode_state import DecodeState, LaneStates
 from rlflow.rollout.draws import RowDraws
+from rlflow.rollout.hardware import without_cudnn_attention
 from rlflow.rollout.penalty import mark_seen, seen_tokens
 from rlflow.rollout.requests import DecodeRequest, RequestSource
 from rlflow.rollout.sampling import sample_tokens
@@ -136,18 +137,19 @@ class ServeCall:
         """Decode what ``source`` hands over; yield ``(request, its completions)`` as each request finishes."""
         while True:
             live = sum(len(lane.rows) for lane in self.lanes.values())
-            if not self.closed:
-                self.poll(source, wait=not live and not self.waiting)
-            if not self.waiting and not live:
-                if self.closed:
-                    return
-                continue
-            self.before_iteration()
-            take = self.take_waiting(live)
-            finished = self.admit(take)
-            if not take or (live and not self.waiting):  # one decode step of every live row of every lane (also
-                # right after admitting the last waiting requests next to running rows: they do not lose a step)
-                finished += self.decode()
+            with without_cudnn_attention(self.device):  # between two yields: the caller's code keeps its kernels
+                if not self.closed:
+                    self.poll(source, wait=not live and not self.waiting)
+                if not self.waiting and not live:
+                    if self.closed:
+                        return
+                    continue
+                self.before_iteration()
+                take = self.take_waiting(live)
+                finished = self.admit(take)
+                if not take or (live and not self.waiting):  # one decode step of every live row of every lane (also
+                    # right after admitting the last waiting requests next to running rows: they do not lose a step)
+                    finished += self.decode()
             yield from self.finish(finished)
             self.compact()
 

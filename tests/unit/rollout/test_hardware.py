@@ -1,6 +1,7 @@
 """``rlflow.rollout.hardware.without_cudnn_attention``: cuDNN's attention kernel is off inside on a CUDA device, as it
 was outside afterwards (also after an error), untouched elsewhere. The engine's decode steps and prefills run inside
-it; ``tests/integration/test_gpu.py`` checks on a GPU that no cuDNN attention kernel runs during a rollout."""
+it (each step of the serve loop, between two yields); ``tests/integration/test_gpu.py`` checks on a GPU that no
+cuDNN attention kernel runs during a rollout."""
 
 from __future__ import annotations
 
@@ -53,12 +54,13 @@ def test_the_engine_decodes_and_prefills_inside_it(monkeypatch):
     """Every SDPA call of a rollout happens with the flag off, where the engine's device were CUDA (the device type
     is what the switch looks at; the arithmetic stays on the CPU)."""
     from rlflow.rollout import engine as engine_module
+    from rlflow.rollout import serving
     from rlflow.rollout.base import SamplingParams
     from tests.helpers.tiny_archs import IdTokenizer, tiny_causal_lm
     from tests.unit.rollout.test_engine import prompts_of
 
     seen = []
-    real_switch, real_sdpa = engine_module.without_cudnn_attention, torch.nn.functional.scaled_dot_product_attention
+    real_switch, real_sdpa = serving.without_cudnn_attention, torch.nn.functional.scaled_dot_product_attention
 
     def as_if_cuda(device):
         return real_switch(CUDA)
@@ -68,12 +70,14 @@ def test_the_engine_decodes_and_prefills_inside_it(monkeypatch):
         return real_sdpa(*args, **kwargs)
 
     torch.backends.cuda.enable_cudnn_sdp(True)
-    monkeypatch.setattr(engine_module, "without_cudnn_attention", as_if_cuda)
+    monkeypatch.setattr(serving, "without_cudnn_attention", as_if_cuda)
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
     model = tiny_causal_lm("qwen3", seed=1).to(torch.bfloat16)
     engine = engine_module.EngineRollout(seed=0, dtype="model")
     engine.bind(model, IdTokenizer())
     seen.clear()
-    engine.generate(prompts_of([11, 17, 8], seed=2), SamplingParams(1.0, max_tokens=6), n=2)
+    between = []  # the caller's code between two groups of the stream: its own kernels
+    for _ in engine.stream(prompts_of([11, 17, 8], seed=2), SamplingParams(1.0, max_tokens=6), n=2):
+        between.append(torch.backends.cuda.cudnn_sdp_enabled())
     assert seen and not any(seen)  # bf16 caches: the decode attention is one SDPA call per layer, the prefill too
-    assert torch.backends.cuda.cudnn_sdp_enabled()
+    assert between == [True] * 3 and torch.backends.cuda.cudnn_sdp_enabled()
