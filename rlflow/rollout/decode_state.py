@@ -10,7 +10,8 @@ different sizes) in one forward.
 Simplifications: the prompt regions are padded to the longest prompt of the batch and the generated-token regions
 grow by doubling up to ``max_tokens`` (masked and exact, but not a paged block table); each query also meets its
 group's other rows' tokens (masked: ``n`` times the arithmetic of that part: cheap next to the per-operator cost
-over tens of generated tokens, the larger part of a step over hundreds).
+over tens of generated tokens, the larger part of a step over hundreds; the engine's ``attention: rows`` decodes in
+groups of one instead, each row with its own copy of the prompt).
 """
 
 from __future__ import annotations

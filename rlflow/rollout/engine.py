@@ -44,7 +44,8 @@ every token, keeps finished rows in the batch until the longest one ends, and pa
 Simplifications: the prompt regions of a batch are padded to the longest prompt and the generated-token
 regions grow by doubling up to ``max_tokens`` (masked, exact, but not a paged block table); each query also
 meets its group's other rows' tokens (masked: ``n`` times the arithmetic of that part: cheap next to the
-per-operator cost over tens of generated tokens, the larger part of a step over hundreds); only the prefix common
+per-operator cost over tens of generated tokens, the larger part of a step over hundreds; ``attention: rows``
+avoids it, each row with its own copy of the prompt); only the prefix common
 to *all* prompts of a call is shared across groups (no radix tree). The prefill without the fused forward uses
 the model's own attention.
 Decoding through the model's forward (architectures the fused path does not cover) needs attention modules
