@@ -147,7 +147,7 @@ def _load(args: argparse.Namespace, checkpointing: bool):
 
     from rlflow.models.loading import enable_activation_checkpointing, load_causal_lm
     from rlflow.models.rms_norm import use_fast_rms_norm
-    from rlflow.rollout.hardware import native_bf16
+    from rlflow.rollout.hardware import bf16_faster
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -156,7 +156,7 @@ def _load(args: argparse.Namespace, checkpointing: bool):
     if checkpointing:
         enable_activation_checkpointing(model)
     model.train()
-    bf16 = args.precision == "bf16" or (args.precision == "auto" and native_bf16(torch.device("cpu")))
+    bf16 = args.precision == "bf16" or (args.precision == "auto" and bf16_faster(torch.device("cpu")))
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     return model, autocast, bf16
 

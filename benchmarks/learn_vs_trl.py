@@ -105,7 +105,7 @@ def trl_worker(args) -> dict:
 
     from benchmarks.bench_step import gsm8k_reward, trl_recorder, trl_rows
     from rlflow.demo.sums import final_number_reward
-    from rlflow.rollout.hardware import native_bf16
+    from rlflow.rollout.hardware import bf16_faster
 
     rows = trl_rows(args.data / "train.jsonl")
     gsm8k = gsm8k_reward()
@@ -114,7 +114,7 @@ def trl_worker(args) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     with tempfile.TemporaryDirectory() as out:
         config = GRPOConfig(
-            output_dir=out, use_cpu=True, bf16=native_bf16(torch.device("cpu")), learning_rate=2e-5,
+            output_dir=out, use_cpu=True, bf16=bf16_faster(torch.device("cpu")), learning_rate=2e-5,
             lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, adam_beta1=0.9,
             adam_beta2=0.999, per_device_train_batch_size=16, gradient_accumulation_steps=1, num_generations=4,
             max_completion_length=32, temperature=0.8, top_p=1.0, top_k=0, beta=0.0, loss_type="bnpo", epsilon=0.2,

@@ -80,7 +80,7 @@ from rlflow.rollout.draws import CallKeys, keyed_requests
 from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsupported_reason
 from rlflow.rollout.fused import FusedDecoder, torch_norm_for
 from rlflow.rollout.graphs import GraphCaptureError, GraphedDecoder, capture_kind
-from rlflow.rollout.hardware import inference_context, native_bf16
+from rlflow.rollout.hardware import bf16_faster, inference_context
 from rlflow.rollout.prepack import rounds_like_mm
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource, check_call
 from rlflow.rollout.serving import ServeCall
@@ -92,9 +92,9 @@ ATTENTION_LAYOUTS = ("groups", "rows")
 def decode_dtype(choice: str, device: torch.device) -> torch.dtype | None:
     """The fused decoder's dtype for the engine's ``dtype`` option on ``device`` (None: the model's own)."""
     if choice == "auto":
-        if native_bf16(device):
+        if bf16_faster(device):
             return torch.bfloat16
-        return torch.float32 if device.type == "cpu" else None  # a CPU's emulated 16-bit products: float32 copies
+        return torch.float32 if device.type == "cpu" else None  # a CPU where bf16 is not faster: float32 copies
     return None if choice == "model" else getattr(torch, choice)
 
 
@@ -132,12 +132,13 @@ class EngineRollout(CallKeys, RolloutBackend):
                 with one matrix product for all rows, when it is at least this long (0 disables it).
             dtype: Arithmetic of the fused decoder: ``model`` (the policy's own dtype, exact), ``float32``,
                 ``bfloat16``, ``float16`` (a copy of the weights in that dtype, made per rollout call, so it always
-                holds the current weights; training keeps the policy's dtype), or ``auto`` (``bfloat16`` where the
-                device multiplies it natively: a CUDA GPU with bf16, a CPU with AMX or AVX512-BF16; ``float32`` on other
-                CPUs, where 16-bit products are emulated and several times slower, so a 16-bit policy decodes through
-                float32 copies; the model's own on other GPUs). Lower precision halves the weight bytes a decode step
-                reads; the rollout log-probs are then those of the rounded weights (see docs/performance.md, "bf16
-                decoding"). Decoding through the model's forward (no fused path) ignores it.
+                holds the current weights; training keeps the policy's dtype), or ``auto`` (``bfloat16`` where it is
+                faster: a CUDA GPU with bf16, a CPU whose bf16 products measure >= 1.5x float32's, e.g. with AMX
+                (:func:`~rlflow.rollout.hardware.bf16_faster`); ``float32`` on other CPUs, so a 16-bit policy
+                decodes through float32 copies; the model's own on other GPUs). Lower precision halves the weight
+                bytes a decode step reads; the rollout log-probs are then those of the rounded weights (see
+                docs/performance.md, "bf16 decoding"). Decoding through the model's forward (no fused path) ignores
+                it.
             norm: The fused decoder's RMS norms: ``model`` (the model's own formula in its order of roundings),
                 ``torch`` (``F.rms_norm``: one kernel on a CUDA GPU, rounding once where the model rounds twice),
                 or ``auto`` (``torch`` where the decoder computes in 16 bits on a CUDA GPU; ``model`` elsewhere, so
@@ -150,11 +151,10 @@ class EngineRollout(CallKeys, RolloutBackend):
                 (:meth:`ServeCall.split_stragglers <rlflow.rollout.serving.ServeCall.split_stragglers>`; not
                 inside :meth:`keep_caches`). What a row samples does not change (its draws are its own); its
                 arithmetic does, by rounding.
-            attention: The decode cache's layout: ``groups`` (one cache per group, its prompt read once, each
-                query also meeting its group's other rows' tokens, masked) or ``rows`` (one per row, the prompt
-                copied to each; a finished row leaves alone): ``rows`` is the faster over completions long next to
-                their prompts (docs/performance.md). ``groups`` inside :meth:`keep_caches`. What a row samples does
-                not change; its arithmetic does, by rounding.
+            attention: The decode cache's layout: ``groups`` (one per group, its prompt read once, each query also
+                meeting its group's other rows' tokens, masked) or ``rows`` (one per row, the prompt copied to each),
+                faster over completions long next to their prompts (docs/performance.md); ``groups`` inside
+                :meth:`keep_caches`. What a row samples does not change; its arithmetic does, by rounding.
         """
         if max_batch_size < 1 or prefill_batch_size < 1:
             raise ValueError("engine max_batch_size and prefill_batch_size must be >= 1")

@@ -1,10 +1,11 @@
 """The trainer ``rlflow fit`` builds: Lightning's ``Trainer`` with one more value for ``trainer.precision``.
 
-``precision: auto`` computes in bf16 where the device multiplies bf16 in hardware and in float32 elsewhere:
-``bf16-mixed`` (autocast: bf16 matrix products over float32 master weights) on a CUDA GPU with bf16 or a CPU
-with AMX or AVX512-BF16, ``32-true`` on any other device, where bf16 products are emulated and several times slower
-than float32 (:func:`rlflow.rollout.hardware.native_bf16`, the test the engine's ``dtype: auto`` makes). The value
-it settles on is logged with the reason. Every other value is Lightning's, passed through unchanged.
+``precision: auto`` computes in bf16 where that is faster than float32 on the device and in float32 elsewhere:
+``bf16-mixed`` (autocast: bf16 matrix products over float32 master weights) on a CUDA GPU with bf16 or a CPU whose
+bf16 units multiply at least 1.5x as fast as float32 (AMX), ``32-true`` on any other device: where bf16 products are
+emulated, or where the CPU's bf16 units are slower than its float32 ones (AVX512-BF16 without AMX, measured)
+(:func:`rlflow.rollout.hardware.bf16_faster`, the test the engine's ``dtype: auto`` makes). The value it settles
+on is logged with the reason. Every other value is Lightning's, passed through unchanged.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from lightning.fabric.connector import _PRECISION_INPUT
 from lightning.pytorch import Trainer
 
 from rlflow.log import info
-from rlflow.rollout.hardware import native_bf16
+from rlflow.rollout.hardware import BF16_MARGIN, bf16_faster, cpu_bf16_speedup, native_bf16
 
 AUTO = "auto"
 
@@ -34,16 +35,20 @@ def compute_device(accelerator: object) -> torch.device | None:
 
 
 def auto_precision(accelerator: object = AUTO) -> tuple[str, str]:
-    """``(precision, reason)`` for ``precision: auto`` on ``trainer.accelerator``: ``bf16-mixed`` where the device
-    multiplies bf16 natively, ``32-true`` elsewhere."""
+    """``(precision, reason)`` for ``precision: auto`` on ``trainer.accelerator``: ``bf16-mixed`` where bf16 is
+    faster than float32 there, ``32-true`` elsewhere."""
     device = compute_device(accelerator)
     if device is None:
         return "32-true", f"accelerator {accelerator!r}: bf16 support not checked there"
-    if native_bf16(device):
-        units = "bf16 support" if device.type == "cuda" else "AMX or AVX512-BF16"
+    if bf16_faster(device):
+        units = "bf16 support" if device.type == "cuda" else \
+            f"bf16 units, its bf16 products {cpu_bf16_speedup():.1f}x as fast as float32's"
         return "bf16-mixed", f"the {device.type.upper()} multiplies bf16 in hardware ({units})"
     if device.type == "cuda":
         return "32-true", "this GPU has no bf16 support"
+    if native_bf16(device):
+        return "32-true", (f"this CPU's bf16 products run {cpu_bf16_speedup():.2f}x as fast as float32's (less than "
+                           f"{BF16_MARGIN:g}x)")
     return "32-true", "this CPU has no AMX or AVX512-BF16: bf16 products would be emulated, slower than float32"
 
 
@@ -54,8 +59,8 @@ class RLFlowTrainer(Trainer):
         """
         Args:
             precision: Lightning's precision (``32-true``, ``bf16-mixed``, ``16-mixed``, ...), or ``auto``:
-                ``bf16-mixed`` where the device multiplies bf16 in hardware (a CUDA GPU with bf16, a CPU with AMX
-                or AVX512-BF16), ``32-true`` elsewhere; the choice is logged.
+                ``bf16-mixed`` where bf16 is faster than float32 (a CUDA GPU with bf16, a CPU whose bf16 products
+                measure >= 1.5x float32's), ``32-true`` elsewhere; the choice is logged with the reason.
         """
         if precision == AUTO:
             precision, reason = auto_precision(kwargs.get("accelerator", AUTO))

@@ -80,7 +80,7 @@ def test_bench_rollout_times_a_bf16_policy_against_generate_on_it(tiny_model, ca
     from benchmarks.bench_rollout import main
     from rlflow.rollout import engine
 
-    monkeypatch.setattr(engine, "native_bf16", lambda device: False)  # a CPU without bf16 units: auto is float32
+    monkeypatch.setattr(engine, "bf16_faster", lambda device: False)  # a CPU where bf16 is not faster: auto is float32
     decoders = []
     real = engine.FusedDecoder.__init__
 

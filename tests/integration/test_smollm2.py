@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rlflow.demo import smollm2 as get_smollm2
-from rlflow.rollout.engine import native_bf16
+from rlflow.rollout.engine import bf16_faster
 from tests.helpers.paths import ROOT
 from tests.unit.rollout.test_engine import assert_logprobs_match_a_full_forward
 
@@ -144,9 +144,10 @@ def test_the_shipped_cpu_config_trains_a_step_on_the_real_model_and_the_export_r
                     '--data.judging.judgers={"*": "tests.integration.test_optim_fit:digit_reward"}'])
     assert cli.trainer.global_step == 1
     assert type(cli.datamodule.backend).__name__ == "EngineRollout" and cli.model.packing  # the defaults apply
-    # bf16 compute where the CPU has bf16 units (autocast training, bf16 decoding copies), float32 elsewhere, over
-    # float32 master weights: the lr-1e-6 update still reaches most weights (in bf16 parameters it would round away)
-    native = native_bf16(torch.device("cpu"))
+    # bf16 compute where the CPU's bf16 products are faster (autocast training, bf16 decoding copies), float32
+    # elsewhere, over float32 master weights: the lr-1e-6 update still reaches most weights (in bf16 parameters it
+    # would round away)
+    native = bf16_faster(torch.device("cpu"))
     assert cli.trainer.precision == ("bf16-mixed" if native else "32-true") and cli.datamodule.backend.dtype == "auto"
     assert [r.message for r in caplog.records if r.message.startswith("trainer.precision=auto")]  # the choice, said
     assert not [r.message for r in caplog.records if "bf16 matrix products are emulated" in r.message]

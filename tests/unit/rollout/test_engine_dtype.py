@@ -139,7 +139,7 @@ def test_auto_is_bf16_where_the_device_multiplies_it_else_float32_on_a_cpu(nativ
     16-bit policy there decodes through float32 copies; a float32 policy through its own weights, as ``model``);
     the model's own dtype on a GPU without bf16."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(engine_module, "native_bf16", lambda device: native)
+    monkeypatch.setattr(engine_module, "bf16_faster", lambda device: native)
     assert decode_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
     assert decode_dtype("auto", cuda) == (torch.bfloat16 if native else None)
     assert decode_dtype("model", cpu) is None and decode_dtype("bfloat16", cpu) == torch.bfloat16
@@ -148,7 +148,7 @@ def test_auto_is_bf16_where_the_device_multiplies_it_else_float32_on_a_cpu(nativ
 def test_the_float32_decoder_of_a_float32_model_is_its_own_under_auto(model, tokenizer, monkeypatch):
     """On a CPU without bf16 units ``auto`` decodes a float32 model exactly as ``model`` does: its own weights,
     folded, the same tokens and log-probs."""
-    monkeypatch.setattr(engine_module, "native_bf16", lambda device: False)
+    monkeypatch.setattr(engine_module, "bf16_faster", lambda device: False)
     prompts, params = prompts_of([10, 14], seed=8), SamplingParams(0.9, max_tokens=8)
     runs = {}
     for dtype in ("auto", "model"):
@@ -166,7 +166,7 @@ def test_auto_decodes_a_bf16_policy_through_float32_copies_on_a_cpu_without_bf16
     """A policy loaded in bf16 on such a CPU decodes with float32 copies of its bf16 weights: its log-probs are
     those of the same weights in float32 (a plain forward of ``model.float()``, to float32 rounding), not those of
     the bf16 forward (which lie further from them than bf16 rounding of the logits)."""
-    monkeypatch.setattr(engine_module, "native_bf16", lambda device: False)
+    monkeypatch.setattr(engine_module, "bf16_faster", lambda device: False)
     half = tiny_causal_lm(name, seed=7).to(torch.bfloat16)
     engine = bound_engine(half, dtype="auto")
     prompts = prompts_of([9, 15, 11], seed=9)
