@@ -1,5 +1,6 @@
-"""What the device and the runtime support: whether bf16 matrix products run on bf16 units or are emulated,
-whether decoding may run in ``torch.inference_mode``, and which attention kernels suit decoding's changing shapes.
+"""What the device and the runtime support: whether bf16 matrix products run on bf16 units or are emulated, and
+whether they are faster than float32's there, whether decoding may run in ``torch.inference_mode``, and which
+attention kernels suit decoding's changing shapes.
 
 Its own module because both the engine (``dtype: auto``) and the CPU weight packing (:mod:`rlflow.rollout.prepack`)
 ask, and the engine imports the packing.
