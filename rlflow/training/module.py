@@ -90,23 +90,31 @@ class NonFiniteLossError(RuntimeError):
 def emulated_bf16(precision: str, device: torch.device, policy_dtype: torch.dtype = torch.float32,
                   fsdp_param_dtype: torch.dtype | None = None) -> str | None:
     """Why ``trainer.precision``, the policy's parameter dtype or FSDP2's mixed-precision compute dtype
-    (``fsdp_param_dtype``: ``fsdp2_bf16``) costs time on ``device``, or None: bf16 compute on a CPU that multiplies
-    bf16 in software (neither AMX nor AVX512-BF16), where a run is faster in 32-true (``trainer.precision: auto``
-    picks that there, :mod:`rlflow.training.trainer`) with float32 parameters."""
-    from rlflow.rollout.hardware import native_bf16
+    (``fsdp_param_dtype``: ``fsdp2_bf16``) costs time on ``device``, or None: bf16 compute on a CPU whose bf16
+    matrix products are slower than float32's, emulated in software (neither AMX nor AVX512-BF16) or measured slower
+    (:func:`rlflow.rollout.hardware.cpu_bf16_speedup` < 1: AVX512-BF16 without AMX), where a run is faster in
+    32-true (``trainer.precision: auto`` picks that there, :mod:`rlflow.training.trainer`) with float32 parameters."""
+    from rlflow.rollout.hardware import cpu_bf16_speedup, native_bf16
 
-    if device.type != "cpu" or native_bf16(device):
+    if device.type != "cpu":
         return None
-    why = "its bf16 matrix products are emulated, several times slower than float32"
+    if native_bf16(device):
+        speedup = cpu_bf16_speedup()
+        if speedup >= 1.0:
+            return None
+        where, why = "on this CPU", f"its bf16 matrix products measure {speedup:.2f}x float32's here"
+    else:
+        where = "on a CPU without bf16 hardware (no AMX or AVX512-BF16)"
+        why = "its bf16 matrix products are emulated, several times slower than float32"
     if precision.startswith("bf16"):
-        return (f"trainer.precision={precision} on a CPU without bf16 hardware (no AMX or AVX512-BF16): {why}; set "
-                "--trainer.precision 32-true (or auto: bf16 only where the device multiplies it natively)")
+        return (f"trainer.precision={precision} {where}: {why}; set --trainer.precision 32-true (or auto: bf16 only "
+                "where it is faster)")
     if policy_dtype == torch.bfloat16:
-        return (f"model.policy.dtype=bfloat16 on a CPU without bf16 hardware (no AMX or AVX512-BF16): {why}; keep "
-                "float32 parameters (the engine's dtype: auto decodes rollouts through float32 copies either way)")
+        return (f"model.policy.dtype=bfloat16 {where}: {why}; keep float32 parameters (the engine's dtype: auto "
+                "decodes rollouts through float32 copies either way)")
     if fsdp_param_dtype == torch.bfloat16:
-        return (f"an FSDP2 strategy computing in bfloat16 (fsdp2_bf16, param_dtype=bfloat16) on a CPU without bf16 "
-                f"hardware (no AMX or AVX512-BF16): {why}; set --trainer.strategy fsdp2 (float32 compute)")
+        return (f"an FSDP2 strategy computing in bfloat16 (fsdp2_bf16, param_dtype=bfloat16) {where}: {why}; set "
+                "--trainer.strategy fsdp2 (float32 compute)")
     return None
 
 

@@ -27,14 +27,23 @@ def test_the_reference_model_follows_the_losss_kl_coef(tiny_model):
     )
 
 
-@pytest.mark.parametrize("native", [True, False])
-def test_bf16_precision_on_a_cpu_without_bf16_hardware_is_named(monkeypatch, native):
+@pytest.mark.parametrize("units,speedup", [(True, 6.0), (False, 0.1), (True, 0.52)])
+def test_bf16_precision_on_a_cpu_without_bf16_hardware_is_named(monkeypatch, units, speedup):
+    """No bf16 units: emulated, named; units whose products measure 0.52x float32's (AVX512-BF16 without AMX):
+    named with the figure; units at 6x (AMX): nothing to say."""
     import torch
 
     import rlflow.rollout.hardware as hardware
     from rlflow.training.module import emulated_bf16
 
-    monkeypatch.setattr(hardware, "native_bf16", lambda device: native)
+    monkeypatch.setattr(hardware, "native_bf16", lambda device: units)
+    monkeypatch.setattr(hardware, "cpu_bf16_speedup", lambda: speedup)
+    native = speedup >= 1.0  # nothing to warn of
+    if units and not native:
+        assert "on this CPU: its bf16 matrix products measure 0.52x float32's here" in emulated_bf16("bf16-mixed",
+                                                                                                     torch.device("cpu"))
+    if not units:
+        assert "no AMX or AVX512-BF16" in emulated_bf16("bf16-mixed", torch.device("cpu"))
     cpu = torch.device("cpu")
     for precision in ("bf16-mixed", "bf16-true"):
         message = emulated_bf16(precision, cpu)
