@@ -53,7 +53,9 @@ def test_auto_is_bf16_mixed_exactly_where_bf16_is_faster(monkeypatch, units, spe
 
 def test_the_cpu_speedup_is_measured_once_and_is_a_ratio_of_throughputs():
     hardware.cpu_bf16_speedup.cache_clear()
+    state = torch.get_rng_state()
     first = hardware.cpu_bf16_speedup()
+    assert torch.equal(torch.get_rng_state(), state)  # a run's seeded draws are not moved by the measurement
     assert first > 0 and hardware.cpu_bf16_speedup() is first  # cached: one measurement per process
     assert hardware.bf16_faster(torch.device("cpu")) == (
         hardware.native_bf16(torch.device("cpu")) and first >= hardware.BF16_MARGIN)
