@@ -29,7 +29,7 @@ from rlflow.training.packing import collate_packed, packed_completion_logprobs, 
 
 TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}  # max |packed - padded| log-prob; 16-bit dtypes: 0.1
 HALF_TOLERANCE = 0.1
-ORDER_TOLERANCE = 0.01  # 16 bits: how far a sequence's packed log-probs may move with the pack's order or alone
+ORDER_TOLERANCE = 0.01  # 16 bits: how far a sequence's packed log-probs may move when the pack's order is reversed
 HALF_LAYOUT_BOUND = 0.5  # 16 bits, where two padded layouts agree to the bit: the largest gap a pack may show
 
 
