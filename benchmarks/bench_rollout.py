@@ -31,8 +31,8 @@ last rows never continue alone: :meth:`rlflow.rollout.serving.ServeCall.split_st
 engine with ``attention="rows"`` (a KV cache per row instead of per group). Every engine is seeded
 with ``--seed``, so an engine and its variants draw the same random streams call after call: in float32 they
 sample the same tokens (up to rounding), and their ratio is one of times. ``--with-mkl`` adds the float32 engine
-with its matrices packed through MKL (:mod:`rlflow.rollout.prepack`: the kernel off AVX2 CPUs; on an AVX2 CPU the
-engine packs through oneDNN), with a ratio line of the engine over it.
+with its matrices packed through MKL (:mod:`rlflow.rollout.prepack`; the engine itself packs through oneDNN on AVX2
+CPUs and through rlflow's row GEMM on AVX-512 CPUs), with a ratio line of the engine over it.
 
 ``--fresh-prompts`` gives every timed run other prompts (as every rollout of a training run has), so that what a
 kernel library caches per shape is paid where training pays it; without it every run decodes the same prompts.

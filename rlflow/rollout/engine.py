@@ -254,7 +254,8 @@ class EngineRollout(CallKeys, RolloutBackend):
         else:
             self._kept_decoder = self._graphed = None  # free the old copies (and their graphs) before new ones
             kept = (key, FusedDecoder(model, dtype, self.norm))
-            if device.type == "cpu" and not rounds_like_mm(kept[1].dtype):  # before any product: all packed alike
+            if device.type == "cpu" and kept[1].large_enough_to_pack() and not rounds_like_mm(kept[1].dtype):
+                # before any product: all packed alike
                 kept[1].prepack(min(self.max_batch_size, 16))
         self._kept_decoder, self._stale = (key, kept[1]), False
         return kept[1]

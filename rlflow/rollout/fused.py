@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from rlflow.models.lm_head import is_fp32_head
 from rlflow.models.lora import fold_problem, linear_weights, unwrap_peft
-from rlflow.rollout.prepack import PackedWeight, packable, packs
+from rlflow.rollout.prepack import MIN_NUMEL, PackedWeight, packable, packs
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -286,10 +286,11 @@ class FusedDecoder:
 
     def prepack(self, rows: int) -> None:
         """Pack the large weight matrices once in the CPU GEMM library's layout (:mod:`rlflow.rollout.prepack`),
-        for decode steps of up to ``rows`` rows (MKL's float32 packs: packed again for more rows; oneDNN's fit every
-        row count); a no-op where nothing packs. Results are bit-identical to the unpacked products where
-        :func:`~rlflow.rollout.prepack.rounds_like_mm`; elsewhere (oneDNN's float32 kernel) they differ from them by
-        float rounding, and the engine packs the decoder before its first product, so that all of them round alike."""
+        for decode steps of up to ``rows`` rows (MKL's float32 packs: packed again for more rows; oneDNN's and the
+        row GEMM's fit every row count); a no-op where nothing packs. Results are bit-identical to the unpacked
+        products where :func:`~rlflow.rollout.prepack.rounds_like_mm`; elsewhere (oneDNN's float32 kernel, the row
+        GEMM) they differ from them by float rounding, and the engine packs the decoder before its first product, so
+        that all of them round alike."""
         if self.packed_rows and (rows <= self.packed_rows or not self.packed_per_rows):
             return
         if self.embed.device.type != "cpu":
@@ -303,6 +304,13 @@ class FusedDecoder:
         self.packed_rows = rows
         mats = [self.lm_head_w] + [w for layer in self.layers for w in (layer.qkv_w, layer.gate_up_w)]
         self.packed_per_rows = any(isinstance(w, PackedWeight) and w.mkl for w in mats)  # more rows: run unpacked
+
+    def large_enough_to_pack(self) -> bool:
+        """Whether any of the decoder's matrices has the size :mod:`rlflow.rollout.prepack` packs (a CPU's packing
+        kernels, some built on first use, are looked up only for such decoders)."""
+        mats = [self.lm_head_w] + [w for layer in self.layers for w in (layer.qkv_w, layer.gate_up_w, layer.o_w,
+                                                                          layer.down_w)]
+        return any(w.numel() >= MIN_NUMEL for w in mats if isinstance(w, torch.Tensor))
 
     def rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sign * sin`` ``[rows, 1, dim]`` at ``positions``, from the table (grown by doubling as needed)."""

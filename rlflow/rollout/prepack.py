@@ -17,6 +17,10 @@ kernels torch's own CPU inference paths use:
   take the one kernel, and a rollout samples the same tokens and log-probs on one thread or two (the trainer and a
   generator process may run different thread counts). That row independence is checked once per matrix shape on
   a seeded input (:meth:`PackedWeight.rows_independent`); a shape that fails it takes MKL's kernel below.
+* float32 on a CPU with AVX-512: rlflow's own row GEMM (:mod:`rlflow.rollout.row_gemm`), compiled on first use,
+  which streams a matrix's panels from memory while it multiplies them; like oneDNN's kernel above it rounds unlike
+  ``torch.mm`` and gives each row the same bits at every row count (checked the same way), and the engine packs
+  the decoder before its first prefill. Where it cannot be built, MKL's below.
 * float32 elsewhere: MKL's packed GEMM (``torch.ops.mkl._mkl_reorder_linear_weight`` / ``_mkl_linear``), packed for
   one row count; a product with fewer rows is padded with zero rows to it (row ``i`` of the result does not depend
   on the other rows), one with more rows runs unpacked ``torch.mm``. Its results must be bit-identical to
@@ -42,19 +46,20 @@ dtypes and devices keep ``torch.mm``. Matrices under :data:`MIN_NUMEL` entries s
 stays in cache, where packing saves nothing; the tiny demo model is all small matrices). A packed copy is extra
 memory beside the decoder's own copy (MKL's float32 buffer is about twice the matrix's bytes), held as long as
 the decoder. oneDNN's float32 kernel is chosen on AVX2 CPUs only, where it was measured; MKL stays the float32
-kernel on AVX-512 CPUs.
+kernel on AVX-512 CPUs where rlflow's own cannot be built.
 """
 
 from __future__ import annotations
 
 import torch
 
+from rlflow.rollout import row_gemm
 from rlflow.rollout.hardware import native_bf16
 
 MIN_NUMEL = 1 << 18  # entries of the smallest matrix worth packing (576 x 576 is 331,776)
 #: ``(rows, packed rows, in, out)`` -> whether MKL's padded packed product equals ``torch.mm`` bit for bit here
 _AGREES: dict[tuple[int, ...], bool] = {}
-#: ``(in, out)`` -> whether oneDNN's float32 product of each row is the same at every row count here
+#: ``(kernel, in, out)`` -> whether that float32 kernel's product of each row is the same at every row count here
 _ROWS_INDEPENDENT: dict[tuple[int, int], bool] = {}
 #: Row counts :meth:`PackedWeight.rows_independent` compares with one product of all of them
 PROBE_ROWS = (1, 2, 3, 7, 16, 33, 100)
@@ -69,10 +74,14 @@ def _mkl() -> bool:
 
 
 def float32_kernel() -> str | None:
-    """The library that packs float32 matrices on this CPU: ``"onednn"`` where torch's widest CPU capability is
-    AVX2 (see the module docstring), else ``"mkl"``; None where this torch has neither."""
-    if _onednn() and torch.backends.cpu.get_cpu_capability() == "AVX2":
+    """The kernel that multiplies packed float32 matrices on this CPU: ``"onednn"`` where torch's widest CPU
+    capability is AVX2, ``"row_gemm"`` (:mod:`rlflow.rollout.row_gemm`) where it is AVX-512 and that kernel builds,
+    else ``"mkl"`` (see the module docstring); None where none of them is there."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if _onednn() and capability == "AVX2":
         return "onednn"
+    if "AVX512" in capability and row_gemm.available():
+        return "row_gemm"
     return "mkl" if _mkl() else None
 
 
@@ -90,7 +99,7 @@ def rounds_like_mm(dtype: torch.dtype) -> bool:
     """Whether packed products of ``dtype`` equal ``torch.mm``'s bit for bit (else they equal each other whatever
     the row count, and a decoder is packed before its first product: :meth:`~rlflow.rollout.fused.FusedDecoder.
     prepack`)."""
-    return not (dtype == torch.float32 and float32_kernel() == "onednn")
+    return not (dtype == torch.float32 and float32_kernel() in ("onednn", "row_gemm"))
 
 
 def packable(weight_t: torch.Tensor) -> bool:
@@ -103,6 +112,22 @@ def _onednn_products(x: torch.Tensor, h: torch.Tensor, packed: torch.Tensor) -> 
     """oneDNN's ``x @ W`` and ``h + x @ W`` with a packed ``W``."""
     return (torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""),
             torch.ops.mkldnn._linear_pointwise.binary(x, h, packed, None, "add"))
+
+
+def _row_gemm_products(x: torch.Tensor, h: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row GEMM's ``x @ W`` and ``h + x @ W`` with ``W``'s panels."""
+    return row_gemm.mm(x, packed, h.shape[1]), row_gemm.mm(x, packed, h.shape[1], h)
+
+
+#: The float32 kernels whose rows are checked to be independent of the row count, with their products
+ROW_INDEPENDENT_KERNELS = {"onednn": _onednn_products, "row_gemm": _row_gemm_products}
+
+
+def _pack_for(kernel: str, weight_t: torch.Tensor, rows: int) -> torch.Tensor:
+    """``weight_t``'s copy in ``kernel``'s layout (``rows``: the row count oneDNN packs for)."""
+    if kernel == "row_gemm":
+        return row_gemm.pack(weight_t)
+    return torch.ops.mkldnn._reorder_linear_weight(weight_t.t(), rows)
 
 
 class PackedWeight:
@@ -123,37 +148,41 @@ class PackedWeight:
         self.weight_t = weight_t
         self.rows = rows
         fp32 = weight_t.dtype == torch.float32
-        onednn = not fp32 or float32_kernel() == "onednn"
-        if onednn:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t(), rows)
-        #: MKL's kernel (float32 where oneDNN's is not chosen or its rows depend on the row count), else oneDNN's
-        self.mkl = fp32 and not (onednn and self.rows_independent(weight_t, self.packed))
+        #: ``"onednn"`` (bfloat16, or float32 on AVX2), ``"row_gemm"`` (float32 on AVX-512) or ``"mkl"`` (float32
+        #: elsewhere, or where the chosen kernel's rows would depend on the row count)
+        self.kernel = float32_kernel() if fp32 else "onednn"
+        if self.kernel in ROW_INDEPENDENT_KERNELS:
+            self.packed = _pack_for(self.kernel, weight_t, rows)
+            if fp32 and not self.rows_independent(weight_t, self.packed, self.kernel):
+                self.kernel = "mkl"
+        self.mkl = self.kernel == "mkl"
         self.checked = checked or self.mkl
         if self.mkl:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight_t.t().contiguous(), rows)
 
     @staticmethod
-    def rows_independent(weight_t: torch.Tensor, packed: torch.Tensor | None = None) -> bool:
-        """Whether oneDNN's float32 product with a ``weight_t``-shaped matrix (``packed``: its oneDNN-packed copy,
-        made here if None) gives each row the same bits at every row count of :data:`PROBE_ROWS` (with and without
-        the residual add), on a seeded input; checked once per shape."""
-        key = tuple(weight_t.shape)
+    def rows_independent(weight_t: torch.Tensor, packed: torch.Tensor | None = None, kernel: str = "onednn") -> bool:
+        """Whether ``kernel``'s float32 product with a ``weight_t``-shaped matrix (``packed``: its copy in that
+        kernel's layout, made here if None) gives each row the same bits at every row count of :data:`PROBE_ROWS`
+        (with and without the residual add), on a seeded input; checked once per kernel and shape."""
+        key = (kernel, *weight_t.shape)
         if key not in _ROWS_INDEPENDENT:
+            products = ROW_INDEPENDENT_KERNELS[kernel]
             gen = torch.Generator().manual_seed(0)
             most = max(PROBE_ROWS)
-            x = torch.randn(most, key[0], generator=gen)
-            h = torch.randn(most, key[1], generator=gen)
+            x = torch.randn(most, key[1], generator=gen)
+            h = torch.randn(most, key[2], generator=gen)
             if packed is None:
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t(), most)
-            full, full_add = _onednn_products(x, h, packed)
+                packed = _pack_for(kernel, weight_t, most)
+            full, full_add = products(x, h, packed)
             _ROWS_INDEPENDENT[key] = all(torch.equal(got, full[:r]) and torch.equal(got_add, full_add[:r])
                                          for r in PROBE_ROWS[:-1] for got, got_add in [
-                                             _onednn_products(x[:r], h[:r], packed)])
+                                             products(x[:r], h[:r], packed)])
         return _ROWS_INDEPENDENT[key]
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ weight_t`` (``x`` ``[rows', in]``), bit-identical to ``torch.mm(x, weight_t)``
-        except through oneDNN's float32 kernel (there: to float32 rounding)."""
+        except through oneDNN's float32 kernel or the row GEMM (there: to float32 rounding)."""
         rows = x.shape[0]
         if not self.mkl:
             if self.checked and not self.agrees(rows):
@@ -164,9 +193,11 @@ class PackedWeight:
         return self._mkl_mm(x)
 
     def _packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """The packed product: MKL's (padded to the packed row count) or oneDNN's (any row count)."""
+        """The packed product: MKL's (padded to the packed row count), oneDNN's or the row GEMM's (any row count)."""
         if self.mkl:
             return self._mkl_mm(x)
+        if self.kernel == "row_gemm":
+            return row_gemm.mm(x, self.packed, self.weight_t.shape[1])
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
     def _mkl_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -195,4 +226,6 @@ class PackedWeight:
         docstring), except through oneDNN's float32 kernel (there: to ``h + self.mm(x)``)."""
         if self.mkl:
             return torch.addmm(h, x, self.weight_t)
+        if self.kernel == "row_gemm":
+            return row_gemm.mm(x, self.packed, self.weight_t.shape[1], h)
         return torch.ops.mkldnn._linear_pointwise.binary(x, h, self.packed, None, "add")

@@ -1,15 +1,15 @@
 """Prepacked CPU weights of the fused decoder (:mod:`rlflow.rollout.prepack`).
 
-What is checked, for both float32 kernels on any CPU that has them (the one :func:`~rlflow.rollout.prepack.
+What is checked, for the three float32 kernels on any CPU that has them (the one :func:`~rlflow.rollout.prepack.
 float32_kernel` chooses is monkeypatched): through MKL, a packed product is bit-identical to the ``torch.mm`` /
 ``torch.addmm`` the decoder used before (at the packed row count, fewer rows (zero-padded) and more rows
 (unpacked)), a decoder with packed matrices gives bit-identical logits, and a seeded engine on a model large enough
-to pack samples exactly the tokens and log-probs it samples with packing switched off; through oneDNN, each row of a
-product has the same bits at every row count and thread count, the residual add is exact, products and logits
-agree with ``torch.mm``'s to float32 rounding, a seeded engine samples the same tokens and log-probs on one thread
-or two (and the unpacked decoder's tokens), and a shape whose rows would depend on the row count takes MKL's
-kernel. bfloat16 through oneDNN is bit-identical at any row count, with the residual add. Small matrices and
-biased products stay unpacked.
+to pack samples exactly the tokens and log-probs it samples with packing switched off; through oneDNN and through
+rlflow's row GEMM, each row of a product has the same bits at every row count and thread count, the residual add
+is exact, products and logits agree with ``torch.mm``'s to float32 rounding, a seeded engine samples the same
+tokens and log-probs on one thread or two (and the unpacked decoder's tokens), and a shape whose rows would depend
+on the row count takes MKL's kernel. bfloat16 through oneDNN is bit-identical at any row count, with the residual
+add. Small matrices and biased products stay unpacked.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from rlflow.rollout import prepack
+from rlflow.rollout import prepack, row_gemm
 from rlflow.rollout.base import SamplingParams
 from rlflow.rollout.engine import EngineRollout
 from rlflow.rollout.fused import FusedDecoder
@@ -26,7 +26,6 @@ from rlflow.rollout.prepack import PackedWeight, packable
 from tests.helpers.tiny_archs import IdTokenizer
 
 needs_mkl = pytest.mark.skipif(not prepack._mkl(), reason="torch built without MKL")
-needs_onednn_float32 = pytest.mark.skipif(not prepack._onednn(), reason="torch built without oneDNN")
 needs_onednn = pytest.mark.skipif(not prepack.packs(torch.bfloat16),
                                   reason="bf16 packing needs torch with oneDNN and a CPU with AMX or AVX512-BF16")
 
@@ -43,11 +42,27 @@ def onednn_float32(monkeypatch):
     monkeypatch.setattr(prepack, "float32_kernel", lambda: "onednn")
 
 
-def test_the_float32_kernel_is_onednn_on_avx2_only(monkeypatch):
-    for capability, want in [("AVX2", "onednn"), ("AVX512", "mkl"), ("DEFAULT", "mkl")]:
+@pytest.fixture(params=["onednn", "row_gemm"])
+def row_independent_float32(request, monkeypatch):
+    """float32 matrices pack through each kernel whose rows do not depend on the row count (oneDNN's, rlflow's
+    row GEMM), where this torch and CPU have it; the kernel's name."""
+    if request.param == "onednn" and not prepack._onednn():
+        pytest.skip("torch built without oneDNN")
+    if request.param == "row_gemm" and not row_gemm.available():
+        pytest.skip(f"the row GEMM does not run here: {row_gemm.unsupported_reason() or 'its build failed'}")
+    monkeypatch.setattr(prepack, "float32_kernel", lambda: request.param)
+    return request.param
+
+
+@pytest.mark.parametrize("builds", [True, False])
+def test_the_float32_kernel_is_onednn_on_avx2_and_the_row_gemm_on_avx512_where_it_builds(monkeypatch, builds):
+    monkeypatch.setattr(row_gemm, "available", lambda: builds)
+    avx512 = "row_gemm" if builds else "mkl"
+    for capability, want in [("AVX2", "onednn"), ("AVX512", avx512), ("DEFAULT", "mkl")]:
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        assert prepack.float32_kernel() == (want if prepack._onednn() and prepack._mkl() else prepack.float32_kernel())
-        assert prepack.rounds_like_mm(torch.float32) == (prepack.float32_kernel() != "onednn")
+        if prepack._onednn() and prepack._mkl():
+            assert prepack.float32_kernel() == want
+        assert prepack.rounds_like_mm(torch.float32) == (prepack.float32_kernel() not in ("onednn", "row_gemm"))
         assert prepack.rounds_like_mm(torch.bfloat16)
 
 
@@ -69,18 +84,17 @@ def test_float32_packed_products_are_bit_identical_to_mm(rows, mkl_float32):
     assert torch.equal(packed.addmm(h, x), torch.addmm(h, x, weight_t))
 
 
-@needs_onednn_float32
 @pytest.mark.parametrize("shape", [(576, 960), (1536, 576), (512, 640)])
-def test_onednn_float32_products_give_each_row_the_same_bits_at_any_row_count_and_thread_count(
-        shape, onednn_float32):
+def test_row_independent_float32_products_give_each_row_the_same_bits_at_any_row_count_and_thread_count(
+        shape, row_independent_float32):
     weight_t = matrix(*shape, torch.float32)
     packed = PackedWeight(weight_t, 16)
     x, h = torch.randn(333, shape[0]), torch.randn(333, shape[1])
-    if not PackedWeight.rows_independent(weight_t):  # oneDNN's kernel on this CPU: rows depend on the row count
+    if not PackedWeight.rows_independent(weight_t, kernel=row_independent_float32):  # rows depend on the count
         assert packed.mkl  # so the matrix packs through MKL, whose products are torch.mm's bits
         assert torch.equal(packed.mm(x[:16]), torch.mm(x[:16], weight_t))
         return
-    assert not packed.mkl
+    assert not packed.mkl and packed.kernel == row_independent_float32
     full, full_add = packed.mm(x), packed.addmm(h, x)
     assert torch.equal(full_add, full + h)  # the residual add is one exact float32 add after the product
     scale = torch.mm(x, weight_t).abs().max()
@@ -89,7 +103,7 @@ def test_onednn_float32_products_give_each_row_the_same_bits_at_any_row_count_an
     try:
         for n_threads in (1, 2):
             torch.set_num_threads(n_threads)
-            for rows in (1, 2, 5, 16, 57, 333):
+            for rows in (1, 2, 5, 12, 13, 16, 17, 57, 333):
                 assert torch.equal(packed.mm(x[:rows]), full[:rows]), (n_threads, rows)
                 assert torch.equal(packed.addmm(h[:rows], x[:rows]), full_add[:rows]), (n_threads, rows)
     finally:
@@ -97,21 +111,21 @@ def test_onednn_float32_products_give_each_row_the_same_bits_at_any_row_count_an
 
 
 @needs_mkl
-@needs_onednn_float32
-def test_a_shape_whose_onednn_rows_depend_on_the_row_count_packs_through_mkl(monkeypatch, onednn_float32):
+def test_a_shape_whose_rows_would_depend_on_the_row_count_packs_through_mkl(monkeypatch, row_independent_float32):
+    kernel = row_independent_float32
     monkeypatch.setattr(prepack, "_ROWS_INDEPENDENT", {})
     weight_t = matrix(576, 960, torch.float32)
-    assert PackedWeight.rows_independent(weight_t) and not PackedWeight(weight_t, 8).mkl
-    real = prepack._onednn_products
+    assert PackedWeight.rows_independent(weight_t, kernel=kernel) and PackedWeight(weight_t, 8).kernel == kernel
+    real = prepack.ROW_INDEPENDENT_KERNELS[kernel]
 
     def rounding_at_7_rows(x, h, packed):  # a kernel whose 7-row products round differently
         mm, add = real(x, h, packed)
         return (mm * (1 + 1e-6), add) if x.shape[0] == 7 else (mm, add)
 
     monkeypatch.setattr(prepack, "_ROWS_INDEPENDENT", {})
-    monkeypatch.setattr(prepack, "_onednn_products", rounding_at_7_rows)
-    assert not PackedWeight.rows_independent(weight_t)
-    assert prepack._ROWS_INDEPENDENT == {(576, 960): False}  # checked once per shape
+    monkeypatch.setitem(prepack.ROW_INDEPENDENT_KERNELS, kernel, rounding_at_7_rows)
+    assert not PackedWeight.rows_independent(weight_t, kernel=kernel)
+    assert prepack._ROWS_INDEPENDENT == {(kernel, 576, 960): False}  # checked once per kernel and shape
     assert PackedWeight(weight_t, 8).mkl
 
 
@@ -172,8 +186,7 @@ def test_a_prepacked_decoder_gives_bit_identical_logits(dtype, mkl_float32):
         assert torch.equal(packed.step(tokens[:rows], positions[:rows], attend_alone), want)
 
 
-@needs_onednn_float32
-def test_a_onednn_float32_decoder_packs_every_product_once_and_agrees_to_rounding(onednn_float32):
+def test_a_row_independent_float32_decoder_packs_every_product_once_and_agrees_to_rounding(row_independent_float32):
     model = packing_llama()
     plain, packed = FusedDecoder(model, torch.float32), FusedDecoder(model, torch.float32)
     packed.prepack(4)
@@ -181,7 +194,7 @@ def test_a_onednn_float32_decoder_packs_every_product_once_and_agrees_to_roundin
     assert all(isinstance(w, PackedWeight) for w in (layer.qkv_w, layer.gate_up_w, layer.o_w, layer.down_w))
     assert isinstance(packed.lm_head_w, PackedWeight)
     first = packed.lm_head_w
-    packed.prepack(64)  # more rows than packed for: oneDNN's packs fit every row count, nothing is packed again
+    packed.prepack(64)  # more rows than packed for: these packs fit every row count, nothing is packed again
     assert packed.lm_head_w is first and packed.packed_rows == 4
     tokens, positions = torch.tensor([5, 9, 11, 300, 2, 7]), torch.tensor([0, 1, 2, 3, 4, 5])
     with torch.no_grad():  # as the engine decodes
@@ -214,8 +227,8 @@ def test_a_seeded_engine_samples_the_same_tokens_with_and_without_packing(dtype,
     assert packed == plain
 
 
-@needs_onednn_float32
-def test_a_seeded_onednn_float32_engine_samples_the_same_on_one_thread_or_two(monkeypatch, onednn_float32):
+def test_a_seeded_row_independent_float32_engine_samples_the_same_on_one_thread_or_two(monkeypatch,
+                                                                                      row_independent_float32):
     """Packed before its first prefill, every product rounds alike on any thread count: one thread and two sample
     the same tokens and log-probs; the unpacked decoder samples the same tokens, log-probs equal to rounding."""
     model = packing_llama()
@@ -267,3 +280,20 @@ def test_a_checked_bfloat16_head_runs_unpacked_at_a_row_count_whose_packed_produ
     unchecked = PackedWeight(weight_t, 6)  # the layers' products: bit-identical by construction, never checked
     unchecked.mm(x)
     assert len(prepack._AGREES) == 2
+
+
+def test_an_engine_on_a_model_too_small_to_pack_never_looks_up_the_float32_kernel(monkeypatch):
+    """The row GEMM is compiled the first time the float32 kernel is asked for: a small model never asks."""
+    def asked():
+        raise AssertionError("the float32 kernel was looked up")
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", vocab_size=640, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    monkeypatch.setattr(prepack, "float32_kernel", asked)
+    engine, samples = engine_samples(model, "model")
+    assert engine._kept_decoder[1].large_enough_to_pack() is False
+    assert len(samples) == 9 and all(len(tokens) > 0 for tokens, _ in samples)
+    with pytest.raises(Exception, match="float32 kernel was looked up"):  # a model with matrices to pack does
+        engine_samples(packing_llama(), "model")

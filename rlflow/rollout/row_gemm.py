@@ -1,0 +1,92 @@
+"""rlflow's own float32 matrix product for decode steps on AVX-512 CPUs (``csrc/row_gemm.cpp``).
+
+Why: a decode step multiplies a few rows (one per sequence being decoded) by every weight matrix, so each weight is
+read from memory once and used a few times: the step is bound by memory bandwidth. MKL's and oneDNN's products of
+a few rows alternate between waiting for a block of the weights and multiplying it, so on AVX-512 CPUs they stream
+the weights at about half the bandwidth a one-row product reaches. This kernel stores each matrix as panels of 16
+columns (one contiguous stream per panel) and prefetches a few KiB ahead while it multiplies, so the stream and the
+products overlap (``benchmarks/bench_row_gemm.py`` compares it with MKL's and oneDNN's packed products).
+
+Its results differ from ``torch.mm``'s by float32 rounding (another order of the sums), and in exchange row ``i``
+has the same bits at every row count and thread count: :mod:`rlflow.rollout.prepack` uses it as it uses oneDNN's
+float32 kernel on AVX2 CPUs (the engine packs a decoder before its first product, so prefills and decode steps
+round alike).
+
+It is compiled from source the first time it is needed, by ``torch.utils.cpp_extension`` (a C++ compiler and
+``ninja``; about 30 s on 2 cores), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
+``~/.cache/torch_extensions``), and loaded from there afterwards. Where it cannot be built (no compiler, a CPU
+without AVX-512) the products stay MKL's, and the reason is logged once. ``RLFLOW_ROW_GEMM=0`` keeps MKL's without
+trying.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "row_gemm.cpp"
+#: Compiler flags: optimised, AVX-512 foundation instructions, and OpenMP for ``at::parallel_for``'s threads
+CFLAGS = ["-O3", "-mavx512f", "-fopenmp"]
+NAME = "rlflow_row_gemm"
+
+
+def _built() -> bool:
+    """Whether a build of the kernel is in torch's extension cache (False where that cannot be told)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return (Path(_get_build_directory(NAME, False)) / f"{NAME}.so").exists()
+    except Exception:  # a private helper of torch's: its absence only costs the log line
+        return False
+
+
+def unsupported_reason() -> str | None:
+    """Why this kernel is not tried here (None: it is): switched off, or a CPU without AVX-512."""
+    if os.environ.get("RLFLOW_ROW_GEMM", "1").strip().lower() in ("0", "false", "off", "no"):
+        return "RLFLOW_ROW_GEMM=0"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if "AVX512" not in capability:
+        return f"the CPU's widest vector unit is {capability}, not AVX-512"
+    return None
+
+
+@functools.cache
+def load() -> Any | None:
+    """The compiled module (``pack``, ``mm``), built on first use; None where unsupported or the build fails (the
+    reason logged once)."""
+    reason = unsupported_reason()
+    if reason is not None:
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        if not _built():
+            log.info("rlflow: compiling the row GEMM kernel (once per machine and torch version, about 30 s)")
+        return cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
+    except Exception as exc:  # no compiler, no ninja, a failed build: MKL's products instead
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        log.warning("rlflow: the row GEMM kernel could not be built (%s: %s); float32 decode products use MKL's "
+                    "kernel", type(exc).__name__, first[:200])
+        return None
+
+
+def available() -> bool:
+    """Whether the kernel runs here (built now if not yet)."""
+    return load() is not None
+
+
+def pack(weight_t: torch.Tensor) -> torch.Tensor:
+    """``weight_t`` (``[in, out]`` float32) as the kernel's panels ``[ceil(out / 16), in, 16]``."""
+    return load().pack(weight_t)
+
+
+def mm(x: torch.Tensor, packed: torch.Tensor, out: int, add: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W`` (``+ add``, one float32 add after the product) with ``W``'s panels ``packed`` and ``out`` columns."""
+    return load().mm(x, packed, out, add)
