@@ -21,9 +21,9 @@ trying.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,8 @@ SOURCE = Path(__file__).with_name("csrc") / "row_gemm.cpp"
 #: Compiler flags: optimised, AVX-512 foundation instructions, and OpenMP for ``at::parallel_for``'s threads
 CFLAGS = ["-O3", "-mavx512f", "-fopenmp"]
 NAME = "rlflow_row_gemm"
+_LOADING = threading.Lock()  # one build or import at a time in a process (torch's file lock guards other processes)
+_LOADED: list = []  # [the module, or None], once tried
 
 
 def _built() -> bool:
@@ -57,10 +59,18 @@ def unsupported_reason() -> str | None:
     return None
 
 
-@functools.cache
 def load() -> Any | None:
     """The compiled module (``pack``, ``mm``), built on first use; None where unsupported or the build fails (the
     reason logged once)."""
+    if not _LOADED:
+        with _LOADING:
+            if not _LOADED:
+                _LOADED.append(_build())
+    return _LOADED[0]
+
+
+def _build() -> Any | None:
+    """Build (or load from torch's extension cache) the module; None where unsupported or the build fails."""
     reason = unsupported_reason()
     if reason is not None:
         return None

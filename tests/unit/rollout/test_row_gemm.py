@@ -1,8 +1,9 @@
 """rlflow's row GEMM (:mod:`rlflow.rollout.row_gemm`): the products against float64 references worked out here,
 exact where every product and sum is representable and within the float32 summation bound elsewhere, at row
 counts that take each micro-kernel (1-16 rows one panel at a time, more rows two panels at a time) and column
-counts that are not multiples of the panel width; the residual add; strided operands; refused operands; and
-where the kernel is not used (switched off, no AVX-512, a failed build: logged, MKL's products instead)."""
+counts that are not multiples of the panel width; the residual add; strided operands; refused operands; where
+the kernel is not used (switched off, no AVX-512, a failed build: logged, MKL's products instead); and threads that
+ask for it at once build it once."""
 
 from __future__ import annotations
 
@@ -92,11 +93,11 @@ def test_it_is_not_tried_where_switched_off_or_without_avx512(monkeypatch):
     monkeypatch.setattr("torch.utils.cpp_extension.load", no_build)
     monkeypatch.setenv("RLFLOW_ROW_GEMM", "0")
     assert row_gemm.unsupported_reason() == "RLFLOW_ROW_GEMM=0"
-    assert row_gemm.load.__wrapped__() is None
+    assert row_gemm._build() is None
     monkeypatch.delenv("RLFLOW_ROW_GEMM")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert "AVX2, not AVX-512" in row_gemm.unsupported_reason()
-    assert row_gemm.load.__wrapped__() is None
+    assert row_gemm._build() is None
 
 
 def test_a_failed_build_is_logged_and_leaves_mkls_products(monkeypatch, caplog):
@@ -107,9 +108,31 @@ def test_a_failed_build_is_logged_and_leaves_mkls_products(monkeypatch, caplog):
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr("torch.utils.cpp_extension.load", failing_build)
     with caplog.at_level(logging.WARNING, logger="rlflow.rollout.row_gemm"):
-        assert row_gemm.load.__wrapped__() is None
+        assert row_gemm._build() is None
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
         "rlflow: the row GEMM kernel could not be built (RuntimeError: Ninja is required to load C++ extensions); "
         "float32 decode products use MKL's kernel"]
     monkeypatch.setattr(row_gemm, "available", lambda: False)
     assert prepack.float32_kernel() == ("mkl" if prepack._mkl() else None)
+
+
+def test_threads_that_ask_at_once_build_it_once(monkeypatch):
+    import threading
+    import time
+
+    calls = []
+
+    def slow_build():
+        calls.append(1)
+        time.sleep(0.2)
+        return object()
+
+    monkeypatch.setattr(row_gemm, "_LOADED", [])
+    monkeypatch.setattr(row_gemm, "_build", slow_build)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(row_gemm.load())) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and len(got) == 3 and got[0] is got[1] is got[2]
