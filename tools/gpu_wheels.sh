@@ -2,8 +2,8 @@
 # Download, here, the wheels tools/gpu_check.sh installs on a GPU machine that has no package index.
 #
 # The lent GPU machines' image (Python 3.12) has torch, lightning, transformers, torchmetrics, peft and pytest, but
-# not jsonargparse (rlflow's CLI) and an older transformers than rlflow is tested with; nothing can be downloaded
-# there. This fetches pure-Python wheels of those packages into .whl/ (git-ignored), sized well under the 64 MiB a
+# not jsonargparse (rlflow's CLI) nor ninja (which builds rlflow's CPU row GEMM), and an older transformers than rlflow
+# is tested with; nothing can be downloaded there. This fetches pure-Python wheels of those packages into .whl/ (git-ignored), sized well under the 64 MiB a
 # device call carries:
 #
 #   bash tools/gpu_wheels.sh            # here, with pip and the package registry
@@ -17,7 +17,7 @@ version() { "$PY" -c "import importlib.metadata as m; print(m.version('$1'))"; }
 PKGS=()
 # transformers' other requirements (huggingface-hub >= 1.31, tokenizers 0.23, safetensors 0.8) are in the image at
 # fitting versions; regex is carried since transformers checks its version at import.
-for name in jsonargparse docstring-parser typeshed-client transformers regex; do
+for name in jsonargparse docstring-parser typeshed-client transformers regex ninja; do
   PKGS+=("$name==$(version "$name")")
 done
 mkdir -p .whl
