@@ -14,7 +14,8 @@ round alike).
 
 It is compiled from source the first time it is needed, by ``torch.utils.cpp_extension`` (a C++ compiler and
 ``ninja``; about 30 s on 2 cores), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
-``~/.cache/torch_extensions``), and loaded from there afterwards. Where it cannot be built (no compiler, a CPU
+``~/.cache/torch_extensions``; one build per Python environment and torch version), and loaded from there
+afterwards. Where it cannot be built (no compiler, a CPU
 without AVX-512) the products stay MKL's, and the reason is logged once. ``RLFLOW_ROW_GEMM=0`` keeps MKL's without
 trying.
 """
@@ -22,7 +23,9 @@ trying.
 from __future__ import annotations
 
 import logging
+import hashlib
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -34,17 +37,24 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("csrc") / "row_gemm.cpp"
 #: Compiler flags: optimised, AVX-512 foundation instructions, and OpenMP for ``at::parallel_for``'s threads
 CFLAGS = ["-O3", "-mavx512f", "-fopenmp"]
-NAME = "rlflow_row_gemm"
 _LOADING = threading.Lock()  # one build or import at a time in a process (torch's file lock guards other processes)
 _LOADED: list = []  # [the module, or None], once tried
 
 
-def _built() -> bool:
+def extension_name() -> str:
+    """The build's name in torch's extension cache: one per source, flags, torch version and Python environment, so
+    that two environments on one machine do not rebuild each other's (torch keys a build by its name)."""
+    key = b"\0".join([SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
+                      sys.prefix.encode()])
+    return f"rlflow_row_gemm_{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+def _built(name: str) -> bool:
     """Whether a build of the kernel is in torch's extension cache (False where that cannot be told)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        return (Path(_get_build_directory(NAME, False)) / f"{NAME}.so").exists()
+        return (Path(_get_build_directory(name, False)) / f"{name}.so").exists()
     except Exception:  # a private helper of torch's: its absence only costs the log line
         return False
 
@@ -77,9 +87,10 @@ def _build() -> Any | None:
     try:
         from torch.utils import cpp_extension
 
-        if not _built():
-            log.info("rlflow: compiling the row GEMM kernel (once per machine and torch version, about 30 s)")
-        return cpp_extension.load(name=NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
+        name = extension_name()
+        if not _built(name):
+            log.info("rlflow: compiling the row GEMM kernel (once per machine and environment, about 30 s)")
+        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: MKL's products instead
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         log.warning("rlflow: the row GEMM kernel could not be built (%s: %s); float32 decode products use MKL's "

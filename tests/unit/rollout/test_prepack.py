@@ -297,3 +297,13 @@ def test_an_engine_on_a_model_too_small_to_pack_never_looks_up_the_float32_kerne
     assert len(samples) == 9 and all(len(tokens) > 0 for tokens, _ in samples)
     with pytest.raises(Exception, match="float32 kernel was looked up"):  # a model with matrices to pack does
         engine_samples(packing_llama(), "model")
+
+
+@needs_mkl
+def test_an_avx512_engine_whose_row_gemm_cannot_be_built_packs_through_mkl(monkeypatch):
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(row_gemm, "available", lambda: False)
+    engine, samples = engine_samples(packing_llama(), "model")
+    decoder = engine._kept_decoder[1]
+    assert decoder.packed_rows > 0 and decoder.layers[0].qkv_w.kernel == "mkl"
+    assert len(samples) == 9 and all(len(tokens) > 0 for tokens, _ in samples)

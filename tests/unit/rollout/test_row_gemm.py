@@ -136,3 +136,14 @@ def test_threads_that_ask_at_once_build_it_once(monkeypatch):
     for t in threads:
         t.join()
     assert len(calls) == 1 and len(got) == 3 and got[0] is got[1] is got[2]
+
+
+def test_each_environment_and_torch_version_has_a_build_of_its_own(monkeypatch):
+    """torch keys a build by its name: two environments sharing a name would rebuild each other's every start."""
+    here = row_gemm.extension_name()
+    assert here == row_gemm.extension_name() and here.startswith("rlflow_row_gemm_")
+    monkeypatch.setattr("sys.prefix", "/another/venv")
+    other_env = row_gemm.extension_name()
+    monkeypatch.undo()
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert len({here, other_env, row_gemm.extension_name()}) == 3
