@@ -22,8 +22,8 @@ trying.
 
 from __future__ import annotations
 
-import logging
 import hashlib
+import logging
 import os
 import sys
 import threading
