@@ -3,7 +3,7 @@
 Each kernel multiplies ``--rows`` rows by ``--layers`` copies of each matrix shape in turn (a decode step's
 products: every layer's weights read once from memory, not from cache), after a 256 MiB write that evicts the
 caches. Printed per shape and in total over a step: milliseconds, the weights' bytes over that time (GB/s), and
-each kernel's ratio against MKL's, the product rlflow's decoder used on AVX-512 CPUs before the row GEMM; beside
+each kernel's ratio against MKL's (the product rlflow's decoder takes on AVX-512 CPUs where the row GEMM is off); beside
 them this run's copy bandwidth (the memory roofline's yardstick of ``bench_roofline.py``). The default shapes are
 SmolLM2-135M's (q/k/v, o, gate/up, down, 30 layers; the LM head once).
 

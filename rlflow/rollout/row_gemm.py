@@ -27,6 +27,7 @@ import logging
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,8 @@ SOURCE = Path(__file__).with_name("csrc") / "row_gemm.cpp"
 CFLAGS = ["-O3", "-mavx512f", "-fopenmp"]
 _LOADING = threading.Lock()  # one build or import at a time in a process (torch's file lock guards other processes)
 _LOADED: list = []  # [the module, or None], once tried
+#: A build lock this old is taken to be a killed build's: removed rather than waited on (a build takes ~30 s)
+STALE_LOCK_SECONDS = 300.0
 
 
 def extension_name() -> str:
@@ -49,14 +52,38 @@ def extension_name() -> str:
     return f"rlflow_row_gemm_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
-def _built(name: str) -> bool:
-    """Whether a build of the kernel is in torch's extension cache (False where that cannot be told)."""
+def _build_directory(name: str) -> Path | None:
+    """torch's build directory for ``name`` (None where that cannot be told: a private helper of torch's)."""
     try:
         from torch.utils.cpp_extension import _get_build_directory
 
-        return (Path(_get_build_directory(name, False)) / f"{name}.so").exists()
-    except Exception:  # a private helper of torch's: its absence only costs the log line
-        return False
+        return Path(_get_build_directory(name, False))
+    except Exception:
+        return None
+
+
+def _wait_for_lock(name: str, poll: float = 0.5) -> None:
+    """Wait while another process builds ``name`` (torch's ``lock`` file in its build directory); a lock older than
+    :data:`STALE_LOCK_SECONDS` is a killed build's, which torch would wait on forever: removed, with a warning."""
+    directory = _build_directory(name)
+    lock = directory / "lock" if directory is not None else None
+    while lock is not None and lock.exists():
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:  # released between the two calls
+            return
+        if age > STALE_LOCK_SECONDS:
+            lock.unlink(missing_ok=True)
+            log.warning("rlflow: removed the row GEMM's build lock %s, left %.0f s ago by a build that did not "
+                        "finish", lock, age)
+            return
+        time.sleep(poll)
+
+
+def _built(name: str) -> bool:
+    """Whether a build of the kernel is in torch's extension cache (False where that cannot be told)."""
+    directory = _build_directory(name)
+    return directory is not None and (directory / f"{name}.so").exists()
 
 
 def unsupported_reason() -> str | None:
@@ -88,6 +115,7 @@ def _build() -> Any | None:
         from torch.utils import cpp_extension
 
         name = extension_name()
+        _wait_for_lock(name)
         if not _built(name):
             log.info("rlflow: compiling the row GEMM kernel (once per machine and environment, about 30 s)")
         return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, verbose=False)

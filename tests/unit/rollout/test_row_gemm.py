@@ -2,8 +2,8 @@
 exact where every product and sum is representable and within the float32 summation bound elsewhere, at row
 counts that take each micro-kernel (1-16 rows one panel at a time, more rows two panels at a time) and column
 counts that are not multiples of the panel width; the residual add; strided operands; refused operands; where
-the kernel is not used (switched off, no AVX-512, a failed build: logged, MKL's products instead); and threads that
-ask for it at once build it once."""
+the kernel is not used (switched off, no AVX-512, a failed build: logged, MKL's products instead); threads that ask
+for it at once build it once; each environment has its own build; a killed build's lock is removed."""
 
 from __future__ import annotations
 
@@ -147,3 +147,28 @@ def test_each_environment_and_torch_version_has_a_build_of_its_own(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(torch, "__version__", "0.0.0")
     assert len({here, other_env, row_gemm.extension_name()}) == 3
+
+
+def test_a_killed_builds_lock_is_removed_and_a_running_builds_is_waited_for(monkeypatch, tmp_path, caplog):
+    """torch waits forever on the lock file of a build that was killed; rlflow removes a stale one first."""
+    import os
+    import threading
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    name = row_gemm.extension_name()
+    lock = tmp_path / name / "lock"
+    lock.parent.mkdir()
+    lock.write_text("")
+    old = time.time() - row_gemm.STALE_LOCK_SECONDS - 5
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger="rlflow.rollout.row_gemm"):
+        row_gemm._wait_for_lock(name, poll=0.01)
+    assert not lock.exists() and "build that did not finish" in caplog.text
+    caplog.clear()
+    lock.write_text("")  # a build running in another process, which releases it
+    threading.Timer(0.2, lock.unlink).start()
+    start = time.perf_counter()
+    with caplog.at_level(logging.WARNING, logger="rlflow.rollout.row_gemm"):
+        row_gemm._wait_for_lock(name, poll=0.01)
+    assert time.perf_counter() - start >= 0.15 and not caplog.text
