@@ -60,7 +60,7 @@ MIN_NUMEL = 1 << 18  # entries of the smallest matrix worth packing (576 x 576 i
 #: ``(rows, packed rows, in, out)`` -> whether MKL's padded packed product equals ``torch.mm`` bit for bit here
 _AGREES: dict[tuple[int, ...], bool] = {}
 #: ``(kernel, in, out)`` -> whether that float32 kernel's product of each row is the same at every row count here
-_ROWS_INDEPENDENT: dict[tuple[int, int], bool] = {}
+_ROWS_INDEPENDENT: dict[tuple[str, int, int], bool] = {}
 #: Row counts :meth:`PackedWeight.rows_independent` compares with one product of all of them
 PROBE_ROWS = (1, 2, 3, 7, 16, 33, 100)
 
@@ -223,7 +223,7 @@ class PackedWeight:
 
     def addmm(self, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``h + x @ weight_t``, bit-identical to ``torch.addmm(h, x, weight_t)`` (MKL: unpacked, see the module
-        docstring), except through oneDNN's float32 kernel (there: to ``h + self.mm(x)``)."""
+        docstring), except through oneDNN's float32 kernel or the row GEMM (there: to ``h + self.mm(x)``)."""
         if self.mkl:
             return torch.addmm(h, x, self.weight_t)
         if self.kernel == "row_gemm":

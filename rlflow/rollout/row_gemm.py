@@ -2,8 +2,8 @@
 
 Why: a decode step multiplies a few rows (one per sequence being decoded) by every weight matrix, so each weight is
 read from memory once and used a few times: the step is bound by memory bandwidth. MKL's and oneDNN's products of
-a few rows alternate between waiting for a block of the weights and multiplying it, so on AVX-512 CPUs they stream
-the weights at about half the bandwidth a one-row product reaches. This kernel stores each matrix as panels of 16
+a few rows alternate between waiting for a block of the weights and multiplying it, so they stream the weights
+well below the bandwidth a one-row product reaches. This kernel stores each matrix as panels of 16
 columns (one contiguous stream per panel) and prefetches a few KiB ahead while it multiplies, so the stream and the
 products overlap (``benchmarks/bench_row_gemm.py`` compares it with MKL's and oneDNN's packed products).
 
@@ -15,9 +15,8 @@ round alike).
 It is compiled from source the first time it is needed, by ``torch.utils.cpp_extension`` (a C++ compiler and
 ``ninja``; about 30 s on 2 cores), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``; one build per Python environment and torch version), and loaded from there
-afterwards. Where it cannot be built (no compiler, a CPU
-without AVX-512) the products stay MKL's, and the reason is logged once. ``RLFLOW_ROW_GEMM=0`` keeps MKL's without
-trying.
+afterwards. Where it cannot be built (no compiler or ``ninja``: the reason is logged once) or the CPU lacks
+AVX-512, the products stay MKL's. ``RLFLOW_ROW_GEMM=0`` keeps MKL's without trying.
 """
 
 from __future__ import annotations
