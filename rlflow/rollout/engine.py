@@ -81,7 +81,7 @@ from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsu
 from rlflow.rollout.fused import FusedDecoder, torch_norm_for
 from rlflow.rollout.graphs import GraphCaptureError, GraphedDecoder, capture_kind
 from rlflow.rollout.hardware import bf16_faster, inference_context
-from rlflow.rollout.prepack import rounds_like_mm
+from rlflow.rollout.prepack import products_in_words, rounds_like_mm
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource, check_call
 from rlflow.rollout.serving import ServeCall
 
@@ -181,7 +181,7 @@ class EngineRollout(CallKeys, RolloutBackend):
         self._kept_decoder: tuple[Any, FusedDecoder] | None = None  # (weights' key, decoder) reused across calls
         self._stale = False  # sync_weights since the kept decoder copied the weights
         self._checked_model: Any = None  # the model bind() last found supported (checked once per model)
-        self.decode_path = ""  # how bind()'s probe decoded: "fused decode" or why through the model's forward
+        self.decode_path = ""  # how bind()'s probe decoded ("fused decode" or why not; graphs; a CPU's products)
         self.session: SessionCache | None = None  # rows' caches kept across calls (keep_caches), else None
         self.prefilled_tokens = 0  # tokens run through a prefill forward (counted over the engine's life)
         self.reused_tokens = 0  # prompt tokens taken from a kept cache instead (keep_caches)
@@ -220,6 +220,10 @@ class EngineRollout(CallKeys, RolloutBackend):
                 self.decode_path += ", decode steps as CUDA graphs"
             elif self.graphs_error:
                 self.decode_path += f", eager decode steps (CUDA graph capture failed: {self.graphs_error})"
+            decoder = self._kept_decoder[1] if self._kept_decoder is not None else None
+            if decoder is not None and decoder.embed.device.type == "cpu" and decoder.large_enough_to_pack():
+                products = products_in_words(decode_dtype(self.dtype, decoder.embed.device) or decoder.dtype)
+                self.decode_path += f", {products}" if products else ""
 
     def sync_weights(self) -> None:
         """The weights changed: the next rollout copies them again. The fused decoder's copies are dropped now,

@@ -310,7 +310,7 @@ class FusedDecoder:
         kernels, some built on first use, are looked up only for such decoders)."""
         mats = [self.lm_head_w] + [w for layer in self.layers for w in (layer.qkv_w, layer.gate_up_w, layer.o_w,
                                                                           layer.down_w)]
-        return any(w.numel() >= MIN_NUMEL for w in mats if isinstance(w, torch.Tensor))
+        return any(isinstance(w, PackedWeight) or isinstance(w, torch.Tensor) and w.numel() >= MIN_NUMEL for w in mats)
 
     def rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sign * sin`` ``[rows, 1, dim]`` at ``positions``, from the table (grown by doubling as needed)."""

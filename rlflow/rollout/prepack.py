@@ -102,6 +102,17 @@ def rounds_like_mm(dtype: torch.dtype) -> bool:
     return not (dtype == torch.float32 and float32_kernel() in ("onednn", "row_gemm"))
 
 
+def products_in_words(dtype: torch.dtype) -> str | None:
+    """What multiplies the packed ``dtype`` matrices of a decoder here, as the engine's start-up line says it (None
+    where ``dtype`` does not pack on this CPU)."""
+    if not packs(dtype):
+        return None
+    if dtype != torch.float32:
+        return "oneDNN's packed bf16 products"
+    return {"onednn": "oneDNN's packed float32 products", "row_gemm": "rlflow's row GEMM for float32 products",
+            "mkl": "MKL's packed float32 products"}[float32_kernel()]
+
+
 def packable(weight_t: torch.Tensor) -> bool:
     """Whether ``weight_t`` (``[in, out]``) is a CPU matrix this module packs (dtype, size, kernels present)."""
     return (weight_t.device.type == "cpu" and weight_t.dim() == 2 and weight_t.numel() >= MIN_NUMEL

@@ -307,3 +307,23 @@ def test_an_avx512_engine_whose_row_gemm_cannot_be_built_packs_through_mkl(monke
     decoder = engine._kept_decoder[1]
     assert decoder.packed_rows > 0 and decoder.layers[0].qkv_w.kernel == "mkl"
     assert len(samples) == 9 and all(len(tokens) > 0 for tokens, _ in samples)
+
+
+@pytest.mark.parametrize("kernel, words", [("mkl", "MKL's packed float32 products"),
+                                           ("row_gemm", "rlflow's row GEMM for float32 products"),
+                                           ("onednn", "oneDNN's packed float32 products")])
+def test_the_engines_start_up_line_names_what_multiplies_a_packed_float32_model(monkeypatch, kernel, words):
+    if kernel == "mkl" and not prepack._mkl() or kernel == "onednn" and not prepack._onednn():
+        pytest.skip(f"torch built without {kernel}")
+    if kernel == "row_gemm" and not row_gemm.available():
+        pytest.skip("the row GEMM does not run here")
+    monkeypatch.setattr(prepack, "float32_kernel", lambda: kernel)
+    engine = EngineRollout(seed=0, dtype="model")
+    engine.bind(packing_llama(), IdTokenizer())
+    assert engine.decode_path == f"fused decode, {words}"
+    small = EngineRollout(seed=0, dtype="model")  # nothing large enough to pack: nothing said of products
+    config = AutoConfig.for_model("llama", vocab_size=640, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(0)
+    small.bind(AutoModelForCausalLM.from_config(config).eval(), IdTokenizer())
+    assert small.decode_path == "fused decode"
