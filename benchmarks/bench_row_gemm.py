@@ -34,10 +34,10 @@ def kernels(weight_t: torch.Tensor, rows: int) -> dict:
         mkl = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
         found["mkl"] = lambda x: torch.ops.mkl._mkl_linear(x, mkl, w, None, rows)
     if prepack._onednn():
-        onednn = torch.ops.mkldnn._reorder_linear_weight(weight_t.t(), rows)
+        onednn = prepack._pack_for("onednn", weight_t, rows)
         found["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, onednn, None, "none", [], "")
     if row_gemm.available():
-        panels = row_gemm.pack(weight_t)
+        panels = prepack._pack_for("row_gemm", weight_t, rows)
         found["row_gemm"] = lambda x: row_gemm.mm(x, panels, out)
     return found
 

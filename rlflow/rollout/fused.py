@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from rlflow.models.lm_head import is_fp32_head
 from rlflow.models.lora import fold_problem, linear_weights, unwrap_peft
-from rlflow.rollout.prepack import MIN_NUMEL, PackedWeight, packable, packs
+from rlflow.rollout.prepack import PackedWeight, large_enough, packable, packs
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -310,7 +310,7 @@ class FusedDecoder:
         kernels, some built on first use, are looked up only for such decoders)."""
         mats = [self.lm_head_w] + [w for layer in self.layers for w in (layer.qkv_w, layer.gate_up_w, layer.o_w,
                                                                           layer.down_w)]
-        return any(isinstance(w, PackedWeight) or isinstance(w, torch.Tensor) and w.numel() >= MIN_NUMEL for w in mats)
+        return any(isinstance(w, PackedWeight) or isinstance(w, torch.Tensor) and large_enough(w) for w in mats)
 
     def rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sign * sin`` ``[rows, 1, dim]`` at ``positions``, from the table (grown by doubling as needed)."""

@@ -113,10 +113,15 @@ def products_in_words(dtype: torch.dtype) -> str | None:
             "mkl": "MKL's packed float32 products"}[float32_kernel()]
 
 
+def large_enough(weight_t: torch.Tensor) -> bool:
+    """Whether ``weight_t`` is a CPU matrix of the size this module packs (whatever its dtype and this CPU's
+    kernels: asks no kernel, so builds none)."""
+    return weight_t.device.type == "cpu" and weight_t.dim() == 2 and weight_t.numel() >= MIN_NUMEL
+
+
 def packable(weight_t: torch.Tensor) -> bool:
     """Whether ``weight_t`` (``[in, out]``) is a CPU matrix this module packs (dtype, size, kernels present)."""
-    return (weight_t.device.type == "cpu" and weight_t.dim() == 2 and weight_t.numel() >= MIN_NUMEL
-            and packs(weight_t.dtype))
+    return large_enough(weight_t) and packs(weight_t.dtype)
 
 
 def _onednn_products(x: torch.Tensor, h: torch.Tensor, packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
