@@ -32,7 +32,9 @@ engine with ``attention="rows"`` (a KV cache per row instead of per group). Ever
 with ``--seed``, so an engine and its variants draw the same random streams call after call: in float32 they
 sample the same tokens (up to rounding), and their ratio is one of times. ``--with-mkl`` adds the float32 engine
 with its matrices packed through MKL (:mod:`rlflow.rollout.prepack`; the engine itself packs through oneDNN on AVX2
-CPUs and through rlflow's row GEMM on AVX-512 CPUs), with a ratio line of the engine over it.
+CPUs and through rlflow's row GEMM on AVX-512 CPUs), with a ratio line of the engine over it; ``--with-torch-ops``
+the float32 engine with the operations around its products as torch operators instead of rlflow's compiled ones
+(:mod:`rlflow.rollout.decode_ops`, used where the row GEMM packs the decoder), likewise.
 
 ``--fresh-prompts`` gives every timed run other prompts (as every rollout of a training run has), so that what a
 kernel library caches per shape is paid where training pays it; without it every run decodes the same prompts.
@@ -162,6 +164,9 @@ def main(argv=None) -> dict:
                     help="add the engine with cuda_graphs=False (eager decode steps on a GPU) and its ratio line")
     ap.add_argument("--with-mkl", action="store_true",
                     help="add the float32 engine with its matrices packed through MKL instead of this CPU's choice")
+    ap.add_argument("--with-torch-ops", action="store_true",
+                    help="add the float32 engine with torch's operators around its products instead of rlflow's "
+                    "compiled ones (rlflow.rollout.decode_ops) and its ratio line")
     ap.add_argument("--with-rows", action="store_true",
                     help="add the engine with attention='rows' (a cache per row) and the ratio line of the engine over "
                     "it")
@@ -186,6 +191,7 @@ def main(argv=None) -> dict:
     from rlflow.rollout import prepack
     from rlflow.rollout.base import SamplingParams
     from rlflow.rollout.engine import EngineRollout
+    from rlflow.rollout.fused import FusedDecoder
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -235,6 +241,8 @@ def main(argv=None) -> dict:
                      for suffix, option in variants for name, b, m in engines})
     if args.with_mkl and "engine" in backends:
         backends["engine-mkl"] = (engine(), model)
+    if args.with_torch_ops and "engine" in backends:
+        backends["engine-torch-ops"] = (engine(), model)
     if args.only:
         wanted = args.only.split(",")
         unknown = [name for name in wanted if name not in backends]
@@ -244,9 +252,12 @@ def main(argv=None) -> dict:
     if args.profile is not None and args.profile not in backends:
         ap.error(f"--profile {args.profile}: not one of this run's backends ({', '.join(backends)})")
     warmup = (prompts, args.n) if args.full_warmup else (prompts[:2], 2)  # prompts and group size
-    def kernel(name: str):  # the engine-mkl variant packs through MKL wherever its decoder packs (bind, any call)
-        mkl = name.endswith("-mkl")
-        return mock.patch.object(prepack, "float32_kernel", lambda: "mkl") if mkl else contextlib.nullcontext()
+    def kernel(name: str):  # engine-mkl packs through MKL wherever its decoder packs (bind, any call); engine-torch-ops
+        if name.endswith("-mkl"):  # keeps torch's operators around the products
+            return mock.patch.object(prepack, "float32_kernel", lambda: "mkl")
+        if name.endswith("-torch-ops"):
+            return mock.patch.object(FusedDecoder, "_compiled_ops_apply", lambda self: False)
+        return contextlib.nullcontext()
 
     for name, (b, m) in backends.items():
         with kernel(name):
@@ -300,6 +311,8 @@ def main(argv=None) -> dict:
               for fast, anchor in (("engine", "hf"), ("engine-bf16", "hf-bf16")) if f"{fast}-{suffix}" in med]
     if "engine-mkl" in med:
         pairs.append(("engine", "engine-mkl", "-over-mkl"))
+    if "engine-torch-ops" in med:
+        pairs.append(("engine", "engine-torch-ops", "-over-torch-ops"))
     for fast, anchor, label in [p for p in pairs if p[0] in med and p[1] in med]:  # --only may leave one side out
         ratio = med[fast] / med[anchor]
         # robust to load drifting between runs

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from rlflow.rollout import decode_ops
+
 ATTENTION_NAME = "rlflow_shared_prefix"
 
 
@@ -209,6 +211,21 @@ class DecodeState:
     def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         return attend_cached(self, layer, query, scaling)
 
+    def write_attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     scaling: float | None = None, compiled: bool = False) -> torch.Tensor:
+        """:meth:`write` the step's ``key``/``value`` (``[rows, kv_heads, 1, dim]``), then :meth:`attend`:
+        ``[rows, heads * dim]``. ``compiled`` (float32 caches): both in one :func:`rlflow.rollout.decode_ops.attend`
+        call (a per-group-lengths step writes first, as :meth:`write` does)."""
+        if compiled and self.k[layer].dtype == torch.float32:
+            start = self.prompt_width + self.fed * self.n if self.fed is not None else -1
+            if start < 0:
+                self.write(layer, key[:, :, 0], value[:, :, 0])
+            scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+            return decode_ops.attend(query[:, :, 0], key[:, :, 0], value[:, :, 0], self.k[layer], self.v[layer], start,
+                                     self.bias, self.step_bias, self.step_width, self.n, scale)
+        self.write(layer, key[:, :, 0], value[:, :, 0])
+        return self.attend(layer, query, scaling).reshape(query.shape[0], -1)
+
     def query_bias(self, rep: int, dtype: torch.dtype) -> torch.Tensor:
         """The step's mask for a group's ``n * rep`` queries (``rep`` query heads per key/value head) in
         :func:`attend_cached`'s fused call: ``[groups, 1, n * rep, step_width]`` (``[groups, 1, 1, step_width]``,
@@ -304,6 +321,11 @@ class LaneStates:
     def attend(self, layer: int, query: torch.Tensor, scaling: float | None = None) -> torch.Tensor:
         return torch.cat([attend_cached(state, layer, q, scaling)
                           for state, q in zip(self.states, query.split(self.sizes))])
+
+    def write_attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     scaling: float | None = None, compiled: bool = False) -> torch.Tensor:
+        parts = zip(self.states, query.split(self.sizes), key.split(self.sizes), value.split(self.sizes))
+        return torch.cat([state.write_attend(layer, q, k, v, scaling, compiled) for state, q, k, v in parts])
 
     def begin_step(self) -> None:
         for state in self.states:

@@ -376,8 +376,7 @@ class EngineRollout(CallKeys, RolloutBackend):
         if decoder is not None:
             decoder.prepack(pending.shape[0])  # the large matrices in the CPU GEMM's layout, once
             def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-                state.write(layer, k[:, :, 0], v[:, :, 0])
-                return state.attend(layer, q, scaling).reshape(q.shape[0], -1)
+                return state.write_attend(layer, q, k, v, scaling, compiled=decoder.compiled_ops)
 
             logits = self._fused_step(decoder, pending, pos, attend)
         else:

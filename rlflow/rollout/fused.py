@@ -16,7 +16,9 @@ are bit-identical, the per-call repacking of the weight operand is gone), or, wi
 in oneDNN's layout as soon as the decoder is built (its products round unlike ``torch.mm``'s, each row alike at any
 row count and thread count: every product of the decoder then takes it). A 16-bit matrix that nothing packs (on a
 CPU without bf16 units) keeps ``nn.Linear``'s layout, whose software 16-bit products run far faster there than
-those of a transposed copy (:func:`_transposed`).
+those of a transposed copy (:func:`_transposed`). Where rlflow's row GEMM packs a float32 decoder (AVX-512 CPUs),
+the operations around the products (norms, RoPE, SiLU times up, the decode attention) are compiled calls of
+:mod:`rlflow.rollout.decode_ops` (:attr:`FusedDecoder.compiled_ops`), one each where torch takes several operators.
 
 With ``dtype`` (:class:`FusedDecoder`'s argument; the engine's ``dtype`` option) the decoder computes in another
 dtype than the live weights': its weight copies are made in that dtype (bfloat16 copies of float32 master
@@ -49,6 +51,7 @@ import torch.nn.functional as F
 
 from rlflow.models.lm_head import is_fp32_head
 from rlflow.models.lora import fold_problem, linear_weights, unwrap_peft
+from rlflow.rollout import decode_ops
 from rlflow.rollout.prepack import PackedWeight, large_enough, packable, packs
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
@@ -238,6 +241,7 @@ class FusedDecoder:
         self.dtype = dtype or own
         cast = None if self.dtype == own else self.dtype
         self.rotary = inner.rotary_emb
+        self.silu = getattr(config, "hidden_act", None) in ("silu", "swish")  # the MLPs' act_fn is SiLU
         self.fold = own == torch.float32 and self.dtype == torch.float32
         self.cast = cast
         self.layers = [_Layer(layer, self.fold, cast) for layer in inner.layers]
@@ -249,6 +253,7 @@ class FusedDecoder:
         self._table = None  # [positions, 2, dim]: cos, and sin with rotate_half's sign folded in
         self.packed_rows = 0  # the row count the matrices are packed for (prepack); 0: not packed
         self.packed_per_rows = False  # whether a matrix is packed for that row count (MKL's float32 packs)
+        self.compiled_ops = False  # whether norms, RoPE, SiLU * up and decode attention are decode_ops' (prepack)
 
     def _head(self, model: Any) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """``(final norm weight, LM head [in, out], its bias)`` of ``model`` (unwrapped) as this decoder holds
@@ -304,6 +309,14 @@ class FusedDecoder:
         self.packed_rows = rows
         mats = [self.lm_head_w] + [w for layer in self.layers for w in (layer.qkv_w, layer.gate_up_w)]
         self.packed_per_rows = any(isinstance(w, PackedWeight) and w.mkl for w in mats)  # more rows: run unpacked
+        self.compiled_ops = self._compiled_ops_apply()
+
+    def _compiled_ops_apply(self) -> bool:
+        """Whether :mod:`rlflow.rollout.decode_ops` computes the operations around the products: a float32 decoder
+        (folded norms) whose matrices the row GEMM packed (the two are one build), with SiLU MLPs and a RoPE table."""
+        mats = [w for layer in self.layers for w in (layer.qkv_w, layer.gate_up_w, layer.o_w, layer.down_w)]
+        row_gemm = any(isinstance(w, PackedWeight) and w.kernel == "row_gemm" for w in mats)
+        return self.fold and self.rope_table and self.silu and row_gemm and decode_ops.available()
 
     def large_enough_to_pack(self) -> bool:
         """Whether any of the decoder's matrices has the size :mod:`rlflow.rollout.prepack` packs (a CPU's packing
@@ -318,14 +331,20 @@ class FusedDecoder:
         if not self.rope_table:
             cos, sin = self.rotary(h, positions[:, None])
             return cos, torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        cos, sin = self.rope_table_for(h, positions).index_select(0, positions).unsqueeze(1).unbind(2)  # one lookup
+        return cos, sin
+
+    def rope_table_for(self, h: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The table ``[positions, 2, dim]`` (cos, and sin with rotate_half's sign folded in), grown by doubling to
+        hold ``positions``; ``h`` gives the rotary maths its dtype and device."""
+        half = self.head_dim // 2
         need = int(positions.max()) + 1
         if self._table is None or self._table.shape[0] < need:
             length = max(need, 256, 0 if self._table is None else 2 * self._table.shape[0])
             cos, sin = self.rotary(h, torch.arange(length, device=h.device)[None])  # the model's own rotary maths
             sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], dim=-1)
             self._table = torch.stack([cos[0], sin], dim=1)  # [positions, 2, dim]
-        cos, sin = self._table.index_select(0, positions).unsqueeze(1).unbind(2)  # one lookup for both
-        return cos, sin
+        return self._table
 
     @staticmethod
     def unsupported_reason(model: Any) -> str | None:
@@ -417,9 +436,35 @@ class FusedDecoder:
                 in the cache and attends.
             select: rows whose logits to return (all when None), e.g. the last token of each prompt of a prefill.
         """
+        if self.compiled_ops:
+            return self._compiled_step(tokens, positions, attend, select)
         h = self.embed_tokens(tokens)
         cos, sin = self.rope(h, positions)  # [rows, 1, dim]
         for idx, layer in enumerate(self.layers):
             q, k, v = self.attention_inputs(layer, h, cos, sin)
             h = self.after_attention(layer, h, attend(idx, q, k, v, layer.scaling))
         return self.logits(h if select is None else h[select])
+
+    def _compiled_step(
+        self, tokens: torch.Tensor, positions: torch.Tensor, attend, select: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:meth:`step` with the operations around the products as :mod:`rlflow.rollout.decode_ops` calls (float32,
+        folded norm weights): per layer the input norm, q/k/v, Qwen3's q/k norms, RoPE, attention, o, the
+        post-attention norm, gate/up, SiLU * up, down."""
+        h = self.embed_tokens(tokens)
+        table = self.rope_table_for(h, positions)
+        rows, heads, kv_heads, dim = h.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        for idx, layer in enumerate(self.layers):
+            qkv = _linear(decode_ops.rms_norm(h, layer.ln1_eps), layer.qkv_w, layer.qkv_b)
+            qk_end = layer.q_size + layer.kv_size
+            rotated = qkv
+            if layer.qk_norm is not None:
+                weight, eps = layer.qk_norm
+                rotated = decode_ops.rms_norm(qkv[:, :qk_end].reshape(-1, dim), eps, weight).view(rows, qk_end)
+            qk = decode_ops.rope(rotated, table, positions, heads + kv_heads, dim)[:, :, None]
+            v = qkv[:, qk_end:].view(rows, kv_heads, 1, dim)
+            h = _residual(h, attend(idx, qk[:, :heads], qk[:, heads:], v, layer.scaling), layer.o_w, layer.o_b)
+            gate_up = _linear(decode_ops.rms_norm(h, layer.ln2_eps), layer.gate_up_w, layer.gate_up_b)
+            h = _residual(h, decode_ops.silu_mul(gate_up, layer.inter), layer.down_w, layer.down_b)
+        h = decode_ops.rms_norm(h if select is None else h[select], self.norm_eps)
+        return _linear(h, self.lm_head_w, self.lm_head_b)

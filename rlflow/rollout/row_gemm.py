@@ -16,7 +16,9 @@ It is compiled from source the first time it is needed, by ``torch.utils.cpp_ext
 ``ninja``; about 30 s on 2 cores), into torch's extension cache (``TORCH_EXTENSIONS_DIR``, by default
 ``~/.cache/torch_extensions``; one build per Python environment and torch version), and loaded from there
 afterwards. Where it cannot be built (no compiler or ``ninja``: the reason is logged once) or the CPU lacks
-AVX-512, the products stay MKL's. ``RLFLOW_ROW_GEMM=0`` keeps MKL's without trying.
+AVX-512, the products stay MKL's. ``RLFLOW_ROW_GEMM=0`` keeps MKL's without trying. The same build holds the
+compiled operations around a decode step's products (:mod:`rlflow.rollout.decode_ops`, ``csrc/decode_ops.cpp``),
+used where this kernel packs the decoder: switched off with it.
 """
 
 from __future__ import annotations
@@ -34,9 +36,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "row_gemm.cpp"
-#: Compiler flags: optimised, AVX-512 foundation instructions, and OpenMP for ``at::parallel_for``'s threads
-CFLAGS = ["-O3", "-mavx512f", "-fopenmp"]
+#: The extension's sources: the row GEMM, and the fused operations around a decode step's products
+#: (:mod:`rlflow.rollout.decode_ops`), which ride on the same build
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("row_gemm.cpp", "decode_ops.cpp")]
+#: Compiler flags: optimised, AVX-512 foundation instructions, OpenMP for ``at::parallel_for``'s threads, and no
+#: contraction of a product and a sum into one rounding (the element-wise operations round as torch's do)
+CFLAGS = ["-O3", "-mavx512f", "-fopenmp", "-ffp-contract=off"]
 _LOADING = threading.Lock()  # one build or import at a time in a process (torch's file lock guards other processes)
 _LOADED: list = []  # [the module, or None], once tried
 #: A build lock this old is taken to be a killed build's: removed rather than waited on (a build takes ~30 s)
@@ -46,8 +51,8 @@ STALE_LOCK_SECONDS = 300.0
 def extension_name() -> str:
     """The build's name in torch's extension cache: one per source, flags, torch version and Python environment, so
     that two environments on one machine do not rebuild each other's (torch keys a build by its name)."""
-    key = b"\0".join([SOURCE.read_bytes(), " ".join(CFLAGS).encode(), torch.__version__.encode(),
-                      sys.prefix.encode()])
+    key = b"\0".join([*(source.read_bytes() for source in SOURCES), " ".join(CFLAGS).encode(),
+                      torch.__version__.encode(), sys.prefix.encode()])
     return f"rlflow_row_gemm_{hashlib.sha256(key).hexdigest()[:12]}"
 
 
@@ -117,7 +122,8 @@ def _build() -> Any | None:
         _wait_for_lock(name)
         if not _built(name):
             log.info("rlflow: compiling the row GEMM kernel (once per machine and environment, about 30 s)")
-        return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
+        sources = [str(source) for source in SOURCES]
+        return cpp_extension.load(name=name, sources=sources, extra_cflags=CFLAGS, verbose=False)
     except Exception as exc:  # no compiler, no ninja, a failed build: MKL's products instead
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         log.warning("rlflow: the row GEMM kernel could not be built (%s: %s); float32 decode products use MKL's "

@@ -1,6 +1,7 @@
 """benchmarks/bench_rollout.py on a CPU: --engine-settings reaches every engine it times, --profile profiles one
 more rollout of the backend it names, the ratio lines are of the runs it printed, --only times the backends it names,
-and --fresh-prompts gives every run other prompts."""
+--fresh-prompts gives every run other prompts, and --with-torch-ops times the engine without its compiled
+operations."""
 
 from __future__ import annotations
 
@@ -60,3 +61,26 @@ def test_only_and_fresh_prompts(tiny_model, tiny_data, capsys, monkeypatch):
     assert len({p for c in calls for p in c}) == 12  # four distinct blocks of three prompts
     with pytest.raises(SystemExit):
         bench_rollout.main(["--model", str(tiny_model), "--data", str(tiny_data / "train.jsonl"), "--only", "nope"])
+
+
+def test_with_torch_ops_times_the_engine_without_its_compiled_operations(tiny_model, tiny_data, monkeypatch):
+    from rlflow.rollout import decode_ops, prepack
+    from rlflow.rollout.fused import FusedDecoder
+
+    if not decode_ops.available():
+        pytest.skip("rlflow's compiled decode operations do not run here (no AVX-512, or their build failed)")
+    monkeypatch.setattr(prepack, "MIN_NUMEL", 1)  # the tiny model's matrices pack as a real model's do
+    monkeypatch.setattr(prepack, "float32_kernel", lambda: "row_gemm")
+    seen = set()
+    real = FusedDecoder.step
+
+    def recording(self, *args, **kwargs):
+        seen.add(self.compiled_ops)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedDecoder, "step", recording)
+    out = bench_rollout.main(["--model", str(tiny_model), "--data", str(tiny_data / "train.jsonl"), "--prompts", "2",
+                              "--n", "2", "--max-tokens", "4", "--repeats", "1", "--rollouts", "1",
+                              "--with-torch-ops", "--only", "engine,engine-torch-ops"])
+    assert seen == {True, False}  # the engine's decoder uses them, the variant's does not
+    assert out["ratio-over-torch-ops"] == pytest.approx(out["engine_tok_s"] / out["engine-torch-ops_tok_s"])

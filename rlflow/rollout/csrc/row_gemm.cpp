@@ -157,8 +157,11 @@ torch::Tensor mm(const torch::Tensor& x_in, const torch::Tensor& packed, int64_t
   return y;
 }
 
+void register_decode_ops(pybind11::module& m);  // csrc/decode_ops.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "W [K, N] float32 -> panels [P, K, 16]");
   m.def("mm", &mm, "x [M, K] @ W (+ add [M, N]) from W's panels", pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("n"), pybind11::arg("add") = pybind11::none());
+  register_decode_ops(m);
 }

@@ -190,6 +190,7 @@ def test_a_row_independent_float32_decoder_packs_every_product_once_and_agrees_t
     model = packing_llama()
     plain, packed = FusedDecoder(model, torch.float32), FusedDecoder(model, torch.float32)
     packed.prepack(4)
+    assert packed.compiled_ops == (row_independent_float32 == "row_gemm")  # rlflow.rollout.decode_ops ride along
     layer = packed.layers[0]
     assert all(isinstance(w, PackedWeight) for w in (layer.qkv_w, layer.gate_up_w, layer.o_w, layer.down_w))
     assert isinstance(packed.lm_head_w, PackedWeight)
@@ -237,6 +238,7 @@ def test_a_seeded_row_independent_float32_engine_samples_the_same_on_one_thread_
         torch.set_num_threads(1)
         engine, one = engine_samples(model, "model")
         assert engine._kept_decoder[1].packed_rows > 0
+        assert engine._kept_decoder[1].compiled_ops == (row_independent_float32 == "row_gemm")
         torch.set_num_threads(2)
         assert engine_samples(model, "model")[1] == one
     finally:
