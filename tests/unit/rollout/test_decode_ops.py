@@ -4,7 +4,8 @@ decode attention against a float64 reference worked out here (masked columns, a 
 that take every instance and masked tails, any number of query heads per key/value head), its k/v write, and each
 row's bits at any thread count; the :class:`DecodeState` and :class:`LaneStates` paths against torch's; refused
 operands; the fused decoder using them where the row GEMM packs a float32 SiLU decoder, and agreeing with its torch
-path to rounding on Llama, Qwen2 (biases) and Qwen3 (q/k norms)."""
+path to rounding on Llama, Qwen2 (biases) and Qwen3 (q/k norms); torch's operators where they do not apply (a
+GELU MLP, a bf16 decoder, MKL's products, ``norm: torch``)."""
 
 from __future__ import annotations
 
@@ -249,11 +250,12 @@ def test_a_float32_decoder_packed_by_the_row_gemm_uses_them_and_agrees_with_torc
     assert torch.allclose(got, want[[2, 7]], rtol=0, atol=1e-5 * float(want.abs().max()))
 
 
-@pytest.mark.parametrize("why", ["gelu", "bfloat16", "mkl"])
+@pytest.mark.parametrize("why", ["gelu", "bfloat16", "mkl", "norm: torch"])
 def test_the_decoder_keeps_torchs_ops_where_they_do_not_apply(why, packs_small_matrices, monkeypatch):
     if why == "mkl":
         monkeypatch.setattr(prepack, "float32_kernel", lambda: "mkl")
     decoder = FusedDecoder(decoder_model("llama", act="gelu" if why == "gelu" else "silu"),
-                           torch.bfloat16 if why == "bfloat16" else torch.float32)
+                           torch.bfloat16 if why == "bfloat16" else torch.float32,
+                           norm="torch" if why == "norm: torch" else "model")
     decoder.prepack(8)
     assert not decoder.compiled_ops
