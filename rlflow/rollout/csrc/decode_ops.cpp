@@ -5,9 +5,9 @@
 //
 // Built with -ffp-contract=off, so that each product and sum rounds where torch's element-wise kernels round: RoPE
 // gives torch's bits (torch's addcmul fuses its product into the sum), SiLU * up torch's vectorised bits (the
-// exponential is torch's own, Sleef's). The RMS norm's sum of squares and
-// the attention's dot products add in another order than torch's kernels (float32 rounding). Every row is computed
-// by one thread in one order, so its bits do not depend on the row count or the thread count.
+// exponential is torch's own, Sleef's). The RMS norm's sum of squares and the attention's dot products add in
+// another order than torch's kernels (float32 rounding). Every row is computed by one thread in one order, so its
+// bits do not depend on the row count or the thread count.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -50,15 +50,6 @@ void rms_row(const float* x, float* y, int64_t D, float eps, const float* w) {
     if (w) v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + d), v);
     _mm512_mask_storeu_ps(y + d, m, v);
   }
-}
-
-float dot(const float* a, const float* b, int64_t D) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; d += LANES) {
-    const __mmask16 m = lanes(D - d);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + d), _mm512_maskz_loadu_ps(m, b + d), acc);
-  }
-  return _mm512_reduce_add_ps(acc);
 }
 
 }  // namespace
@@ -160,9 +151,9 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up, int64_t I) {
 
 namespace {
 
-// HSUM_SLOT[c]: the accumulator whose horizontal sum hsum16 leaves in lane c (the order its shuffles produce).
 using GroupHeadFn = void (*)(const struct Attention&, int64_t, int64_t, std::vector<int32_t>&, std::vector<float>&);
 
+// HSUM_SLOT[c]: the accumulator whose horizontal sum hsum16 leaves in lane c (the order its shuffles produce).
 constexpr int HSUM_SLOT[LANES] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
 
 // The 16 horizontal sums of v[0..15], lane c holding the sum of v[HSUM_SLOT[c]]: 15 shuffle-and-add steps where
