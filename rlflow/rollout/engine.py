@@ -141,10 +141,8 @@ class EngineRollout(CallKeys, RolloutBackend):
                 it.
             norm: The fused decoder's RMS norms: ``model`` (the model's own formula in its order of roundings),
                 ``torch`` (``F.rms_norm``: one kernel on a CUDA GPU, rounding once where the model rounds twice),
-                or ``auto`` (``torch`` where the decoder computes in 16 bits on a CUDA GPU; ``model`` elsewhere, so
-                float32 and CPU decoding stay exact; a float32 decoder whose products rlflow's row GEMM computes
-                takes the model's formula as one compiled call, :mod:`rlflow.rollout.decode_ops`, its sum of squares
-                added in another order).
+                or ``auto`` (``torch`` where the decoder computes in 16 bits on a CUDA GPU, else ``model``: where the
+                row GEMM multiplies, one compiled call, :mod:`rlflow.rollout.decode_ops`, summing in its own order).
             cuda_graphs: On a CUDA GPU, replay the fused decoder's decode steps as CUDA graphs, one per stretch
                 between two attention calls (:mod:`rlflow.rollout.graphs`); a capture that fails is logged once and
                 the run decodes eagerly. Ignored on a CPU and without the fused decoder.
