@@ -1,11 +1,11 @@
 """The float32 operations around a decode step's matrix products, one compiled call each (``csrc/decode_ops.cpp``).
 
 Why: at decode sizes (a few rows, one per sequence) a torch operator costs more in dispatch and allocation than in
-arithmetic. A layer of the fused decoder took some 30 of them (the RMS norm's five, RoPE's three, the cache write,
-the attention's reshapes, two batched products, mask adds and softmax, SiLU and its product); these four calls
-replace them: :func:`rms_norm`, :func:`rope`, :func:`silu_mul` and :func:`attend` (which writes the step's keys and
-values into the :class:`~rlflow.rollout.decode_state.DecodeState` caches and attends in one pass, skipping the columns
-a row does not see).
+arithmetic. A layer of the fused decoder written in torch operators takes some 30 of them (the RMS norm's five,
+RoPE's three, the cache write, the attention's reshapes, two batched products, mask adds and softmax, SiLU and its
+product); these four calls replace them: :func:`rms_norm`, :func:`rope`, :func:`silu_mul` and :func:`attend` (which
+writes the step's keys and values into the :class:`~rlflow.rollout.decode_state.DecodeState` caches and attends in
+one pass, skipping the columns a row does not see).
 
 They are built with the row GEMM (:mod:`rlflow.rollout.row_gemm`, the same extension) and used where it is: the
 fused decoder turns them on for a float32 decoder whose matrices the row GEMM packed (:meth:`FusedDecoder.prepack

@@ -1,7 +1,7 @@
 // The float32 operations of a decode step around its matrix products, each one call (rlflow/rollout/decode_ops.py
 // explains when they are used): the RMS norm, RoPE on q and k, SiLU(gate) * up, and the decode attention with the
 // step's key/value write. At decode sizes (a few rows) each torch operator costs more in dispatch than in maths, and
-// a layer took some 30 of them; these take 4.
+// a layer written in torch operators takes some 30 of them; these take 4.
 //
 // Built with -ffp-contract=off, so that each product and sum rounds where torch's element-wise kernels round: RoPE
 // gives torch's bits (torch's addcmul fuses its product into the sum), SiLU * up torch's vectorised bits (the
