@@ -252,10 +252,10 @@ def main(argv=None) -> dict:
     if args.profile is not None and args.profile not in backends:
         ap.error(f"--profile {args.profile}: not one of this run's backends ({', '.join(backends)})")
     warmup = (prompts, args.n) if args.full_warmup else (prompts[:2], 2)  # prompts and group size
-    def kernel(name: str):  # engine-mkl packs through MKL wherever its decoder packs (bind, any call); engine-torch-ops
-        if name.endswith("-mkl"):  # keeps torch's operators around the products
+    def kernel(name: str):  # applied wherever a variant's decoder may pack (bind, any call)
+        if name.endswith("-mkl"):  # packs through MKL
             return mock.patch.object(prepack, "float32_kernel", lambda: "mkl")
-        if name.endswith("-torch-ops"):
+        if name.endswith("-torch-ops"):  # keeps torch's operators around the products
             return mock.patch.object(FusedDecoder, "_compiled_ops_apply", lambda self: False)
         return contextlib.nullcontext()
 

@@ -313,12 +313,11 @@ class FusedDecoder:
 
     def _compiled_ops_apply(self) -> bool:
         """Whether :mod:`rlflow.rollout.decode_ops` computes the operations around the products: a float32 decoder
-        (folded norms) whose matrices the row GEMM packed (the two are one build), with SiLU MLPs, a RoPE table and
-        the model's norm formula (``norm: torch`` keeps ``F.rms_norm``)."""
+        (folded norms) whose matrices the row GEMM packed (the two are one build: packed by it, they are loaded),
+        with SiLU MLPs, a RoPE table and the model's norm formula (``norm: torch`` keeps ``F.rms_norm``)."""
         mats = [w for layer in self.layers for w in (layer.qkv_w, layer.gate_up_w, layer.o_w, layer.down_w)]
         row_gemm = any(isinstance(w, PackedWeight) and w.kernel == "row_gemm" for w in mats)
-        model_norm = self.rms_norm is _rms_norm
-        return self.fold and self.rope_table and self.silu and model_norm and row_gemm and decode_ops.available()
+        return self.fold and self.rope_table and self.silu and self.rms_norm is _rms_norm and row_gemm
 
     def large_enough_to_pack(self) -> bool:
         """Whether any of the decoder's matrices has the size :mod:`rlflow.rollout.prepack` packs (a CPU's packing
