@@ -81,7 +81,7 @@ from rlflow.rollout.engine_support import cache_kwargs, probe_error, static_unsu
 from rlflow.rollout.fused import FusedDecoder, torch_norm_for
 from rlflow.rollout.graphs import GraphCaptureError, GraphedDecoder, capture_kind
 from rlflow.rollout.hardware import bf16_faster, inference_context
-from rlflow.rollout.prepack import products_in_words, rounds_like_mm
+from rlflow.rollout.prepack import products_in_words
 from rlflow.rollout.requests import DecodeRequest, ListSource, RequestSource, check_call
 from rlflow.rollout.serving import ServeCall
 
@@ -257,10 +257,8 @@ class EngineRollout(CallKeys, RolloutBackend):
             kept[1].refresh(model)  # the same weights' new values, into the copies the graphs read
         else:
             self._kept_decoder = self._graphed = None  # free the old copies (and their graphs) before new ones
-            kept = (key, FusedDecoder(model, dtype, self.norm))
-            if device.type == "cpu" and kept[1].large_enough_to_pack() and not rounds_like_mm(kept[1].dtype):
-                # before any product: all packed alike
-                kept[1].prepack(min(self.max_batch_size, 16))
+            # packed before any product where packed products round unlike torch.mm: all packed alike
+            kept = (key, FusedDecoder(model, dtype, self.norm, pack_rows=min(self.max_batch_size, 16)))
         self._kept_decoder, self._stale = (key, kept[1]), False
         return kept[1]
 

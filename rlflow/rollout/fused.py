@@ -18,7 +18,10 @@ row count and thread count: every product of the decoder then takes it). A 16-bi
 CPU without bf16 units) keeps ``nn.Linear``'s layout, whose software 16-bit products run far faster there than
 those of a transposed copy (:func:`_transposed`). Where rlflow's row GEMM packs a float32 decoder (AVX-512 CPUs),
 the operations around the products (norms, RoPE, SiLU times up, the decode attention) are compiled calls of
-:mod:`rlflow.rollout.decode_ops` (:attr:`FusedDecoder.compiled_ops`), one each where torch takes several operators.
+:mod:`rlflow.rollout.decode_ops` (:attr:`FusedDecoder.compiled_ops`), one each where torch takes several operators,
+and the engine has the matrices packed as the decoder is built (``pack_rows``): the row GEMM's panels are made
+straight from the model's weights, norm weights and attention scale folded in (one pass over the weights after
+every optimizer step, where concatenating, folding, transposing and packing took four; no ``[in, out]`` copy kept).
 
 With ``dtype`` (:class:`FusedDecoder`'s argument; the engine's ``dtype`` option) the decoder computes in another
 dtype than the live weights': its weight copies are made in that dtype (bfloat16 copies of float32 master
@@ -52,7 +55,7 @@ import torch.nn.functional as F
 from rlflow.models.lm_head import is_fp32_head
 from rlflow.models.lora import fold_problem, linear_weights, unwrap_peft
 from rlflow.rollout import decode_ops
-from rlflow.rollout.prepack import PackedWeight, large_enough, packable, packs
+from rlflow.rollout.prepack import PackedWeight, large_enough, packable, packs, rounds_like_mm
 
 SUPPORTED_MODEL_TYPES = ("qwen2", "qwen3", "llama")
 
@@ -120,6 +123,8 @@ def _packed(
     """``weight_t`` packed for products of ``rows`` rows where :mod:`rlflow.rollout.prepack` packs it (no bias; a
     float32 residual product stays ``addmm`` where packed products round like ``torch.mm``; ``checked``: a 16-bit
     product packed only for the row counts where it equals ``torch.mm``), else as it is."""
+    if isinstance(weight_t, PackedWeight) and not weight_t.mkl:  # oneDNN's and the row GEMM's fit every row count
+        return weight_t
     plain = weight_t.weight_t if isinstance(weight_t, PackedWeight) else weight_t
     if bias is not None or not packable(plain):
         return plain
@@ -160,20 +165,51 @@ def _transposed(weight: torch.Tensor, dtype: torch.dtype | None, head: bool = Fa
     return weight.to(dtype).t()
 
 
+def _folded(
+    linears: list[tuple[torch.Tensor, torch.Tensor | None]], col_scale: torch.Tensor | None,
+    row_scales: list[float], dtype: torch.dtype | None, rows: int = 0,
+) -> tuple[torch.Tensor | PackedWeight, torch.Tensor | None]:
+    """The weight for :func:`_linear` and the bias (None if no projection has one) of ``(weight, bias)`` pairs
+    concatenated (:func:`_cat`), the weight times ``col_scale`` (a folded norm weight; None: none) and each
+    projection's rows (and bias) then times its row scale (the attention scale folded into q; 1: none), copied in
+    ``dtype``. With ``rows`` (the decoder packs its matrices now) a float32 matrix without a bias is packed straight
+    from the projections' weights where the row GEMM packs it (:meth:`PackedWeight.of_rows`: the same bits as
+    packing the copy made here, in one pass); else the transposed copy (:func:`_transposed`)."""
+    if rows and dtype is None and all(b is None for _, b in linears):
+        packed = PackedWeight.of_rows([w for w, _ in linears], col_scale, row_scales, rows)
+        if packed is not None:
+            return packed, None
+    plain = len(linears) == 1 and col_scale is None and row_scales == [1.0]  # nothing multiplied in place
+    weight, bias = _cast_pair(linears[0], dtype) if plain else _cat(*linears, dtype=dtype)
+    if col_scale is not None:
+        weight = weight * col_scale
+    start = 0
+    for (w, _), scale in zip(linears, row_scales):
+        if scale != 1.0:
+            weight[start: start + w.shape[0]] *= scale
+            if bias is not None:
+                bias[start: start + w.shape[0]] *= scale
+        start += w.shape[0]
+    return _transposed(weight, dtype), _cast(bias, dtype)
+
+
+def _cast_pair(linear: tuple[torch.Tensor, torch.Tensor | None], dtype: torch.dtype | None):
+    """One projection's ``(weight, bias)``, the weight cast to ``dtype`` (None: kept), the bias as it is."""
+    weight, bias = linear
+    return (weight if dtype is None else weight.to(dtype)), bias
+
+
 class _Layer:
     """One decoder layer's weights, with q/k/v and gate/up concatenated (and, with ``fold``, the norms' weights
-    and the attention scale folded in), copied in ``dtype`` (None: the weights' own)."""
+    and the attention scale folded in), copied in ``dtype`` (None: the weights' own); with ``rows``, float32
+    matrices packed straight from the model's weights where the row GEMM packs them (:func:`_folded`)."""
 
-    def __init__(self, layer: torch.nn.Module, fold: bool, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, layer: torch.nn.Module, fold: bool, dtype: torch.dtype | None = None, rows: int = 0) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1_w, self.ln1_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         post_norm = layer.post_attention_layernorm
         self.ln2_w, self.ln2_eps = post_norm.weight, post_norm.variance_epsilon
-        self.qkv_w, self.qkv_b = _cat(
-            *(linear_weights(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)), dtype=dtype
-        )
         self.q_size, self.kv_size = attn.q_proj.out_features, attn.k_proj.out_features
-        self.o_w, self.o_b = linear_weights(attn.o_proj)
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.qk_norm = None  # Qwen3: RMSNorm over each head of q and k; one op over both with a stacked weight
         if q_norm is not None and k_norm is not None and q_norm.variance_epsilon == k_norm.variance_epsilon:
@@ -183,27 +219,24 @@ class _Layer:
         elif q_norm is not None or k_norm is not None:
             raise ValueError("FusedDecoder: q_norm and k_norm must both exist with one epsilon")
         self.scaling = attn.scaling
-        self.gate_up_w, self.gate_up_b = _cat(linear_weights(mlp.gate_proj), linear_weights(mlp.up_proj), dtype=dtype)
-        if fold:  # W @ (g * x) == (W * g) @ x; scale * q == q computed with scaled weights (RoPE is linear)
-            self.qkv_w, self.ln1_w = self.qkv_w * self.ln1_w, None
-            self.gate_up_w, self.ln2_w = self.gate_up_w * self.ln2_w, None
+        # W @ (g * x) == (W * g) @ x; scale * q == q computed with scaled weights (RoPE is linear), or Qwen3's
+        # q norm weight times the scale
+        ln1, ln2 = (self.ln1_w, self.ln2_w) if fold else (None, None)
+        q_scale = self.scaling if fold and self.qk_norm is None else 1.0
+        qkv = [linear_weights(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        self.qkv_w, self.qkv_b = _folded(qkv, ln1, [q_scale, 1.0, 1.0], dtype, rows)
+        gate_up = [linear_weights(mlp.gate_proj), linear_weights(mlp.up_proj)]
+        self.gate_up_w, self.gate_up_b = _folded(gate_up, ln2, [1.0, 1.0], dtype, rows)
+        self.o_w, self.o_b = _folded([linear_weights(attn.o_proj)], None, [1.0], dtype, rows)
+        self.down_w, self.down_b = _folded([linear_weights(mlp.down_proj)], None, [1.0], dtype, rows)
+        if fold:
             if self.qk_norm is not None:
                 weight, eps = self.qk_norm
                 self.qk_norm = (torch.cat([weight[:heads] * self.scaling, weight[heads:]]), eps)
-            else:
-                self.qkv_w[: self.q_size] *= self.scaling
-                if self.qkv_b is not None:
-                    self.qkv_b[: self.q_size] *= self.scaling
+            self.ln1_w = self.ln2_w = None
             self.scaling = 1.0
         self.inter = mlp.gate_proj.out_features
-        self.down_w, self.down_b = linear_weights(mlp.down_proj)
         self.act = mlp.act_fn
-        # transposed copies for _linear (made per decoder, like the concatenations)
-        self.qkv_w, self.o_w = _transposed(self.qkv_w, dtype), _transposed(self.o_w, dtype)
-        self.gate_up_w, self.down_w = _transposed(self.gate_up_w, dtype), _transposed(self.down_w, dtype)
-        self.qkv_b, self.o_b, self.gate_up_b, self.down_b = (
-            _cast(b, dtype) for b in (self.qkv_b, self.o_b, self.gate_up_b, self.down_b)
-        )
         self.ln1_w, self.ln2_w = _cast(self.ln1_w, dtype), _cast(self.ln2_w, dtype)
         if self.qk_norm is not None:
             self.qk_norm = (_cast(self.qk_norm[0], dtype), self.qk_norm[1])
@@ -220,13 +253,17 @@ class FusedDecoder:
     """The decode-step forward of a supported decoder over its live weights (see the module docstring)."""
 
     @torch.no_grad()
-    def __init__(self, model: Any, dtype: torch.dtype | None = None, norm: str = "model") -> None:
+    def __init__(self, model: Any, dtype: torch.dtype | None = None, norm: str = "model", pack_rows: int = 0) -> None:
         """
         Args:
             model: The live model (a supported decoder, optionally under PEFT LoRA).
             dtype: Dtype of the decoder's weight copies and arithmetic; None: the model's own.
             norm: RMS norms by the model's formula (``model``), through ``F.rms_norm`` (``torch``), or ``auto``
                 (:func:`torch_norm_for`).
+            pack_rows: Where packed products round unlike ``torch.mm`` on a CPU
+                (:func:`~rlflow.rollout.prepack.rounds_like_mm`), pack the matrices for products of this many rows
+                as the decoder is built (:meth:`prepack`; the row GEMM's straight from the model's weights, without
+                an ``[in, out]`` copy), so that every product of the decoder takes the packed kernel; 0: not now.
         """
         reason = self.unsupported_reason(model)
         if reason:
@@ -244,27 +281,35 @@ class FusedDecoder:
         self.silu = getattr(config, "hidden_act", None) in ("silu", "swish")  # the MLPs' act_fn is SiLU
         self.fold = own == torch.float32 and self.dtype == torch.float32
         self.cast = cast
-        self.layers = [_Layer(layer, self.fold, cast) for layer in inner.layers]
+        pack_rows = pack_rows if self.embed.device.type == "cpu" else 0  # straight only where it packs alike
+        self.layers = [_Layer(layer, self.fold, cast, pack_rows) for layer in inner.layers]
         self.norm_eps = inner.norm.variance_epsilon
         self.head_fp32 = is_fp32_head(model.lm_head)  # model.policy.cast_lm_head_to_fp32: the product in float32
-        self.norm_w, self.lm_head_w, self.lm_head_b = self._head(model)
+        self.norm_w, self.lm_head_w, self.lm_head_b = self._head(model, pack_rows)
         self.rms_norm = _torch_rms_norm if torch_norm_for(norm, self.dtype, self.embed.device) else _rms_norm
         self.rope_table = getattr(self.rotary, "rope_type", "default") in STATIC_ROPE_TYPES
         self._table = None  # [positions, 2, dim]: cos, and sin with rotate_half's sign folded in
         self.packed_rows = 0  # the row count the matrices are packed for (prepack); 0: not packed
         self.packed_per_rows = False  # whether a matrix is packed for that row count (MKL's float32 packs)
         self.compiled_ops = False  # whether norms, RoPE, SiLU * up and decode attention are decode_ops' (prepack)
+        if pack_rows and self.large_enough_to_pack() and not rounds_like_mm(self.dtype):
+            self.prepack(pack_rows)
 
-    def _head(self, model: Any) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    def _head(self, model: Any, rows: int = 0) -> tuple[torch.Tensor | None, torch.Tensor | PackedWeight,
+                                                           torch.Tensor | None]:
         """``(final norm weight, LM head [in, out], its bias)`` of ``model`` (unwrapped) as this decoder holds
         them: the norm folded into the head in float32, copies in the decoder's dtype (the head in float32 under
-        ``cast_lm_head_to_fp32``), the head transposed as :func:`_transposed` lays it out."""
+        ``cast_lm_head_to_fp32``), the head transposed as :func:`_transposed` lays it out (with ``rows``, packed
+        straight from the weights where the row GEMM packs it: :meth:`PackedWeight.of_rows`)."""
         head_cast = torch.float32 if self.head_fp32 else self.cast
-        norm_w, head_w = model.model.norm.weight, model.lm_head.weight
+        norm_w, head_w, bias = model.model.norm.weight, model.lm_head.weight, model.lm_head.bias
+        if self.fold and rows and bias is None:
+            packed = PackedWeight.of_rows([head_w], norm_w, [1.0], rows)
+            if packed is not None:
+                return None, packed, None
         if self.fold:
             head_w, norm_w = head_w * norm_w, None
-        return _cast(norm_w, self.cast), _transposed(head_w, head_cast, head=True), _cast(model.lm_head.bias,
-                                                                                               head_cast)
+        return _cast(norm_w, self.cast), _transposed(head_w, head_cast, head=True), _cast(bias, head_cast)
 
     @torch.no_grad()
     def refresh(self, model: Any) -> None:

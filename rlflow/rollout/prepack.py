@@ -45,8 +45,9 @@ Simplifications: CPU only, and only where torch was built with MKL or oneDNN (fl
 dtypes and devices keep ``torch.mm``. Matrices under :data:`MIN_NUMEL` entries stay unpacked (a small matrix
 stays in cache, where packing saves nothing; the tiny demo model is all small matrices). A packed copy is extra
 memory beside the decoder's own copy (MKL's float32 buffer is about twice the matrix's bytes), held as long as
-the decoder. oneDNN's float32 kernel is chosen on AVX2 CPUs only, where it was measured; MKL stays the float32
-kernel on AVX-512 CPUs where rlflow's own cannot be built.
+the decoder, except the row GEMM's panels made straight from a model's weights (:meth:`PackedWeight.of_rows`),
+which are the decoder's only copy. oneDNN's float32 kernel is chosen on AVX2 CPUs only, where it was measured;
+MKL stays the float32 kernel on AVX-512 CPUs where rlflow's own cannot be built.
 """
 
 from __future__ import annotations
@@ -161,7 +162,8 @@ class PackedWeight:
         if not packable(weight_t):
             raise ValueError(f"PackedWeight: cannot pack a {weight_t.dtype} {tuple(weight_t.shape)} matrix on "
                              f"{weight_t.device} (float32 with MKL or oneDNN or bfloat16 with oneDNN, on a CPU)")
-        self.weight_t = weight_t
+        self._weight_t = weight_t
+        self.out_features = weight_t.shape[1]
         self.rows = rows
         fp32 = weight_t.dtype == torch.float32
         #: ``"onednn"`` (bfloat16, or float32 on AVX2), ``"row_gemm"`` (float32 on AVX-512) or ``"mkl"`` (float32
@@ -175,6 +177,36 @@ class PackedWeight:
         self.checked = checked or self.mkl
         if self.mkl:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight_t.t().contiguous(), rows)
+
+    @classmethod
+    def of_rows(cls, pieces: list[torch.Tensor], col_scale: torch.Tensor | None, row_scales: list[float],
+                rows: int) -> PackedWeight | None:
+        """The float32 ``[in, out]`` matrix ``(torch.cat(pieces) * col_scale)`` with each piece's rows then times its
+        row scale, transposed (``pieces``: ``[n_i, in]``, ``nn.Linear``'s layout), packed by the row GEMM straight
+        from the pieces (:func:`rlflow.rollout.row_gemm.pack_rows`: one pass, and no ``[in, out]`` copy kept; it is
+        made from the panels, bit for bit, if a product ever needs it): the panels the constructor makes of that
+        matrix. None where the row GEMM is not the float32 kernel here, the pieces are not float32 CPU matrices
+        with contiguous rows, the matrix is below :data:`MIN_NUMEL` entries, or its shape's rows would depend on
+        the row count (:meth:`rows_independent`): the caller then makes the matrix with torch."""
+        in_features, out = pieces[0].shape[-1], sum(p.shape[0] for p in pieces)
+        if in_features * out < MIN_NUMEL or not all(
+                p.device.type == "cpu" and p.dtype == torch.float32 and p.dim() == 2 and p.stride(1) == 1
+                for p in pieces) or float32_kernel() != "row_gemm":
+            return None
+        packed = row_gemm.pack_rows(pieces, col_scale, row_scales)
+        if not cls.rows_independent(torch.empty(in_features, out, device="meta"), packed, "row_gemm"):
+            return None
+        weight = cls.__new__(cls)
+        weight._weight_t, weight.packed, weight.out_features, weight.rows = None, packed, out, rows
+        weight.kernel, weight.mkl, weight.checked = "row_gemm", False, False
+        return weight
+
+    @property
+    def weight_t(self) -> torch.Tensor:
+        """The ``[in, out]`` matrix (for row GEMM panels made by :meth:`of_rows`: made from them, once, when asked)."""
+        if self._weight_t is None:
+            self._weight_t = row_gemm.unpack(self.packed, self.out_features)
+        return self._weight_t
 
     @staticmethod
     def rows_independent(weight_t: torch.Tensor, packed: torch.Tensor | None = None, kernel: str = "onednn") -> bool:
@@ -213,7 +245,7 @@ class PackedWeight:
         if self.mkl:
             return self._mkl_mm(x)
         if self.kernel == "row_gemm":
-            return row_gemm.mm(x, self.packed, self.weight_t.shape[1])
+            return row_gemm.mm(x, self.packed, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
     def _mkl_mm(self, x: torch.Tensor) -> torch.Tensor:
@@ -243,5 +275,5 @@ class PackedWeight:
         if self.mkl:
             return torch.addmm(h, x, self.weight_t)
         if self.kernel == "row_gemm":
-            return row_gemm.mm(x, self.packed, self.weight_t.shape[1], h)
+            return row_gemm.mm(x, self.packed, self.out_features, h)
         return torch.ops.mkldnn._linear_pointwise.binary(x, h, self.packed, None, "add")

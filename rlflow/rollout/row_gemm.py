@@ -101,8 +101,8 @@ def unsupported_reason() -> str | None:
 
 
 def load() -> Any | None:
-    """The compiled module (``pack``, ``mm``), built on first use; None where unsupported or the build fails (the
-    reason logged once)."""
+    """The compiled module (``pack``, ``pack_rows``, ``unpack``, ``mm``), built on first use; None where unsupported
+    or the build fails (the reason logged once)."""
     if not _LOADED:
         with _LOADING:
             if not _LOADED:
@@ -139,6 +139,21 @@ def available() -> bool:
 def pack(weight_t: torch.Tensor) -> torch.Tensor:
     """``weight_t`` (``[in, out]`` float32) as the kernel's panels ``[ceil(out / 16), in, 16]``."""
     return load().pack(weight_t)
+
+
+def pack_rows(pieces: list[torch.Tensor], col_scale: torch.Tensor | None = None,
+              row_scales: list[float] | None = None) -> torch.Tensor:
+    """The panels :func:`pack` makes of ``(torch.cat(pieces) * col_scale)``, each piece's rows then times its row
+    scale, transposed to ``[in, out]`` (``pieces``: float32 ``[n_i, in]`` matrices, ``nn.Linear``'s layout): the
+    same bits, in one pass over the pieces instead of a concatenation, a product, a transposing copy and the
+    packing. ``col_scale`` None and a row scale of 1 multiply nothing."""
+    scales = [1.0] * len(pieces) if row_scales is None else [float(s) for s in row_scales]
+    return load().pack_rows(list(pieces), col_scale, scales)
+
+
+def unpack(packed: torch.Tensor, out: int) -> torch.Tensor:
+    """The ``[in, out]`` matrix whose panels ``packed`` holds (:func:`pack`'s inverse, bit for bit)."""
+    return load().unpack(packed, out)
 
 
 def mm(x: torch.Tensor, packed: torch.Tensor, out: int, add: torch.Tensor | None = None) -> torch.Tensor:

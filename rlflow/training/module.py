@@ -60,7 +60,7 @@ from rlflow.training.export import PolicyExport
 from rlflow.training.host_memory import reuse_freed_memory
 from rlflow.training.logprobs import completion_logprobs
 from rlflow.training.memory_metrics import memory_metrics, reset_peaks
-from rlflow.training.optim import UpdateFraction, build_lr_scheduler, build_optimizer
+from rlflow.training.optim import UpdateFraction, build_lr_scheduler, build_optimizer, clip_grad_norm
 from rlflow.training.packing import (
     balance_pack_count,
     collate_packed,
@@ -743,7 +743,7 @@ class GRPOModule(L.LightningModule):
             return full_tensor(torch.nn.utils.clip_grad_norm_(params, math.inf if max_norm is None else max_norm))
         if max_norm is None:
             return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return clip_grad_norm(params, max_norm)
 
     # ---------------------------------------------------------------------------------------- evaluation
     def on_validation_epoch_start(self) -> None:

@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <array>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -121,6 +122,115 @@ torch::Tensor pack(const torch::Tensor& weight_t) {
   return padded.view({K, P, LANES}).permute({1, 0, 2}).contiguous();
 }
 
+// r[j] <- column j of the 16 x 16 block whose row i is r[i] (the standard three-stage AVX-512 transpose).
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  // r[4b + c] holds, in each 128-bit lane l, column c of rows 4l .. 4l + 3 of block-row group b; gather lanes
+  for (int c = 0; c < 4; c++) {
+    t[c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);       // lanes 0, 2 of r[c], then of r[4 + c]
+    t[4 + c] = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);   // lanes 1, 3
+    t[8 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
+    t[12 + c] = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
+  }
+  for (int c = 0; c < 4; c++) {
+    r[c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0x88);
+    r[8 + c] = _mm512_shuffle_f32x4(t[c], t[8 + c], 0xDD);
+    r[4 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0x88);
+    r[12 + c] = _mm512_shuffle_f32x4(t[4 + c], t[12 + c], 0xDD);
+  }
+}
+
+// One panel: columns rows[0 .. n) (n <= 16; the others zero) of W, each element (src[k] * g[k]) * scale, k in
+// blocks of 16 transposed in registers (a row's products are element-wise: the same bits as one at a time).
+inline void pack_panel(const float* const* rows, const float* scales, int64_t n, const float* g, int64_t K,
+                       float* panel) {
+  int64_t k = 0;
+  for (; k + LANES <= K; k += LANES) {
+    __m512 r[16];
+    const __m512 gk = g ? _mm512_loadu_ps(g + k) : _mm512_set1_ps(1.0f);
+    for (int j = 0; j < 16; j++) {
+      if (j >= n) {
+        r[j] = _mm512_setzero_ps();
+        continue;
+      }
+      __m512 v = _mm512_loadu_ps(rows[j] + k);
+      if (g) v = _mm512_mul_ps(v, gk);
+      if (scales[j] != 1.0f) v = _mm512_mul_ps(v, _mm512_set1_ps(scales[j]));
+      r[j] = v;
+    }
+    transpose16(r);
+    for (int j = 0; j < 16; j++) _mm512_storeu_ps(panel + (k + j) * LANES, r[j]);
+  }
+  for (; k < K; k++) {
+    for (int64_t j = 0; j < LANES; j++) {
+      float v = 0.0f;
+      if (j < n) {
+        v = g ? rows[j][k] * g[k] : rows[j][k];
+        if (scales[j] != 1.0f) v = v * scales[j];
+      }
+      panel[k * LANES + j] = v;
+    }
+  }
+}
+
+// The panels of the matrix W = [pieces stacked, each row times col_scale, then times its piece's row_scale]^T, in
+// one pass over the pieces ([n_i, K] each, nn.Linear's layout): what pack() gives for that matrix made by
+// torch.cat, a broadcast product with col_scale and an in-place product of each piece's rows with its scale (each
+// float32 product rounded once, in that order; a scale of 1 multiplies nothing), without its three copies.
+torch::Tensor pack_rows(const std::vector<torch::Tensor>& pieces, const c10::optional<torch::Tensor>& col_scale,
+                        const std::vector<double>& row_scales) {
+  TORCH_CHECK(!pieces.empty() && pieces.size() == row_scales.size(),
+              "row_gemm.pack_rows: one row scale per piece, at least one piece");
+  const int64_t K = pieces[0].size(1);
+  std::vector<const float*> rows;
+  std::vector<float> scales;
+  for (size_t i = 0; i < pieces.size(); i++) {
+    const auto& piece = pieces[i];
+    TORCH_CHECK(piece.dim() == 2 && piece.scalar_type() == torch::kFloat32 && piece.device().is_cpu() &&
+                piece.size(1) == K && piece.stride(1) == 1,
+                "row_gemm.pack_rows: float32 CPU matrices [n, K] with contiguous rows");
+    const float* base = piece.data_ptr<float>();
+    for (int64_t r = 0; r < piece.size(0); r++) {
+      rows.push_back(base + r * piece.stride(0));
+      scales.push_back(static_cast<float>(row_scales[i]));
+    }
+  }
+  const float* g = nullptr;
+  torch::Tensor scale;
+  if (col_scale.has_value()) {
+    scale = col_scale->contiguous();
+    TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.numel() == K,
+                "row_gemm.pack_rows: col_scale must be float32 [K]");
+    g = scale.data_ptr<float>();
+  }
+  const int64_t N = static_cast<int64_t>(rows.size()), P = (N + LANES - 1) / LANES;
+  auto packed = torch::empty({P, K, LANES}, pieces[0].options());
+  float* out = packed.data_ptr<float>();
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; p++) pack_panel(rows.data() + p * LANES, scales.data() + p * LANES,
+                                                  std::min(LANES, N - p * LANES), g, K, out + p * K * LANES);
+  });
+  return packed;
+}
+
+// The matrix [K, N] whose panels packed holds (pack's inverse).
+torch::Tensor unpack(const torch::Tensor& packed, int64_t N) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == LANES && packed.size(0) * LANES >= N,
+              "row_gemm.unpack: panels [P, K, 16] of at least N columns");
+  const int64_t P = packed.size(0), K = packed.size(1);
+  return packed.permute({1, 0, 2}).reshape({K, P * LANES}).narrow(1, 0, N).contiguous();
+}
+
 torch::Tensor mm(const torch::Tensor& x_in, const torch::Tensor& packed, int64_t N,
                  const c10::optional<torch::Tensor>& add_in) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat32 && x_in.device().is_cpu(),
@@ -161,6 +271,9 @@ void register_decode_ops(pybind11::module& m);  // csrc/decode_ops.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "W [K, N] float32 -> panels [P, K, 16]");
+  m.def("pack_rows", &pack_rows, "pieces [n_i, K] (x col_scale [K], x a row scale per piece) -> panels [P, K, 16]",
+        pybind11::arg("pieces"), pybind11::arg("col_scale"), pybind11::arg("row_scales"));
+  m.def("unpack", &unpack, "panels [P, K, 16] -> W [K, N]");
   m.def("mm", &mm, "x [M, K] @ W (+ add [M, N]) from W's panels", pybind11::arg("x"), pybind11::arg("packed"),
         pybind11::arg("n"), pybind11::arg("add") = pybind11::none());
   register_decode_ops(m);

@@ -206,6 +206,77 @@ def test_a_row_independent_float32_decoder_packs_every_product_once_and_agrees_t
             assert torch.equal(packed.step(tokens[:rows], positions[:rows], attend_alone), got[:rows])
 
 
+def packing_model(arch: str) -> torch.nn.Module:
+    """A one-layer decoder of ``arch`` whose matrices are large enough to pack: Llama with a head dim of 80 (an
+    attention scale that is not a power of two), Qwen2 (q/k/v biases), Qwen3 (q/k norms)."""
+    torch.manual_seed(1)
+    extra = {"llama": {"hidden_size": 640}, "qwen2": {}, "qwen3": {"head_dim": 64}}[arch]
+    config = AutoConfig.for_model(arch, **{"hidden_size": 512, **extra}, vocab_size=640, intermediate_size=1024,
+                                  num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4,
+                                  max_position_embeddings=256, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():  # norm weights other than ones, so that folding them shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.uniform_(0.5, 1.5)
+    return model
+
+
+def decoder_weights(decoder: FusedDecoder) -> list:
+    """The decoder's matrices, biases and norm weights, in one order."""
+    out = [decoder.lm_head_w, decoder.lm_head_b, decoder.norm_w]
+    for layer in decoder.layers:
+        out += [layer.qkv_w, layer.gate_up_w, layer.o_w, layer.down_w, layer.qkv_b, layer.o_b, layer.ln1_w,
+                layer.ln2_w, layer.qk_norm[0] if layer.qk_norm is not None else None]
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_a_decoder_packed_as_it_is_built_equals_one_packed_afterwards(arch, row_independent_float32):
+    """``pack_rows``: the row GEMM's panels come straight from the model's weights (norm weights and the attention
+    scale folded in), bit for bit the panels of the copies a decoder packs afterwards, with no ``[in, out]`` copy
+    kept (made from the panels when asked); the same logits; the model's weights untouched. Through oneDNN (not
+    packed straight) the decoder is packed as it is built, likewise."""
+    model = packing_model(arch)
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    afterwards = FusedDecoder(model)
+    afterwards.prepack(4)
+    built = FusedDecoder(model, pack_rows=4)
+    assert built.packed_rows == 4 and built.compiled_ops == afterwards.compiled_ops
+    straight = 0
+    for mine, theirs in zip(decoder_weights(built), decoder_weights(afterwards), strict=True):
+        assert type(mine) is type(theirs)
+        if isinstance(mine, PackedWeight):
+            assert mine.kernel == theirs.kernel == row_independent_float32
+            if mine.kernel == "row_gemm":  # oneDNN's packed copies are opaque: compared through the logits
+                assert torch.equal(mine.packed, theirs.packed)
+            straight += mine._weight_t is None
+            assert torch.equal(mine.weight_t, theirs.weight_t)
+        elif mine is not None:
+            assert torch.equal(mine, theirs)
+    biased = arch == "qwen2"  # q/k/v with a bias stays a copy, unpacked
+    assert straight == (5 - biased if row_independent_float32 == "row_gemm" else 0)  # the LM head and 4 a layer
+    tokens, positions = torch.tensor([5, 9, 11, 300, 2, 7]), torch.tensor([0, 1, 2, 3, 4, 5])
+    with torch.no_grad():
+        assert torch.equal(built.step(tokens, positions, attend_alone),
+                           afterwards.step(tokens, positions, attend_alone))
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_a_decoder_is_packed_as_it_is_built_only_where_packed_products_round_unlike_mm(mkl_float32):
+    model = packing_model("llama")
+    built = FusedDecoder(model, pack_rows=4)  # MKL's products round like torch.mm: packed at the first product
+    assert built.packed_rows == 0 and isinstance(built.layers[0].qkv_w, torch.Tensor)
+    assert PackedWeight.of_rows([torch.randn(640, 640)], None, [1.0], 4) is None  # not the row GEMM's to pack
+
+
+@pytest.mark.skipif(not row_gemm.available(), reason="the row GEMM does not run here")
+def test_matrices_too_small_or_not_float32_are_not_packed_straight():
+    assert PackedWeight.of_rows([torch.randn(128, 256)], None, [1.0], 4) is None  # under MIN_NUMEL
+    assert PackedWeight.of_rows([torch.randn(640, 640, dtype=torch.bfloat16)], None, [1.0], 4) is None
+    assert PackedWeight.of_rows([torch.randn(640, 640).t()], None, [1.0], 4) is None  # columns apart
+
+
 def engine_samples(model, dtype: str, max_batch_size: int = 8):
     """A seeded engine's tokens and log-probs for 3 prompts x 3 (at most ``max_batch_size`` rows at once)."""
     prompts = [[3, 17, 250, 31, 44, 9, 100], [3, 17, 250, 31, 8], [3, 17, 250, 31, 44, 9, 12, 600, 5]]
@@ -239,6 +310,8 @@ def test_a_seeded_row_independent_float32_engine_samples_the_same_on_one_thread_
         engine, one = engine_samples(model, "model")
         assert engine._kept_decoder[1].packed_rows > 0
         assert engine._kept_decoder[1].compiled_ops == (row_independent_float32 == "row_gemm")
+        straight = engine._kept_decoder[1].layers[0].qkv_w._weight_t is None  # packed from the model's weights
+        assert straight == (row_independent_float32 == "row_gemm")
         torch.set_num_threads(2)
         assert engine_samples(model, "model")[1] == one
     finally:

@@ -1,7 +1,9 @@
 """rlflow's row GEMM (:mod:`rlflow.rollout.row_gemm`): the products against float64 references worked out here,
 exact where every product and sum is representable and within the float32 summation bound elsewhere, at row
 counts that take each micro-kernel (1-16 rows one panel at a time, more rows two panels at a time) and column
-counts that are not multiples of the panel width; the residual add; strided operands; refused operands; where
+counts that are not multiples of the panel width; the residual add; strided operands; refused operands; packing
+projections' weights straight (with a folded norm weight and a row scale) as torch would make and pack the matrix;
+where
 the kernel is not used (switched off, no AVX-512, a failed build: logged, MKL's products instead); threads that ask
 for it at once build it once; each environment has its own build; a killed build's lock is removed."""
 
@@ -84,6 +86,47 @@ def test_operands_that_do_not_match_are_refused():
         row_gemm.mm(torch.randn(3, 64, dtype=torch.float64), packed, 32)
     with pytest.raises(RuntimeError, match="add must be float32"):
         row_gemm.mm(torch.randn(3, 64), packed, 32, torch.randn(2, 32))
+
+
+#: (rows of each piece, in features): q/k/v-like pieces, panels that end inside a piece, partial last panels and
+#: row lengths that are not multiples of 16
+PIECES = [((576, 192, 192), 576), ((37,), 64), ((16, 17, 5), 33), ((576,), 1536)]
+
+
+@needs_row_gemm
+@pytest.mark.parametrize("sizes, k", PIECES)
+@pytest.mark.parametrize("scaled", [False, True])
+def test_pieces_packed_straight_equal_the_packing_of_the_matrix_torch_makes_of_them(sizes, k, scaled):
+    """``pack_rows`` has the bits of ``pack`` of ``(torch.cat(pieces) * g`` with the first piece's rows then times a
+    scale that is not a power of two), transposed, made with torch's operators; ``unpack`` gives that matrix back."""
+    gen = torch.Generator().manual_seed(5)
+    pieces = [torch.randn(n, k, generator=gen) for n in sizes]
+    g = torch.randn(k, generator=gen) if scaled else None
+    scales = [80 ** -0.5, *[1.0] * (len(pieces) - 1)] if scaled else None
+    want = torch.cat(pieces)
+    if scaled:
+        want = want * g
+        want[: sizes[0]] *= scales[0]
+    packed = row_gemm.pack_rows(pieces, g, scales)
+    assert torch.equal(packed, row_gemm.pack(want.t().contiguous()))
+    assert torch.equal(row_gemm.unpack(packed, want.shape[0]), want.t())
+
+
+@needs_row_gemm
+def test_pieces_with_rows_apart_pack_as_contiguous_ones_and_bad_pieces_are_refused():
+    wide = torch.randn(40, 100)
+    piece = wide[:, 10:74]  # rows 100 floats apart
+    assert torch.equal(row_gemm.pack_rows([piece]), row_gemm.pack_rows([piece.contiguous()]))
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        row_gemm.pack_rows([piece.t()])
+    with pytest.raises(RuntimeError, match="float32 CPU matrices"):
+        row_gemm.pack_rows([torch.randn(4, 64), torch.randn(4, 32)])
+    with pytest.raises(RuntimeError, match="float32 CPU matrices"):
+        row_gemm.pack_rows([torch.randn(4, 64, dtype=torch.bfloat16)])
+    with pytest.raises(RuntimeError, match="col_scale must be"):
+        row_gemm.pack_rows([torch.randn(4, 64)], torch.randn(63))
+    with pytest.raises(RuntimeError, match="one row scale per piece"):
+        row_gemm.load().pack_rows([torch.randn(4, 64)], None, [1.0, 2.0])
 
 
 def test_it_is_not_tried_where_switched_off_or_without_avx512(monkeypatch):

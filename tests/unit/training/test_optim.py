@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from rlflow.config_error import ConfigError
-from rlflow.training.optim import LostUpdatesWarning, UpdateFraction, build_optimizer, check_optimizer, fused_supported
+from rlflow.training.optim import (
+    LostUpdatesWarning,
+    UpdateFraction,
+    build_optimizer,
+    check_optimizer,
+    clip_grad_norm,
+    fused_supported,
+)
 
 HAVE = {"adamw": True, "adamw_kahan": importlib.util.find_spec("optimi") is not None,
         "adamw_bf16_sr": importlib.util.find_spec("torchao") is not None}
@@ -223,3 +230,26 @@ def test_adamw_takes_torchs_fused_kernel_where_the_parameters_allow_and_steps_as
     assert not fused_supported([torch.zeros(3, dtype=torch.long)])  # not floating point
     assert not fused_supported([torch.zeros(3, device="meta")])
     assert fused_supported([{"params": [torch.zeros(3)]}])  # parameter groups too
+
+
+@pytest.mark.parametrize("scale", [1e-3, 1e3])
+def test_gradient_clipping_gives_torchs_result_and_multiplies_only_gradients_over_the_max(scale, monkeypatch):
+    """The norm and the gradients equal ``torch.nn.utils.clip_grad_norm_``'s bit for bit; under the max (a
+    coefficient clamped to 1) no gradient is multiplied."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (7, 300, 1)]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen) * scale
+    reference = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for mine, theirs in zip(params, reference):
+        theirs.grad = mine.grad.clone()
+    want = torch.nn.utils.clip_grad_norm_(reference, 1.0)
+    multiplied = []
+    real = torch._foreach_mul_
+    monkeypatch.setattr(torch, "_foreach_mul_", lambda *a, **k: multiplied.append(1) or real(*a, **k))
+    got = clip_grad_norm(params, 1.0)
+    assert torch.equal(got, want)
+    assert all(torch.equal(mine.grad, theirs.grad) for mine, theirs in zip(params, reference))
+    assert bool(multiplied) == (scale > 1)
+    if scale > 1:
+        assert float(torch.linalg.vector_norm(torch.cat([p.grad for p in params]))) == pytest.approx(1.0, rel=1e-5)
