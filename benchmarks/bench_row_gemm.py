@@ -9,6 +9,7 @@ SmolLM2-135M's (q/k/v, o, gate/up, down, 30 layers; the LM head once).
 
     python benchmarks/bench_row_gemm.py                   # 16 rows, torch's threads
     python benchmarks/bench_row_gemm.py --rows 1 4 64 --threads 1
+    python benchmarks/bench_row_gemm.py --packing          # and packing a step's matrices after an optimizer step
 """
 
 from __future__ import annotations
@@ -76,6 +77,34 @@ def time_shape(k: int, n: int, copies: int, rows: int, repeats: int, evict: torc
     return times
 
 
+def time_packing(shapes: list, repeats: int) -> dict[str, float]:
+    """Median seconds to make the panels of every matrix of ``shapes`` (each ``copies`` times: what the engine packs
+    after an optimizer step) from ``[out, in]`` weights with a norm weight folded in, three ways: straight
+    (``row_gemm.pack_rows``, one pass), through torch's operators (the product with the norm weight, a transposing
+    copy, then ``row_gemm.pack``: the decoder's packing without ``pack_rows``), and a plain copy of the same bytes
+    (one read and one write of each matrix: the memory's limit for any packing). Both packings are checked to give
+    the same panels."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=gen), torch.rand(k, generator=gen) + 0.5)
+               for _, k, n, copies in shapes for _ in range(copies)]
+    ways = {"straight": lambda w, g: row_gemm.pack_rows([w], g),
+            "torch ops": lambda w, g: row_gemm.pack((w * g).t().contiguous()),
+            "copy": lambda w, g: w.clone()}
+    w, g = weights[0]
+    if not torch.equal(ways["straight"](w, g), ways["torch ops"](w, g)):
+        raise AssertionError("pack_rows and torch's operators + pack made different panels")
+    times = {}
+    for name, make in ways.items():
+        runs = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            made = [make(w, g) for w, g in weights]
+            runs.append(time.perf_counter() - start)
+            del made
+        times[name] = sorted(runs)[len(runs) // 2]
+    return times
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[16], help="rows per product (a decode step's sequences)")
@@ -85,6 +114,8 @@ def main(argv=None) -> dict:
                     help="MiB of copies of each shape at least (more than the caches hold)")
     ap.add_argument("--shapes", default=None,
                     help="'name:in:out:copies,...' (default: SmolLM2-135M's, 30 layers and the LM head)")
+    ap.add_argument("--packing", action="store_true",
+                    help="also time packing a step's matrices after an optimizer step (straight, torch's ops, a copy)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -113,7 +144,14 @@ def main(argv=None) -> dict:
         print(f"rows {rows:4d}  a step ({weights / 1e6:.0f} MB of weights; memory roofline "
               f"{weights / bandwidth * 1e3:.1f} ms): {line}")
         results[rows] = step
-    return {"bandwidth": bandwidth, "steps": results}
+    packing = None
+    if args.packing and row_gemm.available():
+        packing = time_packing(shapes, args.repeats)
+        print(f"packing a step's matrices: straight {packing['straight'] * 1e3:.1f} ms, torch ops "
+              f"{packing['torch ops'] * 1e3:.1f} ms ({packing['torch ops'] / packing['straight']:.2f}x straight's), "
+              f"a copy of the bytes {packing['copy'] * 1e3:.1f} ms (straight at "
+              f"{packing['copy'] / packing['straight']:.2f} of the copy's speed)")
+    return {"bandwidth": bandwidth, "steps": results, "packing": packing}
 
 
 if __name__ == "__main__":

@@ -31,3 +31,12 @@ def test_a_run_prints_each_kernels_step_against_mkl(capsys):
     assert out.count("rows    3  qq ") == 1 and out.count("rows    3  rr ") == 1 and "a step" in out
     if "mkl" in step:
         assert "1.00x mkl" in out
+
+
+@pytest.mark.skipif(not row_gemm.available(), reason="the row GEMM does not run here")
+def test_packing_times_the_straight_packing_against_torchs_operators_and_a_copy(capsys):
+    results = bench.main(["--rows", "2", "--shapes", "qq:64:48:2", "--repeats", "1", "--min-mib", "0", "--packing"])
+    assert set(results["packing"]) == {"straight", "torch ops", "copy"}
+    assert all(t > 0 for t in results["packing"].values())
+    out = capsys.readouterr().out
+    assert "packing a step's matrices: straight" in out and "x straight's" in out
