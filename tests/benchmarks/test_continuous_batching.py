@@ -84,8 +84,8 @@ def test_bench_rollout_times_a_bf16_policy_against_generate_on_it(tiny_model, ca
     decoders = []
     real = engine.FusedDecoder.__init__
 
-    def init(self, model, dtype=None, norm="model"):
-        real(self, model, dtype, norm)
+    def init(self, model, *args, **kwargs):
+        real(self, model, *args, **kwargs)
         decoders.append((next(model.parameters()).dtype, self.dtype))
 
     monkeypatch.setattr(engine.FusedDecoder, "__init__", init)
