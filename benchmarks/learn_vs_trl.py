@@ -13,8 +13,8 @@ What it prints: per run, each step's sampled reward (the weighted mean over the 
 log as ``reward``) and seconds; after training, the greedy held-out accuracy (the last number of a 32-token
 ``model.generate`` completion equals the sum, on the 64 ``val.jsonl`` sums never trained on), by one evaluator for
 both, and the base model's. The last lines: mean reward of the first and last 5 steps, held-out accuracy (mean and
-range over seeds), median step seconds, and the seconds each side took to first reach ``--target`` (the reward's
-``--window``-step moving average), with the ratio of the medians (a run that never reaches it counted
+range over seeds), median step seconds, and the seconds (and steps) each side took to first reach ``--target`` (the
+reward's ``--window``-step moving average), with the ratio of the medians (a run that never reaches it counted
 as the slowest)::
 
     python tools/get_smollm2.py && python -m rlflow.demo.sums       # the model and the rows
@@ -161,13 +161,20 @@ def moving_average(values: list[float], width: int = 3) -> list[float]:
     return [statistics.mean(values[max(0, i - width + 1):i + 1]) for i in range(len(values))]
 
 
-def seconds_to(target: float, rewards: list[float], times: list[float], window: int = 3) -> float | None:
-    """Seconds of training until the reward's ``window``-step moving average first reaches ``target`` (None:
+def steps_to(target: float, rewards: list[float], window: int = 3) -> int | None:
+    """The step (from 1) at which the reward's ``window``-step moving average first reaches ``target`` (None:
     never)."""
     for i, value in enumerate(moving_average(rewards, window)):
         if value >= target:
-            return sum(times[:i + 1])
+            return i + 1
     return None
+
+
+def seconds_to(target: float, rewards: list[float], times: list[float], window: int = 3) -> float | None:
+    """Seconds of training until the reward's ``window``-step moving average first reaches ``target`` (None:
+    never)."""
+    steps = steps_to(target, rewards, window)
+    return None if steps is None else sum(times[:steps])
 
 
 def median_seconds(reached: list[float | None]) -> float:
@@ -183,9 +190,10 @@ def summary(name: str, runs: list[dict], target: float, window: int = 3) -> tupl
     step = statistics.median(t for run in runs for t in run["step_time"])
     reached = [seconds_to(target, run["reward"], run["step_time"], window) for run in runs]
     shown = ", ".join("never" if s is None else f"{s:.0f}" for s in reached)
+    steps = ", ".join(str(steps_to(target, run["reward"], window) or "never") for run in runs)
     line = (f"{name:7} {len(runs)} run(s): reward steps 1-5 {first:.3f} -> last 5 {last:.3f}; held-out accuracy "
             f"{statistics.mean(accuracies):.1%} ({min(accuracies):.1%}-{max(accuracies):.1%}); median step "
-            f"{step:.1f} s; seconds to reward {target:g}: {shown}")
+            f"{step:.1f} s; seconds to reward {target:g}: {shown} (steps {steps})")
     return line, reached
 
 

@@ -18,6 +18,7 @@ def test_seconds_to_a_reward_count_every_step_up_to_the_first_that_reaches_it():
     assert bench.seconds_to(0.3, rewards, times) == pytest.approx(33.0)
     assert bench.seconds_to(0.35, rewards, times) == pytest.approx(46.0)
     assert bench.seconds_to(0.5, rewards, times) is None
+    assert [bench.steps_to(t, rewards) for t in (0.0, 0.15, 0.3, 0.35, 0.5)] == [1, 2, 3, 4, None]
 
 
 def test_summary_line_states_the_first_and_last_rewards_accuracy_range_and_times():
@@ -27,7 +28,7 @@ def test_summary_line_states_the_first_and_last_rewards_accuracy_range_and_times
     assert "reward steps 1-5 0.050 -> last 5 0.250" in line
     assert "held-out accuracy 62.5% (50.0%-75.0%)" in line and "median step 3.0 s" in line
     assert reached == [14.0, None]  # run 1: averages 0.1, 0.1, 0.1, 0.1, 0.1, 0.233, 0.367 -> 7 steps x 2 s
-    assert line.endswith("seconds to reward 0.3: 14, never")
+    assert line.endswith("seconds to reward 0.3: 14, never (steps 7, never)")
 
 
 def test_a_wider_window_smooths_before_the_target_is_timed():
