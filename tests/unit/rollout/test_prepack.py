@@ -208,8 +208,11 @@ def test_a_row_independent_float32_decoder_packs_every_product_once_and_agrees_t
 
 def packing_model(arch: str) -> torch.nn.Module:
     """A one-layer decoder of ``arch`` whose matrices are large enough to pack: Llama with a head dim of 80 (an
-    attention scale that is not a power of two), Qwen2 (q/k/v biases), Qwen3 (q/k norms)."""
+    attention scale that is not a power of two), Qwen2 (q/k/v biases), Qwen3 (q/k norms); ``+lora``: under PEFT
+    LoRA adapters on q, v and down."""
     torch.manual_seed(1)
+    lora = arch.endswith("+lora")
+    arch = arch.removesuffix("+lora")
     extra = {"llama": {"hidden_size": 640}, "qwen2": {}, "qwen3": {"head_dim": 64}}[arch]
     config = AutoConfig.for_model(arch, **{"hidden_size": 512, **extra}, vocab_size=640, intermediate_size=1024,
                                   num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4,
@@ -219,6 +222,10 @@ def packing_model(arch: str) -> torch.nn.Module:
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.uniform_(0.5, 1.5)
+    if lora:  # adapters whose deltas are not zero
+        peft = pytest.importorskip("peft")
+        config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+        model = peft.get_peft_model(model, config).eval()
     return model
 
 
@@ -231,7 +238,7 @@ def decoder_weights(decoder: FusedDecoder) -> list:
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "llama+lora"])
 def test_a_decoder_packed_as_it_is_built_equals_one_packed_afterwards(arch, row_independent_float32):
     """``pack_rows``: the row GEMM's panels come straight from the model's weights (norm weights and the attention
     scale folded in), bit for bit the panels of the copies a decoder packs afterwards, with no ``[in, out]`` copy
@@ -261,6 +268,10 @@ def test_a_decoder_packed_as_it_is_built_equals_one_packed_afterwards(arch, row_
         assert torch.equal(built.step(tokens, positions, attend_alone),
                            afterwards.step(tokens, positions, attend_alone))
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    if arch.endswith("+lora"):  # the adapters' deltas are in the panels
+        with model.disable_adapter():
+            base = FusedDecoder(model, pack_rows=4)
+        assert not torch.equal(base.layers[0].qkv_w.weight_t, built.layers[0].qkv_w.weight_t)
 
 
 def test_a_decoder_is_packed_as_it_is_built_only_where_packed_products_round_unlike_mm(mkl_float32):
