@@ -281,7 +281,7 @@ class FusedDecoder:
         self.silu = getattr(config, "hidden_act", None) in ("silu", "swish")  # the MLPs' act_fn is SiLU
         self.fold = own == torch.float32 and self.dtype == torch.float32
         self.cast = cast
-        pack_rows = pack_rows if self.embed.device.type == "cpu" else 0  # straight only where it packs alike
+        pack_rows = pack_rows if self.embed.device.type == "cpu" else 0  # packing is for CPU matrices only
         self.layers = [_Layer(layer, self.fold, cast, pack_rows) for layer in inner.layers]
         self.norm_eps = inner.norm.variance_epsilon
         self.head_fp32 = is_fp32_head(model.lm_head)  # model.policy.cast_lm_head_to_fp32: the product in float32
