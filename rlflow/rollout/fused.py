@@ -352,24 +352,27 @@ class FusedDecoder:
         elif not self.head_fp32:  # a packable 16-bit head is a physical transpose, whose mm may round unlike the packed
             self.lm_head_w = _packed(self.lm_head_w, self.lm_head_b, rows, checked=True)  # product: per row count
         self.packed_rows = rows
-        mats = [self.lm_head_w] + [w for layer in self.layers for w in (layer.qkv_w, layer.gate_up_w)]
-        self.packed_per_rows = any(isinstance(w, PackedWeight) and w.mkl for w in mats)  # more rows: run unpacked
+        # more rows: run unpacked (o and down are never MKL-packed: _packed keeps their addmm)
+        self.packed_per_rows = any(isinstance(w, PackedWeight) and w.mkl for w in self.matrices())
         self.compiled_ops = self._compiled_ops_apply()
 
     def _compiled_ops_apply(self) -> bool:
         """Whether :mod:`rlflow.rollout.decode_ops` computes the operations around the products: a float32 decoder
         (folded norms) whose matrices the row GEMM packed (the two are one build: packed by it, they are loaded),
         with SiLU MLPs, a RoPE table and the model's norm formula (``norm: torch`` keeps ``F.rms_norm``)."""
-        mats = [w for layer in self.layers for w in (layer.qkv_w, layer.gate_up_w, layer.o_w, layer.down_w)]
-        row_gemm = any(isinstance(w, PackedWeight) and w.kernel == "row_gemm" for w in mats)
+        row_gemm = any(isinstance(w, PackedWeight) and w.kernel == "row_gemm" for w in self.matrices()[1:])
         return self.fold and self.rope_table and self.silu and self.rms_norm is _rms_norm and row_gemm
 
     def large_enough_to_pack(self) -> bool:
         """Whether any of the decoder's matrices has the size :mod:`rlflow.rollout.prepack` packs (a CPU's packing
         kernels, some built on first use, are looked up only for such decoders)."""
-        mats = [self.lm_head_w] + [w for layer in self.layers for w in (layer.qkv_w, layer.gate_up_w, layer.o_w,
+        return any(isinstance(w, PackedWeight) or isinstance(w, torch.Tensor) and large_enough(w)
+                   for w in self.matrices())
+
+    def matrices(self) -> list[torch.Tensor | PackedWeight]:
+        """The LM head's matrix, then each layer's q/k/v, gate/up, o and down, as the decoder holds them."""
+        return [self.lm_head_w] + [w for layer in self.layers for w in (layer.qkv_w, layer.gate_up_w, layer.o_w,
                                                                           layer.down_w)]
-        return any(isinstance(w, PackedWeight) or isinstance(w, torch.Tensor) and large_enough(w) for w in mats)
 
     def rope(self, h: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos``, ``sign * sin`` ``[rows, 1, dim]`` at ``positions``, from the table (grown by doubling as needed)."""
