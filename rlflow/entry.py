@@ -5,7 +5,9 @@ Lightning.
 config from a TRL one (:mod:`rlflow.trl_config`); ``rlflow export`` writes a checkpoint's
 policy as a Hugging Face model (:mod:`rlflow.training.export`); every other command (``fit``,
 ``validate``, ...) goes to Lightning's CLI in :mod:`rlflow.cli`; ``fit`` first starts a pipelined run's generator
-process (:mod:`rlflow.rollout.prestart`), so that its imports overlap Lightning's.
+process (:mod:`rlflow.rollout.prestart`), so that its imports overlap Lightning's. Every command first checks the
+installed dependencies against rlflow's declared ranges (:mod:`rlflow.requirements`; ``RLFLOW_IGNORE_REQUIREMENTS=1``
+turns the stop into a warning).
 """
 
 from __future__ import annotations
@@ -51,6 +53,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlflow: error: {args[0]!r} is not a command; the commands are fit, validate, data check, plugins, "
               "export and config from-trl (rlflow --help)", file=sys.stderr)
         return 2
+    from rlflow.requirements import message, unmet
+
+    problems = unmet()
+    if problems:  # a dependency outside rlflow's declared range fails far from here otherwise
+        if os.environ.get("RLFLOW_IGNORE_REQUIREMENTS") != "1":
+            print(message(problems), file=sys.stderr)
+            return 2
+        print(message(problems).replace("rlflow: error:", "rlflow: warning (RLFLOW_IGNORE_REQUIREMENTS=1):", 1),
+              file=sys.stderr)
     if args[0] == "plugins":
         from rlflow.plugins_cmd import main as plugins_main
 

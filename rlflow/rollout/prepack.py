@@ -60,8 +60,9 @@ from rlflow.rollout.hardware import native_bf16
 MIN_NUMEL = 1 << 18  # entries of the smallest matrix worth packing (576 x 576 is 331,776)
 #: ``(rows, packed rows, in, out)`` -> whether MKL's padded packed product equals ``torch.mm`` bit for bit here
 _AGREES: dict[tuple[int, ...], bool] = {}
-#: ``(kernel, in, out)`` -> whether that float32 kernel's product of each row is the same at every row count here
-_ROWS_INDEPENDENT: dict[tuple[str, int, int], bool] = {}
+#: ``(kernel, in, out, oneDNN's packed row count)`` -> whether that float32 kernel's product of each row is the same at
+#: every row count and thread count here
+_ROWS_INDEPENDENT: dict[tuple[str, int, int, int | None], bool] = {}
 #: Row counts :meth:`PackedWeight.rows_independent` compares with one product of all of them
 PROBE_ROWS = (1, 2, 3, 7, 16, 33, 100)
 
@@ -171,7 +172,7 @@ class PackedWeight:
         self.kernel = float32_kernel() if fp32 else "onednn"
         if self.kernel in ROW_INDEPENDENT_KERNELS:
             self.packed = _pack_for(self.kernel, weight_t, rows)
-            if fp32 and not self.rows_independent(weight_t, self.packed, self.kernel):
+            if fp32 and not self.rows_independent(weight_t, self.packed, self.kernel, rows):
                 self.kernel = "mkl"
         self.mkl = self.kernel == "mkl"
         self.checked = checked or self.mkl
@@ -209,23 +210,35 @@ class PackedWeight:
         return self._weight_t
 
     @staticmethod
-    def rows_independent(weight_t: torch.Tensor, packed: torch.Tensor | None = None, kernel: str = "onednn") -> bool:
+    def rows_independent(weight_t: torch.Tensor, packed: torch.Tensor | None = None, kernel: str = "onednn",
+                         rows: int | None = None) -> bool:
         """Whether ``kernel``'s float32 product with a ``weight_t``-shaped matrix (``packed``: its copy in that
-        kernel's layout, made here if None) gives each row the same bits at every row count of :data:`PROBE_ROWS`
-        (with and without the residual add), on a seeded input; checked once per kernel and shape."""
-        key = (kernel, *weight_t.shape)
+        kernel's layout, made here if None; oneDNN's packed for ``rows`` rows) gives each row the same bits at every
+        row count of :data:`PROBE_ROWS` (with and without the residual add) and on one thread as on several, on a
+        seeded input; checked once per kernel, shape and oneDNN's row count. (oneDNN's float32 products depend on
+        the row count it packed for, and in some torch releases on the thread count.)"""
+        most = max(PROBE_ROWS)
+        rows = (rows or most) if kernel == "onednn" else None
+        key = (kernel, *weight_t.shape, rows)
         if key not in _ROWS_INDEPENDENT:
             products = ROW_INDEPENDENT_KERNELS[kernel]
             gen = torch.Generator().manual_seed(0)
-            most = max(PROBE_ROWS)
             x = torch.randn(most, key[1], generator=gen)
             h = torch.randn(most, key[2], generator=gen)
             if packed is None:
-                packed = _pack_for(kernel, weight_t, most)
+                packed = _pack_for(kernel, weight_t, rows or most)
             full, full_add = products(x, h, packed)
-            _ROWS_INDEPENDENT[key] = all(torch.equal(got, full[:r]) and torch.equal(got_add, full_add[:r])
-                                         for r in PROBE_ROWS[:-1] for got, got_add in [
-                                             products(x[:r], h[:r], packed)])
+            threads = torch.get_num_threads()
+            try:
+                same = True
+                for n_threads in sorted({1, max(2, threads)}):
+                    torch.set_num_threads(n_threads)
+                    same = same and all(
+                        torch.equal(got, full[:r]) and torch.equal(got_add, full_add[:r])
+                        for r in PROBE_ROWS for got, got_add in [products(x[:r], h[:r], packed)])
+            finally:
+                torch.set_num_threads(threads)
+            _ROWS_INDEPENDENT[key] = same
         return _ROWS_INDEPENDENT[key]
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:

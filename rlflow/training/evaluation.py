@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 from torchmetrics import Metric
-from torchmetrics.utilities import dim_zero_cat
+from torchmetrics.utilities.data import dim_zero_cat
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

@@ -414,3 +414,6 @@ FIELDS: dict[str, Field] = {
 OLDER = ("max_prompt_length", "warmup_ratio")
 #: Fields TRL's parser itself reads from a config file (beside the dataclasses' fields).
 PARSER = ("env",)
+#: Fields of transformers releases newer than the oldest rlflow supports (5.23's ``TrainingArguments``), read
+#: whether or not the installed one has them.
+NEWER = ("activation_checkpointing", "activation_checkpointing_kwargs")

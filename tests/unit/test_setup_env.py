@@ -27,7 +27,7 @@ PLUGINS = sorted(f"plugins/{p.name}/" for p in (ROOT / "plugins").iterdir() if (
 PACKAGES = ["-e", ".[dev]"] + [arg for plugin in PLUGINS for arg in ("-e", plugin)]
 
 
-def setup(tmp_path: Path, **env: str) -> list[dict]:
+def run_setup(tmp_path: Path, **env: str) -> list[dict]:
     """Run tools/setup_env.sh against a stand-in venv under ``tmp_path``; the calls its ``python`` received."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True, exist_ok=True)
@@ -52,7 +52,7 @@ def bubblewrap_present():
 
 
 def test_torch_through_pip_then_everything_else_in_one_uv_call_then_the_bytecode_of_the_fit_imports(tmp_path):
-    calls = setup(tmp_path)
+    calls = run_setup(tmp_path)
     args = [c["args"] for c in calls]
     assert args[0] == ["-m", "pip", "install", "-q", "--no-compile", "torch==2.13.0"]
     assert args[1] == ["-m", "pip", "install", "-q", "--no-compile", "uv"]
@@ -65,19 +65,19 @@ def test_torch_through_pip_then_everything_else_in_one_uv_call_then_the_bytecode
 
 def test_pip_installs_the_same_packages_in_one_call_where_uv_cannot_be_installed_or_fails(tmp_path):
     for env in ({"FAKE_NO_UV": "1"}, {"FAKE_UV_FAILS": "1"}):
-        args = [c["args"] for c in setup(tmp_path / next(iter(env)), **env)]
+        args = [c["args"] for c in run_setup(tmp_path / next(iter(env)), **env)]
         assert ["-m", "pip", "install", "-q", "--no-compile", *PACKAGES] in args, env
         assert args[-1][0] == "-c"
 
 
 def test_rlflow_no_uv_installs_through_pip_only_and_rlflow_torch_names_the_torch_requirement(tmp_path):
-    args = [c["args"] for c in setup(tmp_path, RLFLOW_NO_UV="1", RLFLOW_TORCH="torch==2.13.0+cu128")]
+    args = [c["args"] for c in run_setup(tmp_path, RLFLOW_NO_UV="1", RLFLOW_TORCH="torch==2.13.0+cu128")]
     assert args[0][-1] == "torch==2.13.0+cu128"
     assert not any("uv" in a for a in args)
     assert args[1] == ["-m", "pip", "install", "-q", "--no-compile", *PACKAGES]
 
 
 def test_a_second_run_installs_nothing_until_the_torch_requirement_changes(tmp_path):
-    assert len(setup(tmp_path)) == 4
-    assert setup(tmp_path) == []
-    assert setup(tmp_path, RLFLOW_TORCH="torch==2.12.0")[0]["args"][-1] == "torch==2.12.0"
+    assert len(run_setup(tmp_path)) == 4
+    assert run_setup(tmp_path) == []
+    assert run_setup(tmp_path, RLFLOW_TORCH="torch==2.12.0")[0]["args"][-1] == "torch==2.12.0"

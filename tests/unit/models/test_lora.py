@@ -64,6 +64,25 @@ def test_without_peft_model_lora_says_how_to_install_it(monkeypatch, tiny_model)
     assert GRPOModule(model_path=str(tiny_model)).lora is None  # full fine-tuning needs no PEFT
 
 
+def test_a_peft_that_does_not_import_beside_this_transformers_is_named_with_both_versions(monkeypatch, tmp_path):
+    import sys
+    from importlib import metadata
+
+    from rlflow.models.lora import require_peft
+
+    fake = tmp_path / "peft"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("raise ImportError(\"cannot import name 'HybridCache' from 'transformers'\")\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "peft", raising=False)
+    with pytest.raises(ConfigError) as caught:
+        require_peft()
+    assert str(caught.value) == (
+        f"model.lora: the installed peft {metadata.version('peft')} does not import beside transformers "
+        f"{metadata.version('transformers')} (ImportError: cannot import name 'HybridCache' from 'transformers'); "
+        "install a peft release that supports it: pip install -U peft")
+
+
 def test_unknown_target_module_is_a_config_error():
     with pytest.raises(ConfigError, match="model.lora: PEFT cannot adapt"):
         apply_lora(tiny_causal_lm("qwen3"), LoraSettings(target_modules=["no_such_proj"]))

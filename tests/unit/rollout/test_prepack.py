@@ -48,6 +48,10 @@ def row_independent_float32(request, monkeypatch):
     row GEMM), where this torch and CPU have it; the kernel's name."""
     if request.param == "onednn" and not prepack._onednn():
         pytest.skip("torch built without oneDNN")
+    if request.param == "onednn" and not all(PackedWeight.rows_independent(matrix(576, 960, torch.float32), rows=rows)
+                                             for rows in (4, 16)):
+        pytest.skip("this torch's oneDNN float32 products depend on the row or thread count: the engine packs "
+                    "through MKL instead (test_a_shape_whose_rows_would_depend_on_the_row_count_packs_through_mkl)")
     if request.param == "row_gemm" and not row_gemm.available():
         pytest.skip(f"the row GEMM does not run here: {row_gemm.unsupported_reason() or 'its build failed'}")
     monkeypatch.setattr(prepack, "float32_kernel", lambda: request.param)
@@ -90,7 +94,7 @@ def test_row_independent_float32_products_give_each_row_the_same_bits_at_any_row
     weight_t = matrix(*shape, torch.float32)
     packed = PackedWeight(weight_t, 16)
     x, h = torch.randn(333, shape[0]), torch.randn(333, shape[1])
-    if not PackedWeight.rows_independent(weight_t, kernel=row_independent_float32):  # rows depend on the count
+    if not PackedWeight.rows_independent(weight_t, kernel=row_independent_float32, rows=16):  # rows depend on it
         assert packed.mkl  # so the matrix packs through MKL, whose products are torch.mm's bits
         assert torch.equal(packed.mm(x[:16]), torch.mm(x[:16], weight_t))
         return
@@ -124,8 +128,28 @@ def test_a_shape_whose_rows_would_depend_on_the_row_count_packs_through_mkl(monk
 
     monkeypatch.setattr(prepack, "_ROWS_INDEPENDENT", {})
     monkeypatch.setitem(prepack.ROW_INDEPENDENT_KERNELS, kernel, rounding_at_7_rows)
-    assert not PackedWeight.rows_independent(weight_t, kernel=kernel)
-    assert prepack._ROWS_INDEPENDENT == {(kernel, 576, 960): False}  # checked once per kernel and shape
+    assert not PackedWeight.rows_independent(weight_t, kernel=kernel, rows=8)
+    # checked once per kernel, shape and (oneDNN's packing depends on it) row count packed for
+    assert prepack._ROWS_INDEPENDENT == {(kernel, 576, 960, 8 if kernel == "onednn" else None): False}
+    assert PackedWeight(weight_t, 8).mkl
+
+
+@needs_mkl
+def test_a_kernel_whose_products_change_with_the_thread_count_packs_through_mkl(monkeypatch, row_independent_float32):
+    kernel, threads = row_independent_float32, torch.get_num_threads()
+    real = prepack.ROW_INDEPENDENT_KERNELS[kernel]
+    seen = set()
+
+    def rounding_on_one_thread(x, h, packed):  # every row count alike, but one thread rounds otherwise
+        seen.add(torch.get_num_threads())
+        mm, add = real(x, h, packed)
+        return (mm * (1 + 1e-6), add) if torch.get_num_threads() == 1 else (mm, add)
+
+    monkeypatch.setattr(prepack, "_ROWS_INDEPENDENT", {})
+    monkeypatch.setitem(prepack.ROW_INDEPENDENT_KERNELS, kernel, rounding_on_one_thread)
+    weight_t = matrix(576, 960, torch.float32)
+    assert not PackedWeight.rows_independent(weight_t, kernel=kernel, rows=8)
+    assert seen == {1, max(2, threads)} | {threads} and torch.get_num_threads() == threads  # restored
     assert PackedWeight(weight_t, 8).mkl
 
 
