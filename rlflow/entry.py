@@ -60,8 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RLFLOW_IGNORE_REQUIREMENTS") != "1":
             print(message(problems), file=sys.stderr)
             return 2
-        print(message(problems).replace("rlflow: error:", "rlflow: warning (RLFLOW_IGNORE_REQUIREMENTS=1):", 1),
-              file=sys.stderr)
+        print(message(problems, "warning (RLFLOW_IGNORE_REQUIREMENTS=1)"), file=sys.stderr)
     if args[0] == "plugins":
         from rlflow.plugins_cmd import main as plugins_main
 

@@ -69,8 +69,8 @@ def unmet(distribution: str = "rlflow") -> list[Unmet]:
     return problems
 
 
-def message(problems: list[Unmet]) -> str:
-    """The one line ``rlflow`` prints for :func:`unmet`'s list."""
+def message(problems: list[Unmet], level: str = "error") -> str:
+    """The one line ``rlflow`` prints for :func:`unmet`'s list (``rlflow: <level>: ...``)."""
     upgrade = " ".join(f"'{p.wanted}'" for p in problems)
-    return (f"rlflow: error: {'; '.join(map(str, problems))}. Install the versions rlflow needs: "
+    return (f"rlflow: {level}: {'; '.join(map(str, problems))}. Install the versions rlflow needs: "
             f"pip install -U {upgrade}")
