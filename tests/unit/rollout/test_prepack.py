@@ -51,7 +51,7 @@ def row_independent_float32(request, monkeypatch):
     if request.param == "onednn" and not all(PackedWeight.rows_independent(matrix(576, 960, torch.float32), rows=rows)
                                              for rows in (4, 16)):
         pytest.skip("this torch's oneDNN float32 products depend on the row or thread count: the engine packs "
-                    "through MKL instead (test_a_shape_whose_rows_would_depend_on_the_row_count_packs_through_mkl)")
+                    "through MKL instead (the mkl_float32 tests; the probe's fallback: the row_gemm cases)")
     if request.param == "row_gemm" and not row_gemm.available():
         pytest.skip(f"the row GEMM does not run here: {row_gemm.unsupported_reason() or 'its build failed'}")
     monkeypatch.setattr(prepack, "float32_kernel", lambda: request.param)
