@@ -182,7 +182,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--full-warmup", action="store_true",
                     help="warm up with one full-size rollout of each backend, not a 2-prompt one: on a GPU the first "
                     "batch-sized rollout pays for kernel selection and the caching allocator's growth")
+    ap.add_argument("--no-cudnn-attention", action="store_true",
+                    help="turn cuDNN's attention kernel off for every backend (the engine turns it off around its own "
+                    "calls): on Hopper GPUs torch picks it for a masked scaled_dot_product_attention and builds an "
+                    "execution plan per shape, and model.generate's 64 x 8 x 512 rollout failed inside it on an H200 "
+                    "(torch 2.11)")
     args = ap.parse_args(argv)
+    if args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -17,7 +17,8 @@
 # the gpu-marked tests took 8 minutes, 6 of them the 64 x 8 x 512 rollout (generate_batch alone 2.5). Leave out the
 # large rollout (SKIP_LARGE=1), the FLOP/s bench (SKIP_FLOPS=1) or the steps after it (SKIP_MORE=1) to fit.
 # The rollouts give every timed run other prompts (--fresh-prompts), as training does, so per-shape set-up costs
-# (cuDNN's attention plans) are paid where training pays them. FOCUS=decode runs, instead of all this, where a decode
+# (cuDNN's attention plans) are paid where training pays them. The 64 x 8 x 512 rollouts turn cuDNN's attention off
+# for model.generate too (--no-cudnn-attention): inside it, generate failed at that size on an H200 (torch 2.11). FOCUS=decode runs, instead of all this, where a decode
 # step's time goes: one layer's attention variants (bench_decode_attention.py), the engine (attention groups and
 # rows) against generate at 64 x 8 x 512, the same engines with max_batch_size 512, the engine alone under the
 # profiler at 16 x 8 x 128 (FOCUS_STEPS picks among "attention target large512 small large"; large: 32 x 8 x 512
@@ -89,7 +90,7 @@ if [ "${FOCUS:-}" = decode ]; then  # FOCUS=decode: where a decode step's time g
   if has target; then
     step "rollout: the engine (groups, and rows) vs model.generate, $LARGE_PROMPTS x 8 x $LARGE_TOKENS, other prompts each run"
     run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts "$LARGE_PROMPTS" \
-      --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --fresh-prompts --with-rows \
+      --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --fresh-prompts --with-rows --no-cudnn-attention \
       --only engine-bf16,engine-bf16-rows,hf-bf16 ${ENGINE_SETTINGS:+--engine-settings "$ENGINE_SETTINGS"}
   fi
   if has large512; then
@@ -118,7 +119,8 @@ run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype "$DTYPES" --mod
 if [ -z "${SKIP_LARGE:-}" ]; then
 step "rollout: engine vs model.generate and generate_batch, Qwen3-0.6B shape, bf16, $LARGE_PROMPTS x 8 x $LARGE_TOKENS"
 run "$PY" benchmarks/bench_rollout.py --device "$DEVICE" --dtype bfloat16 --model "$SHAPE" --prompts "$LARGE_PROMPTS" \
-  --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --fresh-prompts --continuous-batching --profile engine-bf16
+  --n 8 --max-tokens "$LARGE_TOKENS" --repeats 1 --rollouts 1 --fresh-prompts --continuous-batching --profile engine-bf16 \
+  --no-cudnn-attention
 fi
 
 step "gpu-marked tests"

@@ -1,7 +1,7 @@
 """benchmarks/bench_rollout.py on a CPU: --engine-settings reaches every engine it times, --profile profiles one
 more rollout of the backend it names, the ratio lines are of the runs it printed, --only times the backends it names,
---fresh-prompts gives every run other prompts, and --with-torch-ops times the engine without its compiled
-operations."""
+--fresh-prompts gives every run other prompts, --with-torch-ops times the engine without its compiled operations,
+and --no-cudnn-attention turns cuDNN's attention kernel off first."""
 
 from __future__ import annotations
 
@@ -84,3 +84,24 @@ def test_with_torch_ops_times_the_engine_without_its_compiled_operations(tiny_mo
                               "--with-torch-ops", "--only", "engine,engine-torch-ops"])
     assert seen == {True, False}  # the engine's decoder uses them, the variant's does not
     assert out["ratio-over-torch-ops"] == pytest.approx(out["engine_tok_s"] / out["engine-torch-ops_tok_s"])
+
+
+def test_no_cudnn_attention_turns_cudnns_kernel_off_before_any_backend_runs(tiny_model, tiny_data, monkeypatch):
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", lambda on: calls.append(("cudnn", on)))
+    real = engine_module.EngineRollout.generate
+
+    def recording(self, prompts, params, n=1, progress=None):
+        calls.append("engine")
+        return real(self, prompts, params, n, progress)
+
+    monkeypatch.setattr(engine_module.EngineRollout, "generate", recording)
+    args = ["--model", str(tiny_model), "--data", str(tiny_data / "train.jsonl"), "--prompts", "2", "--n", "2",
+            "--max-tokens", "4", "--repeats", "1", "--rollouts", "1", "--only", "engine"]
+    bench_rollout.main(args)
+    assert calls and ("cudnn", False) not in calls  # left alone without the flag
+    calls.clear()
+    bench_rollout.main([*args, "--no-cudnn-attention"])
+    assert calls[0] == ("cudnn", False) and "engine" in calls[1:]
