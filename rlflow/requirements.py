@@ -36,6 +36,14 @@ class Unmet(NamedTuple):
         return f"{self.name} {found} (rlflow needs {self.wanted})"
 
 
+def installed_version(name: str) -> str | None:
+    """The installed version of the distribution ``name``; None where it is not installed."""
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
 def unmet(distribution: str = "rlflow") -> list[Unmet]:
     """Each unconditional dependency of ``distribution`` that is missing or whose installed version is outside its
     range; empty when all are met, or when ``distribution`` itself has no metadata (a source tree on ``sys.path``
@@ -54,9 +62,8 @@ def unmet(distribution: str = "rlflow") -> list[Unmet]:
             continue  # an extra's dependency, or one for another platform or Python
         extras = f"[{','.join(sorted(requirement.extras))}]" if requirement.extras else ""
         wanted = f"{requirement.name}{extras}{requirement.specifier}"
-        try:
-            installed = metadata.version(requirement.name)
-        except metadata.PackageNotFoundError:
+        installed = installed_version(requirement.name)
+        if installed is None:
             if requirement.name not in IMPORTED_WHEN_USED:
                 problems.append(Unmet(requirement.name, None, wanted))
             continue

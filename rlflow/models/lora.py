@@ -112,27 +112,19 @@ def require_peft() -> Any:
     """The ``peft`` module, or a ConfigError saying how to install it."""
     try:
         import peft
-    except ModuleNotFoundError as exc:
-        if exc.name != "peft":
-            raise _broken_peft(exc) from exc
-        raise ConfigError("model.lora needs the PEFT library: pip install 'rlflow[lora]'") from exc
-    except ImportError as exc:  # installed, but it does not import beside this transformers
-        raise _broken_peft(exc) from exc
+    except ImportError as exc:
+        if isinstance(exc, ModuleNotFoundError) and exc.name == "peft":
+            raise ConfigError("model.lora needs the PEFT library: pip install 'rlflow[lora]'") from exc
+        raise _broken_peft(exc) from exc  # installed, but it does not import beside this transformers
     return peft
 
 
 def _broken_peft(exc: ImportError) -> ConfigError:
-    from importlib import metadata
+    from rlflow.requirements import installed_version
 
-    def version(name: str) -> str:
-        try:
-            return metadata.version(name)
-        except metadata.PackageNotFoundError:
-            return "?"
-
-    return ConfigError(f"model.lora: the installed peft {version('peft')} does not import beside transformers "
-                       f"{version('transformers')} ({type(exc).__name__}: {exc}); install a peft release that "
-                       "supports it: pip install -U peft")
+    peft, transformers = (installed_version(name) or "?" for name in ("peft", "transformers"))
+    return ConfigError(f"model.lora: the installed peft {peft} does not import beside transformers {transformers} "
+                       f"({type(exc).__name__}: {exc}); install a peft release that supports it: pip install -U peft")
 
 
 def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> Any:
